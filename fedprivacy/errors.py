@@ -1,0 +1,77 @@
+"""One error type for bad user input, and the checks every entry point shares.
+
+Every user-facing value (CLI flag, run config, node config, CSV column) is checked where it
+enters, and a failure names the field, the value and what is allowed, in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+class InputError(ValueError):
+    """A user input outside its allowed range."""
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r}: {allowed}")
+
+
+class PlanRefused(RuntimeError):
+    """A plan whose certified ε exceeds its target: it must never run."""
+
+
+def _as_float(field: str, value: Any, allowed: str) -> float:
+    if isinstance(value, bool):
+        raise InputError(field, value, allowed)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(field, value, allowed) from None
+    if not math.isfinite(number):
+        raise InputError(field, value, allowed)
+    return number
+
+
+def positive(field: str, value: Any) -> float:
+    """A finite number > 0 (ε, C, learning rates)."""
+    allowed = "must be a finite number > 0"
+    number = _as_float(field, value, allowed)
+    if number <= 0:
+        raise InputError(field, value, allowed)
+    return number
+
+
+def open_unit(field: str, value: Any) -> float:
+    """A number in (0, 1) (δ)."""
+    allowed = "must be a number in the open interval (0, 1)"
+    number = _as_float(field, value, allowed)
+    if not 0 < number < 1:
+        raise InputError(field, value, allowed)
+    return number
+
+
+def unit_rate(field: str, value: Any) -> float:
+    """A probability in (0, 1] (the Poisson sampling rate q)."""
+    allowed = "must be a number in (0, 1]"
+    number = _as_float(field, value, allowed)
+    if not 0 < number <= 1:
+        raise InputError(field, value, allowed)
+    return number
+
+
+def integer_at_least(field: str, value: Any, minimum: int) -> int:
+    """An integer ≥ minimum (N, steps, rounds, batch sizes)."""
+    allowed = f"must be an integer >= {minimum}"
+    if isinstance(value, bool):
+        raise InputError(field, value, allowed)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InputError(field, value, allowed) from None
+    if not math.isfinite(number) or number != int(number) or number < minimum:
+        raise InputError(field, value, allowed)
+    return int(number)

@@ -1,0 +1,129 @@
+"""The `Plan`: one client's DP-SGD parameters, decided before training and certified.
+
+A plan is the single description of the mechanism (notes/privacy.md §1): the trainer reads σ, q,
+C and T from it and never recomputes them, and the accountant composes exactly the per-step
+noise multipliers in `noise_segments`. Plans serialise to the JSON contract that
+`fedprivacy plan --json`, the planning sheets and the Flower apps share.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RULES = ("proactive", "calibrated", "adp")
+LR_SCHEDULES = ("constant", "inverse_sqrt", "adagrad_norm")
+ALPHA_SCHEDULES = ("constant", "inverse_sqrt_lr", "power")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One validity condition of a noise rule, evaluated for a concrete plan.
+
+    `kind` is "required" for conditions of the theorem the rule relies on and "information"
+    for statements that only help the reader (asymptotic forms without constants).
+    """
+
+    name: str
+    met: bool
+    detail: str
+    kind: str = "required"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A client's certified DP-SGD plan (Poisson sampling, add/remove-one adjacency)."""
+
+    client_id: str
+    rule: str
+    n: int
+    epsilon: float
+    delta: float
+    clip_norm: float
+    sigma: float
+    sampling_rate: float
+    steps: int
+    rounds: int
+    noise_segments: tuple[tuple[float, int], ...]
+    epsilon_pld: float
+    epsilon_rdp: float
+    conditions: tuple[Condition, ...] = ()
+    sigma_by_rule: dict[str, float | None] = field(default_factory=dict)
+    learning_rate: float = 0.1
+    lr_schedule: str = "constant"
+    lr_params: dict[str, float] = field(default_factory=dict)
+    alpha_schedule: str = "constant"
+    alpha_params: dict[str, float] = field(default_factory=dict)
+
+    # ----- derived quantities (part of the JSON contract) -----
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sampling_rate * self.n
+
+    @property
+    def epochs(self) -> float:
+        """k = q·T: expected passes over the local data."""
+        return self.sampling_rate * self.steps
+
+    @property
+    def budget_unused(self) -> float:
+        return self.epsilon - self.epsilon_pld
+
+    @property
+    def noise_std_on_mean(self) -> float:
+        """Noise standard deviation on the averaged gradient, σC/(qN) (first step's σ)."""
+        return self.noise_multiplier(0) * self.clip_norm / (self.sampling_rate * self.n)
+
+    # ----- what the trainer asks -----
+    def noise_multiplier(self, step: int) -> float:
+        """σ used at local step `step` (0-based), read from the certified segments."""
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} outside the plan's {self.steps} steps")
+        ends = list(itertools.accumulate(count for _, count in self.noise_segments))
+        return self.noise_segments[bisect.bisect_right(ends, step)][0]
+
+    def steps_in_round(self, round_number: int) -> int:
+        """Steps of federated round `round_number` (1-based): T split as evenly as possible."""
+        if not 1 <= round_number <= self.rounds:
+            return 0
+        base, extra = divmod(self.steps, self.rounds)
+        return base + (1 if round_number <= extra else 0)
+
+    def first_step_of_round(self, round_number: int) -> int:
+        return sum(self.steps_in_round(r) for r in range(1, round_number))
+
+    def learning_rate_at(self, step: int) -> float:
+        """η_t of the deterministic schedules (adagrad_norm adapts in the trainer instead)."""
+        if self.lr_schedule == "inverse_sqrt":
+            a = self.lr_params.get("a", 20.0)
+            c = self.lr_params.get("c", 1.0)
+            return self.learning_rate / math.sqrt(a + c * step)
+        return self.learning_rate
+
+    # ----- serialisation -----
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["noise_segments"] = [list(seg) for seg in self.noise_segments]
+        data["conditions"] = [asdict(c) for c in self.conditions]
+        data.update(
+            expected_batch_size=self.expected_batch_size,
+            epochs=self.epochs,
+            budget_unused=self.budget_unused,
+            noise_std_on_mean=self.noise_std_on_mean,
+        )
+        return data
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        known = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in data.items() if k in known}
+        values["noise_segments"] = tuple((float(s), int(c)) for s, c in data["noise_segments"])
+        values["conditions"] = tuple(Condition(**c) for c in data.get("conditions", ()))
+        return cls(**values)
