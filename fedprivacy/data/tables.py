@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from fedprivacy.errors import InputError
@@ -50,5 +51,56 @@ def partition_sizes(table: pd.DataFrame, column: str, min_rows: int = 2) -> dict
     sizes = {str(value): int(count) for value, count in counts.items()}
     for client, size in sizes.items():
         if size < min_rows:
-            raise InputError(f"client {column}={client}", size, f"has {size} row(s); each client needs at least {min_rows}")
+            raise InputError(
+                f"partition-by {column}", client, f"client {client} has {size} row(s); each client needs at least {min_rows}"
+            )
     return sizes
+
+
+def cell(table: pd.DataFrame, column: str, row: int) -> object:
+    """One cell as a plain Python value (an empty one as ""), so messages read `x='abc'`, not numpy reprs."""
+    value = table[column].iloc[row]
+    if pd.isna(value):
+        return ""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def numeric_column(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
+    """The column as float64, or an error naming the first bad cell.
+
+    A non-numeric or empty cell would otherwise become a silent NaN that poisons training, so
+    the message names the column, the value and its data row (1 = first row after the header).
+    """
+    values = table[column]
+    numbers = pd.to_numeric(values, errors="coerce").astype(np.float64).to_numpy()
+    problems = (
+        (np.isnan(numbers) & values.notna().to_numpy(), "not a number", "the column must be numeric"),
+        (values.isna().to_numpy(), "empty value", "fill or drop the row"),
+        (np.isinf(numbers), "infinite value", "fill or drop the row"),
+    )
+    for bad, what, fix in problems:
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            where = f"data row {row + 1} of {source}"
+            raise InputError(f"column {column}", cell(table, column, row), f"{what} ({where}); {fix}")
+    return numbers
+
+
+def class_labels(table: pd.DataFrame, column: str, source: str) -> tuple[np.ndarray, int]:
+    """Integer class labels 0..K-1 and K; a label with a single class cannot train a classifier."""
+    numbers = numeric_column(table, column, source)
+    bad = (numbers != np.round(numbers)) | (numbers < 0)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise InputError(
+            f"label column {column}",
+            cell(table, column, row),
+            f"labels must be integers >= 0 (data row {row + 1} of {source})",
+        )
+    labels = numbers.astype(np.int64)
+    classes = np.unique(labels)
+    if classes.size < 2:
+        raise InputError(
+            f"label column {column}", int(classes[0]), f"is the only class in {source}; a classifier needs at least two"
+        )
+    return labels, int(classes.max()) + 1

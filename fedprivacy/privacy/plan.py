@@ -53,6 +53,8 @@ class Plan:
     epsilon_rdp: float
     conditions: tuple[Condition, ...] = ()
     sigma_by_rule: dict[str, float | None] = field(default_factory=dict)
+    epsilon_bounds: dict[str, float | None] = field(default_factory=dict)
+    moments_constant: float | None = None
     learning_rate: float = 0.1
     lr_schedule: str = "constant"
     lr_params: dict[str, float] = field(default_factory=dict)
@@ -118,7 +120,7 @@ class Plan:
         return data
 
     def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
+        return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
@@ -127,3 +129,4 @@ class Plan:
         values["noise_segments"] = tuple((float(s), int(c)) for s, c in data["noise_segments"])
         values["conditions"] = tuple(Condition(**c) for c in data.get("conditions", ()))
         return cls(**values)
+

@@ -1,0 +1,5 @@
+"""`python -m fedprivacy` is the `fedprivacy` command."""
+
+from fedprivacy.cli import app
+
+app()

@@ -1,0 +1,189 @@
+"""The `fedprivacy` command: plan one client, write sheets for a partitioned CSV, list feasible plans.
+
+Bad input never produces a traceback or partial files: it prints one line naming the field,
+the value and what is allowed, and exits with code 2 (the code Click uses for usage errors).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fedprivacy.errors import InputError, PlanRefused
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+T = TypeVar("T")
+
+RULE_HELP = "proactive (σ from the proactive rule), calibrated (smallest σ PLD certifies), adp (ADP-SGD schedule)"
+
+
+def _guarded(action: Callable[[], T]) -> T:
+    """Run `action`; turn user errors into one line on stderr and exit code 2."""
+    try:
+        return action()
+    except (InputError, PlanRefused) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+def _plan_table(plan: Any) -> Table:
+    table = Table(title=f"Plan for client {plan.client_id} ({plan.rule})", show_header=True)
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    rows = [
+        ("N, ε, δ", f"{plan.n}, {plan.epsilon:g}, {plan.delta:.3g}"),
+        ("σ (noise multiplier)", f"{plan.sigma:.4f}"),
+        ("q (Poisson rate) / expected batch", f"{plan.sampling_rate:.4g} / {plan.expected_batch_size:.1f}"),
+        ("T steps / epochs k", f"{plan.steps} / {plan.epochs:.3g}"),
+        ("certified ε: PLD / RDP", f"{plan.epsilon_pld:.4f} / {plan.epsilon_rdp:.4f}"),
+        ("budget unused", f"{plan.budget_unused:.4f}"),
+        ("noise std on averaged gradient", f"{plan.noise_std_on_mean:.4g}"),
+    ]
+    rows += [(f"σ {name}", "n/a" if value is None else f"{value:.4g}") for name, value in plan.sigma_by_rule.items()]
+    rows += [(f"condition {c.name}", ("met" if c.met else "[red]NOT met[/red]") + ("" if c.kind == "required" else " (info)"))
+             for c in plan.conditions]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+@app.command()
+def plan(
+    n: int = typer.Option(..., "--n", help="local data size N of the client"),
+    epsilon: float = typer.Option(..., "--epsilon", help="target ε (finite, > 0)"),
+    delta: float = typer.Option(1e-5, "--delta", help="target δ in (0, 1)"),
+    rule: str = typer.Option("proactive", "--rule", help=RULE_HELP),
+    clip_norm: float = typer.Option(1.0, "--clip-norm", help="per-example clipping norm C"),
+    epochs: float | None = typer.Option(None, "--epochs", help="epochs k = qT (default: smallest k meeting the proactive ln N condition)"),
+    sampling_rate: float | None = typer.Option(None, "--sampling-rate", help="Poisson sampling rate q in (0, 1]"),
+    batch_size: float | None = typer.Option(None, "--batch-size", help="expected batch size qN (instead of --sampling-rate)"),
+    steps: int | None = typer.Option(None, "--steps", help="total local steps T"),
+    rounds: int = typer.Option(1, "--rounds", help="federated rounds the steps are split over"),
+    client_id: str = typer.Option("client", "--client-id"),
+    learning_rate: float = typer.Option(0.1, "--learning-rate"),
+    lr_schedule: str | None = typer.Option(None, "--lr-schedule", help="constant | inverse_sqrt | adagrad_norm"),
+    alpha_schedule: str | None = typer.Option(None, "--alpha-schedule", help="ADP noise schedule: constant | inverse_sqrt_lr | power"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as one JSON object and nothing else"),
+    out: Path = typer.Option(Path("sheets"), "--out", help="folder for the planning sheet"),
+    sheet: bool = typer.Option(True, "--sheet/--no-sheet", help="write the planning sheet"),
+) -> None:
+    """Plan, certify and explain one client's DP-SGD parameters."""
+    from fedprivacy.privacy.planner import plan_client
+    from fedprivacy.privacy.sheets import write_sheets
+
+    the_plan = _guarded(lambda: plan_client(
+        n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, sampling_rate=sampling_rate,
+        expected_batch_size=batch_size, steps=steps, rounds=rounds, client_id=client_id,
+        learning_rate=learning_rate, lr_schedule=lr_schedule, alpha_schedule=alpha_schedule,
+    ))
+    written = write_sheets([the_plan], out, index=False) if sheet else []
+    if as_json:
+        sys.stdout.write(the_plan.to_json() + "\n")
+        return
+    console = Console()
+    console.print(_plan_table(the_plan))
+    if written:
+        console.print(f"planning sheet: {out / (written[0].stem + '.html')}")
+
+
+def _parse_epsilons(text: str | None, count: int) -> list[float] | None:
+    """`--epsilons 0.5,1,2`: one budget per client, in sorted client order."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if len(parts) != count:
+        raise InputError("epsilons", text, f"needs one ε per client: {count} comma-separated values, got {len(parts)}")
+    try:
+        return [float(p) for p in parts]
+    except ValueError:
+        raise InputError("epsilons", text, "must be comma-separated numbers, e.g. 0.5,1,2") from None
+
+
+@app.command()
+def sheets(
+    data: Path = typer.Option(..., "--data", help="CSV file with one row per record"),
+    partition_by: str = typer.Option(..., "--partition-by", help="column whose values define the clients"),
+    epsilon: float = typer.Option(1.0, "--epsilon", help="target ε of every client"),
+    epsilons: str | None = typer.Option(None, "--epsilons", help="one ε per client, comma-separated, in sorted client order"),
+    delta: float = typer.Option(1e-5, "--delta"),
+    rule: str = typer.Option("proactive", "--rule", help=RULE_HELP),
+    clip_norm: float = typer.Option(1.0, "--clip-norm"),
+    epochs: float | None = typer.Option(None, "--epochs"),
+    rounds: int = typer.Option(1, "--rounds"),
+    out: Path = typer.Option(Path("sheets"), "--out", help="folder for the sheets and the index"),
+) -> None:
+    """One planning sheet per client of a CSV split by a column, plus an index."""
+    from fedprivacy.data.tables import partition_sizes, read_table
+    from fedprivacy.privacy.planner import plan_client
+    from fedprivacy.privacy.sheets import write_sheets
+
+    console = Console(stderr=True)
+
+    def build() -> list[Any]:
+        sizes = partition_sizes(read_table(data, [partition_by]), partition_by)
+        budgets = _parse_epsilons(epsilons, len(sizes)) or [epsilon] * len(sizes)
+        plans = []
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("planning clients", total=len(sizes))
+            for (client, size), budget in zip(sizes.items(), budgets):
+                plans.append(plan_client(size, budget, delta, rule=rule, clip_norm=clip_norm, epochs=epochs,
+                                         rounds=rounds, client_id=f"{partition_by}-{client}"))
+                progress.advance(task)
+        return plans
+
+    plans = _guarded(build)
+    with console.status("writing sheets"):
+        write_sheets(plans, out)
+    table = Table(title=f"{len(plans)} clients of {data.name} by {partition_by}")
+    for column in ("client", "N", "ε", "σ", "q", "T", "PLD ε", "unused"):
+        table.add_column(column, justify="right")
+    for p in plans:
+        table.add_row(p.client_id, str(p.n), f"{p.epsilon:g}", f"{p.sigma:.3f}", f"{p.sampling_rate:.3g}",
+                      str(p.steps), f"{p.epsilon_pld:.3f}", f"{p.budget_unused:.3f}")
+    Console().print(table)
+    Console().print(f"sheets and index: {out / 'index.html'}")
+
+
+@app.command()
+def calculator(
+    n: int = typer.Option(..., "--n"),
+    epsilon: float = typer.Option(..., "--epsilon"),
+    delta: float = typer.Option(1e-5, "--delta"),
+    rule: str = typer.Option("calibrated", "--rule", help=RULE_HELP),
+    clip_norm: float = typer.Option(1.0, "--clip-norm"),
+    as_json: bool = typer.Option(False, "--json", help="print the table as a JSON list"),
+) -> None:
+    """List every feasible plan over a grid of epochs and sampling rates, ranked a priori."""
+    from fedprivacy import errors
+    from fedprivacy.privacy.calculator import UTILITY_PROXY, feasible_plans
+
+    def run() -> list[Any]:
+        errors.integer_at_least("n", n, 2)
+        errors.positive("epsilon", epsilon)
+        errors.open_unit("delta", delta)
+        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+            task = progress.add_task("certifying grid", total=None)
+            return feasible_plans(n, epsilon, delta, rule=rule, clip_norm=clip_norm,
+                                  on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+
+    rows = _guarded(run)
+    if as_json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in rows]) + "\n")
+        return
+    table = Table(title=f"Feasible plans for N={n}, ε={epsilon:g}, δ={delta:.2g} ({rule}); ranked by {UTILITY_PROXY}")
+    for column in ("k", "q", "batch", "T", "σ", "σC/(qN)", "PLD ε", "rank"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        d = r.to_dict()
+        table.add_row(f"{d['epochs']:.3g}", f"{d['sampling_rate']:.3g}", f"{d['expected_batch_size']:.1f}", str(d["steps"]),
+                      f"{d['sigma']:.3f}", f"{d['noise_std_on_mean']:.3g}", f"{d['epsilon_pld']:.3f}",
+                      ("[bold green]1[/bold green]" if r.rank == 1 else str(r.rank)))
+    Console().print(table)

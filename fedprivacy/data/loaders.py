@@ -1,0 +1,232 @@
+"""The four data sources, chosen by name through `load_dataset`, and their per-process cache.
+
+A Flower ClientApp may be started once per message, so every load goes through a module-level
+cache keyed by (name, file and its modification time, options): a second load costs a lookup.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fedprivacy.data.tables import cell, class_labels, numeric_column, read_table
+from fedprivacy.data.types import Dataset
+from fedprivacy.errors import InputError, integer_at_least
+
+# The seed slides' binary features, then the optional ones that lift accuracy (see pums/README.md).
+PUMS_BASE_FEATURES = (
+    "sex", "married", "black", "asian", "collegedegree",
+    "militaryservice", "uscitizen", "disability", "englishability", "blackfemale",
+)  # fmt: skip
+PUMS_EXTRA_FEATURES = ("age/100", "educ/16", "latino", "divorced", "children")
+PUMS_LABEL = "employed"
+_PUMS_COLUMNS = (
+    "sex", "married", "black", "asian", "educ", "militaryservice",
+    "uscitizen", "disability", "englishability", PUMS_LABEL,
+)  # fmt: skip
+_PUMS_EXTRA_COLUMNS = ("age", "latino", "divorced", "children")
+_PUMS_NOT_BINARY = ("educ", "age")
+
+
+def _flag(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(field, value, "must be true or false")
+    return value
+
+
+def _no_path(name: str, path: Path | None) -> None:
+    if path is not None:
+        raise InputError("path", str(path), f"the {name} dataset is built in and reads no file; leave path unset")
+
+
+def _needs_path(name: str, path: Path | None) -> Path:
+    if path is None:
+        raise InputError("path", None, f"the {name} dataset needs path=<a CSV file>")
+    return path
+
+
+def load_digits(path: Path | None = None, images: bool = False) -> Dataset:
+    """The embedded default (scikit-learn's bundled 8x8 digits): runs anywhere, no download.
+
+    Pixels are scaled to [0, 1]; `images=True` gives the [n, 1, 8, 8] view a CNN expects.
+    """
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    _no_path("digits", path)
+    bunch = sklearn_digits()
+    features = (bunch.data / 16.0).astype(np.float32)
+    if _flag("images", images):
+        features = features.reshape(-1, 1, 8, 8)
+    return Dataset(
+        features=features,
+        labels=bunch.target.astype(np.int64),
+        feature_names=tuple(bunch.feature_names),
+        num_classes=10,
+        name="digits",
+    )
+
+
+def load_pums(path: Path | None = None, extended: bool = True, client_column: str | None = "puma") -> Dataset:
+    """The census PUMS layout: predict `employed`; 10 binary features, 15 with `extended`.
+
+    `client_column` (default the PUMA) is kept as each row's natural client.
+    """
+    file = _needs_path("pums", path)
+    extended = _flag("extended", extended)
+    needed = _PUMS_COLUMNS + (_PUMS_EXTRA_COLUMNS if extended else ())
+    table = read_table(file, needed + ((client_column,) if client_column else ()))
+    col = {c: numeric_column(table, c, str(file)) for c in needed}
+    for c in (c for c in needed if c not in _PUMS_NOT_BINARY):
+        outside = ~np.isin(col[c], (0.0, 1.0))
+        if outside.any():
+            row = int(np.flatnonzero(outside)[0])
+            raise InputError(f"column {c}", cell(table, c, row), f"must be 0 or 1 (data row {row + 1} of {file})")
+    columns = [
+        col["sex"], col["married"], col["black"], col["asian"], col["educ"] >= 13,
+        col["militaryservice"], col["uscitizen"], col["disability"], col["englishability"],
+        col["black"] * col["sex"],
+    ]  # fmt: skip
+    names = PUMS_BASE_FEATURES
+    if extended:
+        columns += [col["age"] / 100, col["educ"] / 16, col["latino"], col["divorced"], col["children"]]
+        names += PUMS_EXTRA_FEATURES
+    features = np.clip(np.column_stack(columns).astype(np.float32), 0.0, 1.0)
+    labels, num_classes = class_labels(table, PUMS_LABEL, str(file))
+    return Dataset(
+        features=features,
+        labels=labels,
+        feature_names=names,
+        num_classes=num_classes,
+        name="pums",
+        groups=table[client_column].to_numpy() if client_column else None,
+        group_name=client_column,
+    )
+
+
+def load_csv(
+    path: Path | None = None,
+    label: str | None = None,
+    features: Sequence[str] | str | None = None,
+    client_column: str | None = None,
+) -> Dataset:
+    """Any CSV: the user names the label column, and optionally the features and the client column.
+
+    Features default to every other numeric column; a comma-separated string (empty = default)
+    is accepted so the choice can come from a Flower run config.
+    """
+    file = _needs_path("csv", path)
+    if not label:
+        raise InputError("label", label, "the csv dataset needs label=<the label column>")
+    if isinstance(features, str):
+        features = [f.strip() for f in features.split(",") if f.strip()] or None
+    table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])])
+    if features is None:
+        excluded = {label, client_column}
+        features = [c for c in table.columns if c not in excluded and pd.api.types.is_numeric_dtype(table[c])]
+    if not features:
+        skipped = [str(c) for c in table.columns if c not in (label, client_column)]
+        raise InputError(
+            "features",
+            [],
+            f"{file} has no numeric column besides the label {label!r}; non-numeric: {', '.join(skipped)}",
+        )
+    if label in features:
+        raise InputError("features", label, "the label column cannot also be a feature")
+    labels, num_classes = class_labels(table, label, str(file))
+    matrix = np.column_stack([numeric_column(table, c, str(file)) for c in features]).astype(np.float32)
+    return Dataset(
+        features=matrix,
+        labels=labels,
+        feature_names=tuple(str(c) for c in features),
+        num_classes=num_classes,
+        name=f"csv:{file.name}",
+        groups=table[client_column].to_numpy() if client_column else None,
+        group_name=client_column,
+    )
+
+
+def synthetic_optimum(num_features: int, seed: int) -> np.ndarray:
+    """w*: the weights that generated the synthetic labels.
+
+    The model is well specified (no intercept), so w* minimises the population logistic loss:
+    convex training checks can compare their result with it.
+    """
+    rng = np.random.default_rng([seed, 1])
+    weights = rng.normal(size=num_features)
+    return 2.0 * weights / np.linalg.norm(weights)
+
+
+def load_synthetic(
+    path: Path | None = None, num_examples: int = 2000, num_features: int = 10, seed: int = 0
+) -> Dataset:
+    """Logistic data with a known optimum: x ~ N(0, I), y ~ Bernoulli(sigmoid(x · w*))."""
+    _no_path("synthetic", path)
+    n = integer_at_least("num_examples", num_examples, 2)
+    d = integer_at_least("num_features", num_features, 1)
+    seed = integer_at_least("seed", seed, 0)
+    rng = np.random.default_rng([seed, 0])
+    features = rng.normal(size=(n, d))
+    probabilities = 1.0 / (1.0 + np.exp(-features @ synthetic_optimum(d, seed)))
+    labels = (rng.random(n) < probabilities).astype(np.int64)
+    return Dataset(
+        features=features.astype(np.float32),
+        labels=labels,
+        feature_names=tuple(f"x{i}" for i in range(d)),
+        num_classes=2,
+        name="synthetic",
+    )
+
+
+LOADERS: dict[str, Callable[..., Dataset]] = {
+    "digits": load_digits,
+    "pums": load_pums,
+    "csv": load_csv,
+    "synthetic": load_synthetic,
+}
+_CACHE: dict[tuple[Any, ...], Dataset] = {}
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for an option value (lists come from configs)."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _file_key(path: Path | None) -> tuple[str, int] | None:
+    """The resolved file and its mtime, so an edited file is read again."""
+    if path is None:
+        return None
+    file = path.expanduser().resolve()
+    return (str(file), file.stat().st_mtime_ns if file.is_file() else -1)
+
+
+def load_dataset(name: str, path: str | Path | None = None, **options: Any) -> Dataset:
+    """Load `name` ("digits", "pums", "csv", "synthetic") with its options, through the cache.
+
+    The returned arrays are shared by every caller and therefore read-only; `Dataset.subset`
+    (and so every partition) returns writable copies.
+    """
+    loader = LOADERS.get(name)
+    if loader is None:
+        raise InputError("dataset", name, f"must be one of: {', '.join(LOADERS)}")
+    file = None if path is None else Path(path)
+    try:
+        inspect.signature(loader).bind(file, **options)
+    except TypeError:
+        accepted = [p for p in inspect.signature(loader).parameters if p != "path"]
+        unknown = sorted(set(options) - set(accepted))
+        raise InputError("option", unknown, f"the {name} dataset accepts: {', '.join(accepted)}") from None
+    key = (name, _file_key(file), tuple(sorted((k, _freeze(v)) for k, v in options.items())))
+    if key not in _CACHE:
+        dataset = loader(file, **options)
+        for array in (dataset.features, dataset.labels, dataset.groups):
+            if array is not None:
+                array.setflags(write=False)
+        _CACHE[key] = dataset
+    return _CACHE[key]

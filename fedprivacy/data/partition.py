@@ -1,0 +1,207 @@
+"""Federated partitions: which rows each client holds, then each client's own train/test split.
+
+The row assignment comes from flwr-datasets partitioners run offline on a small in-memory table
+(row position, label, client column); features never leave numpy. Everything is seeded, and the
+assignment is cached per (dataset, scheme, options), so a ClientApp started once per message
+pays for the assignment once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fedprivacy.data.loaders import load_dataset
+from fedprivacy.data.splits import check_test_fraction, split_client
+from fedprivacy.data.tables import partition_sizes
+from fedprivacy.data.types import ClientData, Dataset
+from fedprivacy.errors import InputError, integer_at_least, positive
+
+SCHEMES = ("natural", "iid", "dirichlet", "size")
+SIZE_SKEWS = ("linear", "square", "exponential")
+MIN_CLIENT_ROWS = 2  # a DP plan for N < 2 is meaningless, and a client needs a train and a test row
+
+
+def _hf_table(columns: dict[str, np.ndarray]) -> Any:
+    import datasets
+
+    return datasets.Dataset.from_pandas(pd.DataFrame(columns), preserve_index=False)
+
+
+def _rows(part: Any) -> np.ndarray:
+    return np.asarray(part.with_format("numpy")[:]["row"], dtype=np.int64)
+
+
+def _natural(dataset: Dataset, by: str | None, num_partitions: int | None) -> list[tuple[str, np.ndarray]]:
+    """One client per value of the dataset's client column, in sorted value order."""
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    if dataset.groups is None:
+        raise InputError("partition-by", by, f"the {dataset.name} dataset was loaded without a client column")
+    if by is not None and by != dataset.group_name:
+        raise InputError(
+            "partition-by", by, f"the {dataset.name} dataset was loaded with client column {dataset.group_name!r}"
+        )
+    column = str(dataset.group_name)
+    sizes = partition_sizes(pd.DataFrame({column: dataset.groups}), column, MIN_CLIENT_ROWS)
+    if num_partitions is not None and integer_at_least("num-partitions", num_partitions, 1) != len(sizes):
+        raise InputError(
+            "num-partitions", num_partitions, f"the natural scheme gives one client per {column} value: {len(sizes)}"
+        )
+    partitioner = NaturalIdPartitioner(partition_by=column)
+    partitioner.dataset = _hf_table({"row": np.arange(len(dataset)), column: dataset.groups})
+    # NaturalIdPartitioner draws a tqdm bar on stderr; one per ClientApp message is only noise.
+    with contextlib.redirect_stderr(io.StringIO()):
+        parts = [(i, _rows(partitioner.load_partition(i))) for i in range(partitioner.num_partitions)]
+    names = partitioner.partition_id_to_natural_id
+    return [(str(names[i]), rows) for i, rows in parts]
+
+
+def _sampled(
+    dataset: Dataset, scheme: str, num_partitions: int | None, seed: int, alpha: float, skew: str
+) -> list[tuple[str, np.ndarray]]:
+    """IID, label-skewed (Dirichlet) or size-skewed clients over a seeded shuffle of the rows."""
+    from flwr_datasets import partitioner as fp
+
+    k = integer_at_least("num-partitions", num_partitions, 1)
+    if k * MIN_CLIENT_ROWS > len(dataset):
+        raise InputError(
+            "num-partitions", k, f"{len(dataset)} rows cannot give {k} clients {MIN_CLIENT_ROWS} rows each"
+        )
+    if scheme == "iid":
+        partitioner = fp.IidPartitioner(k)
+    elif scheme == "dirichlet":
+        partitioner = fp.DirichletPartitioner(
+            k, partition_by="label", alpha=positive("alpha", alpha), min_partition_size=MIN_CLIENT_ROWS, seed=seed
+        )
+    else:
+        growth = (fp.LinearPartitioner, fp.SquarePartitioner, fp.ExponentialPartitioner)
+        skews = dict(zip(SIZE_SKEWS, growth, strict=True))
+        if skew not in skews:
+            raise InputError("skew", skew, f"must be one of: {', '.join(SIZE_SKEWS)}")
+        partitioner = skews[skew](k)
+    # IID and size partitioners cut contiguous blocks: the seeded shuffle is what makes them random.
+    order = np.random.default_rng(seed).permutation(len(dataset))
+    partitioner.dataset = _hf_table({"row": order, "label": dataset.labels[order]})
+    try:
+        return [(str(i), _rows(partitioner.load_partition(i))) for i in range(k)]
+    except ValueError as exc:
+        if scheme == "dirichlet":
+            advice = "raise alpha or lower num-partitions"
+            failure = f"no Dirichlet draw gave {k} clients {MIN_CLIENT_ROWS} rows each"
+            raise InputError("alpha", alpha, f"{failure}; {advice}") from None
+        raise InputError(
+            "num-partitions", k, f"the {skew} size skew cannot split {len(dataset)} rows ({exc})"
+        ) from None
+
+
+@functools.lru_cache(maxsize=32)
+def partition_rows(
+    dataset: Dataset,
+    scheme: str,
+    num_partitions: int | None = None,
+    seed: int = 0,
+    by: str | None = None,
+    alpha: float = 0.5,
+    skew: str = "linear",
+) -> tuple[tuple[str, np.ndarray], ...]:
+    """(client id, row positions in `dataset`) per client; cached, so the arrays are read-only.
+
+    Client ids are the column values for `natural` and "0".."k-1" otherwise.
+    """
+    seed = integer_at_least("seed", seed, 0)
+    if scheme == "natural":
+        parts = _natural(dataset, by, num_partitions)
+    elif scheme in SCHEMES:
+        parts = _sampled(dataset, scheme, num_partitions, seed, alpha, skew)
+    else:
+        raise InputError("partition-scheme", scheme, f"must be one of: {', '.join(SCHEMES)}")
+    for client, rows in parts:
+        if rows.size < MIN_CLIENT_ROWS:
+            raise InputError(
+                f"client {client}", int(rows.size), f"has too few rows; each client needs at least {MIN_CLIENT_ROWS}"
+            )
+        rows.setflags(write=False)
+    return tuple(parts)
+
+
+def _client(
+    dataset: Dataset, parts: tuple[tuple[str, np.ndarray], ...], position: int, seed: int, fraction: float
+) -> ClientData:
+    """Client `position`'s train/test pair; its split seed depends only on (seed, position)."""
+    client, rows = parts[position]
+    return split_client(client, dataset.subset(rows), fraction, np.random.default_rng([seed, position]))
+
+
+def partition(
+    dataset: Dataset,
+    scheme: str,
+    num_partitions: int | None = None,
+    seed: int = 0,
+    by: str | None = None,
+    alpha: float = 0.5,
+    skew: str = "linear",
+    test_fraction: float = 0.2,
+) -> list[ClientData]:
+    """Every client's train/test data; the same seed gives identical clients.
+
+    Schemes: `natural` (one client per value of the dataset's client column `by`), `iid`,
+    `dirichlet` (label skew, smaller `alpha` = more skew), `size` (size skew: `skew` is
+    linear, square or exponential in the client index). `by` matters to `natural` only.
+    """
+    fraction = check_test_fraction(test_fraction)
+    parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
+    return [_client(dataset, parts, position, seed, fraction) for position in range(len(parts))]
+
+
+def _load(name: str, path: str | Path | None, by: str | None, options: dict[str, Any]) -> Dataset:
+    """The dataset, with `by` as the client column of the file-based sources."""
+    if by is not None and name in ("pums", "csv"):
+        options = {**options, "client_column": by}
+    return load_dataset(name, path, **options)
+
+
+def load_clients(
+    name: str,
+    path: str | Path | None = None,
+    scheme: str = "iid",
+    num_partitions: int | None = None,
+    seed: int = 0,
+    by: str | None = None,
+    alpha: float = 0.5,
+    skew: str = "linear",
+    test_fraction: float = 0.2,
+    **options: Any,
+) -> list[ClientData]:
+    """Load a dataset by name (options as in `load_dataset`) and partition it."""
+    dataset = _load(name, path, by, options)
+    return partition(dataset, scheme, num_partitions, seed, by, alpha, skew, test_fraction)
+
+
+def load_client(
+    partition_id: int,
+    name: str,
+    path: str | Path | None = None,
+    scheme: str = "iid",
+    num_partitions: int | None = None,
+    seed: int = 0,
+    by: str | None = None,
+    alpha: float = 0.5,
+    skew: str = "linear",
+    test_fraction: float = 0.2,
+    **options: Any,
+) -> ClientData:
+    """`load_clients(...)[partition_id]`, splitting only that client: what a ClientApp needs."""
+    dataset = _load(name, path, by, options)
+    fraction = check_test_fraction(test_fraction)
+    parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
+    position = integer_at_least("partition-id", partition_id, 0)
+    if position >= len(parts):
+        raise InputError("partition-id", partition_id, f"must be below the number of clients, {len(parts)}")
+    return _client(dataset, parts, position, seed, fraction)

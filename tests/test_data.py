@@ -1,0 +1,375 @@
+"""fedprivacy.data: loaders give the documented shapes, partitions are exact and seeded, bad data fails clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.linear_model import LogisticRegression
+
+from fedprivacy.data import (
+    ClientData,
+    Dataset,
+    central_split,
+    load_client,
+    load_clients,
+    load_dataset,
+    partition,
+    partition_rows,
+    synthetic_optimum,
+)
+from fedprivacy.errors import InputError
+
+PUMS_DIR = Path(__file__).parents[1].parent / "shared/data/pums"
+
+
+def pums_file(name: str) -> Path:
+    """A PUMS test file; a missing one fails the test and says what is missing (never a silent skip)."""
+    path = PUMS_DIR / name
+    if not path.is_file():
+        pytest.fail(f"missing test data {path}: the PUMS files live in ../shared/data/pums beside the repo")
+    return path
+
+
+def row_id_dataset(n: int = 300, num_classes: int = 3) -> Dataset:
+    """Feature 0 is the row number, so any client's rows can be traced back."""
+    labels = (np.arange(n) * 7 % num_classes).astype(np.int64)
+    return Dataset(
+        features=np.arange(n, dtype=np.float32).reshape(-1, 1),
+        labels=labels,
+        feature_names=("row",),
+        num_classes=num_classes,
+        name="rows",
+        groups=np.arange(n) % 4 + 10,
+        group_name="site",
+    )
+
+
+def client_rows(client: ClientData) -> tuple[np.ndarray, np.ndarray]:
+    return client.train.features[:, 0].astype(int), client.test.features[:, 0].astype(int)
+
+
+# --- PUMS -----------------------------------------------------------------------------------
+
+
+def test_pums_natural_clients_are_the_seven_pumas_with_their_counts() -> None:
+    path = pums_file("fulton_pums5_full.csv")
+    table = pd.read_csv(path)
+    assert len(table) == 25_766
+    counts = table.groupby("puma").size()
+    employed = table.groupby("puma")["employed"].sum()
+
+    clients = load_clients("pums", path, scheme="natural", seed=0)
+
+    assert [c.client_id for c in clients] == [str(p) for p in range(1101, 1108)]
+    for client in clients:
+        puma = int(client.client_id)
+        assert len(client.train) + len(client.test) == counts[puma]
+        assert client.train.labels.sum() + client.test.labels.sum() == employed[puma]
+        assert set(client.train.groups) | set(client.test.groups) == {puma}
+        assert len(client.test) == round(0.2 * counts[puma])
+        assert client.num_examples == len(client.train)
+
+
+def test_pums_features_follow_the_seed_definitions() -> None:
+    path = pums_file("fulton_pums5_full.csv")
+    table = pd.read_csv(path)
+
+    full = load_dataset("pums", path)
+    base = load_dataset("pums", path, extended=False)
+
+    assert full.features.shape == (25_766, 15) and full.features.dtype == np.float32
+    assert base.features.shape == (25_766, 10)
+    assert full.num_classes == 2 and full.group_name == "puma"
+    assert full.features.min() >= 0 and full.features.max() <= 1
+    names = list(full.feature_names)
+    column = {name: full.features[:, i] for i, name in enumerate(names)}
+    np.testing.assert_array_equal(column["collegedegree"], (table["educ"] >= 13).to_numpy())
+    np.testing.assert_array_equal(column["blackfemale"], ((table["black"] == 1) & (table["sex"] == 1)).to_numpy())
+    np.testing.assert_allclose(column["age/100"], table["age"].to_numpy() / 100, rtol=1e-6)
+    np.testing.assert_array_equal(full.labels, table["employed"].to_numpy())
+    np.testing.assert_array_equal(base.features, full.features[:, :10])
+
+
+def test_pums_sample_partitions_by_another_column() -> None:
+    path = pums_file("fulton_pums5_sample100.csv")
+    clients = load_clients("pums", path, scheme="natural", by="sex", extended=False)
+    assert [c.client_id for c in clients] == ["0", "1"]
+    assert sum(len(c.train) + len(c.test) for c in clients) == 100
+
+
+# --- digits, synthetic, csv -----------------------------------------------------------------
+
+
+def test_digits_is_the_embedded_default() -> None:
+    flat = load_dataset("digits")
+    images = load_dataset("digits", images=True)
+    assert flat.features.shape == (1797, 64) and flat.features.dtype == np.float32
+    assert flat.labels.dtype == np.int64 and set(flat.labels) == set(range(10)) and flat.num_classes == 10
+    assert flat.features.min() == 0 and flat.features.max() == 1
+    assert images.features.shape == (1797, 1, 8, 8)
+    np.testing.assert_array_equal(images.features.reshape(1797, 64), flat.features)
+
+
+def test_central_split_is_stratified_and_seeded() -> None:
+    digits = load_dataset("digits")
+    split = central_split(digits, seed=0)
+    assert (len(split.train), len(split.test)) == (1438, 359)
+    test_share = np.bincount(split.test.labels, minlength=10) / np.bincount(digits.labels, minlength=10)
+    assert np.all(np.abs(test_share - 0.2) < 0.02)
+    again, other = central_split(digits, seed=0), central_split(digits, seed=1)
+    np.testing.assert_array_equal(split.test.features, again.test.features)
+    assert not np.array_equal(split.test.features, other.test.features)
+
+
+def test_synthetic_optimum_is_recovered_by_logistic_regression() -> None:
+    data = load_dataset("synthetic", num_examples=20_000, num_features=5, seed=3)
+    w_star = synthetic_optimum(5, 3)
+    fit = LogisticRegression(C=1e6, fit_intercept=False).fit(data.features, data.labels)
+    w = fit.coef_[0]
+    assert w @ w_star / (np.linalg.norm(w) * np.linalg.norm(w_star)) > 0.995
+    assert np.linalg.norm(w - w_star) / np.linalg.norm(w_star) < 0.1
+
+
+def test_synthetic_is_seeded() -> None:
+    a = load_dataset("synthetic", num_examples=50, seed=1)
+    b = load_dataset("synthetic", num_examples=50, seed=2)
+    np.testing.assert_array_equal(a.labels, load_dataset("synthetic", seed=1, num_examples=50).labels)
+    assert not np.array_equal(a.features, b.features)
+    assert not np.allclose(synthetic_optimum(10, 1), synthetic_optimum(10, 2))
+
+
+def test_csv_defaults_to_the_other_numeric_columns(tmp_path: Path) -> None:
+    path = tmp_path / "clinic.csv"
+    pd.DataFrame(
+        {
+            "site": ["a"] * 6 + ["b"] * 4,
+            "x1": np.arange(10.0),
+            "note": ["free text"] * 10,
+            "x2": np.arange(10) % 3,
+            "y": [0, 1] * 5,
+        }
+    ).to_csv(path, index=False)
+
+    data = load_dataset("csv", path, label="y", client_column="site")
+    assert data.feature_names == ("x1", "x2") and data.num_classes == 2
+    assert data.name == "csv:clinic.csv"
+    chosen = load_dataset("csv", path, label="y", features="x2")
+    assert chosen.features.shape == (10, 1)
+
+    clients = load_clients("csv", path, scheme="natural", by="site", label="y")
+    assert [(c.client_id, len(c.train) + len(c.test)) for c in clients] == [("a", 6), ("b", 4)]
+
+
+def test_loads_are_cached_and_shared_arrays_are_read_only() -> None:
+    first = load_dataset("synthetic", num_examples=40, seed=5)
+    assert load_dataset("synthetic", num_examples=40, seed=5) is first
+    assert not first.features.flags.writeable
+    assert first.subset(np.arange(3)).features.flags.writeable
+
+
+# --- partitions -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "size"])
+def test_partitions_cover_every_row_exactly_once(scheme: str) -> None:
+    data = row_id_dataset()
+    clients = partition(data, scheme, num_partitions=5, seed=0)
+    assert [c.client_id for c in clients] == ["0", "1", "2", "3", "4"]
+    rows = np.concatenate([np.concatenate(client_rows(c)) for c in clients])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(len(data)))
+    for client in clients:
+        train, test = client_rows(client)
+        np.testing.assert_array_equal(data.labels[train], client.train.labels)
+        np.testing.assert_array_equal(data.labels[test], client.test.labels)
+        assert len(test) == round(0.2 * (len(train) + len(test)))
+
+
+@pytest.mark.parametrize("scheme", ["natural", "iid", "dirichlet", "size"])
+def test_partitions_are_deterministic_per_seed(scheme: str) -> None:
+    data = row_id_dataset()
+    count = 4 if scheme == "natural" else 5
+    first, again, other = ([client_rows(c) for c in partition(data, scheme, count, seed=s)] for s in (0, 0, 1))
+    for (train_a, test_a), (train_b, test_b) in zip(first, again, strict=True):
+        np.testing.assert_array_equal(train_a, train_b)
+        np.testing.assert_array_equal(test_a, test_b)
+    assert any(not np.array_equal(a[1], b[1]) for a, b in zip(first, other, strict=True))
+
+
+def test_natural_partition_follows_the_group_column() -> None:
+    data = row_id_dataset(n=40)
+    clients = partition(data, "natural")
+    assert [c.client_id for c in clients] == ["10", "11", "12", "13"]
+    for client in clients:
+        rows = np.concatenate(client_rows(client))
+        assert set(data.groups[rows]) == {int(client.client_id)}
+
+
+def test_size_skew_grows_with_the_client_index() -> None:
+    data = row_id_dataset(n=1000)
+    for skew in ("linear", "square", "exponential"):
+        sizes = [len(c.train) + len(c.test) for c in partition(data, "size", 4, seed=0, skew=skew)]
+        assert sizes == sorted(sizes) and sizes[-1] > 2 * sizes[0] and sum(sizes) == 1000
+
+
+def test_small_alpha_skews_labels_more_than_iid() -> None:
+    data = row_id_dataset(n=900)
+
+    def label_spread(clients: list[ClientData]) -> float:
+        shares = [np.bincount(np.concatenate([c.train.labels, c.test.labels]), minlength=3) for c in clients]
+        shares = [s / s.sum() for s in shares]
+        return float(np.std(shares, axis=0).mean())
+
+    skewed, iid = partition(data, "dirichlet", 5, seed=0, alpha=0.1), partition(data, "iid", 5)
+    assert label_spread(skewed) > 3 * label_spread(iid)
+
+
+def test_load_client_matches_load_clients() -> None:
+    every = load_clients("synthetic", scheme="dirichlet", num_partitions=4, seed=7, num_examples=400)
+    for i, expected in enumerate(every):
+        one = load_client(i, "synthetic", scheme="dirichlet", num_partitions=4, seed=7, num_examples=400)
+        assert one.client_id == expected.client_id
+        np.testing.assert_array_equal(one.train.features, expected.train.features)
+        np.testing.assert_array_equal(one.test.labels, expected.test.labels)
+
+
+def test_partition_rows_are_cached_and_read_only() -> None:
+    data = row_id_dataset()
+    parts = partition_rows(data, "iid", 3, 0)
+    assert partition_rows(data, "iid", 3, 0) is parts
+    assert not parts[0][1].flags.writeable
+
+
+def test_zero_test_fraction_keeps_every_row_for_training() -> None:
+    clients = partition(row_id_dataset(), "iid", 3, test_fraction=0)
+    assert [len(c.test) for c in clients] == [0, 0, 0]
+    assert sum(c.num_examples for c in clients) == 300
+
+
+# --- bad data and bad options: one InputError naming the file, column or client ---------------
+
+
+def write(tmp_path: Path, text: str, name: str = "bad.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def message(excinfo: pytest.ExceptionInfo[InputError]) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text
+    return text
+
+
+def test_missing_file_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(InputError) as excinfo:
+        load_dataset("pums", tmp_path / "nowhere.csv")
+    assert "nowhere.csv" in message(excinfo) and "no such file" in message(excinfo)
+
+
+def test_missing_pums_column_names_the_column_and_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "puma,sex,age\n1101,1,40\n")
+    with pytest.raises(InputError) as excinfo:
+        load_dataset("pums", path)
+    assert "column" in message(excinfo) and "'married'" in message(excinfo) and str(path) in message(excinfo)
+
+
+def test_non_numeric_value_names_column_value_row_and_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "x,y\n1.0,0\nabc,1\n2.0,1\n")
+    with pytest.raises(InputError) as excinfo:
+        load_dataset("csv", path, label="y", features=["x"])
+    text = message(excinfo)
+    assert "column x" in text and "'abc'" in text and "data row 2" in text and "bad.csv" in text
+
+
+def test_empty_cell_names_column_and_row(tmp_path: Path) -> None:
+    path = write(tmp_path, "x,z,y\n1,5,0\n2,6,1\n3,,1\n")
+    with pytest.raises(InputError) as excinfo:
+        load_dataset("csv", path, label="y")
+    text = message(excinfo)
+    assert "column z=''" in text and "empty value" in text and "data row 3" in text and "bad.csv" in text
+
+
+def test_infinite_value_names_column_and_row(tmp_path: Path) -> None:
+    path = write(tmp_path, "x,y\n1,0\ninf,1\n")
+    with pytest.raises(InputError, match="column x=inf: infinite value \\(data row 2 of .*bad.csv\\)"):
+        load_dataset("csv", path, label="y")
+
+
+def test_no_numeric_feature_lists_the_skipped_columns(tmp_path: Path) -> None:
+    path = write(tmp_path, "x,y\n1.0,0\nabc,1\n")
+    with pytest.raises(InputError, match="bad.csv has no numeric column besides the label 'y'; non-numeric: x"):
+        load_dataset("csv", path, label="y")
+
+
+def test_pums_value_outside_0_1_names_the_row(tmp_path: Path) -> None:
+    source = pums_file("fulton_pums5_sample100.csv").read_text().splitlines()
+    header = source[0].replace('"', "").split(",")
+    cells = source[1].split(",")
+    cells[header.index("sex")] = "2"
+    path = write(tmp_path, "\n".join([source[0], source[2], ",".join(cells)]) + "\n", "pums.csv")
+    with pytest.raises(InputError) as excinfo:
+        load_dataset("pums", path)
+    text = message(excinfo)
+    assert "column sex=2" in text and "must be 0 or 1" in text and "data row 2" in text
+
+
+def test_single_class_label_names_the_label_and_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "x,y\n1,1\n2,1\n3,1\n")
+    with pytest.raises(InputError) as excinfo:
+        load_dataset("csv", path, label="y")
+    assert "label column y" in message(excinfo) and "only class" in message(excinfo) and "bad.csv" in message(excinfo)
+
+
+def test_fractional_label_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "x,y\n1,0\n2,0.5\n")
+    with pytest.raises(InputError, match="label column y=0.5: labels must be integers"):
+        load_dataset("csv", path, label="y")
+
+
+def test_client_with_one_row_names_the_client(tmp_path: Path) -> None:
+    path = write(tmp_path, "site,x,y\na,1,0\na,2,1\na,3,0\nb,4,1\n")
+    with pytest.raises(InputError) as excinfo:
+        load_clients("csv", path, scheme="natural", by="site", label="y")
+    assert "client site=b" in message(excinfo) and "at least 2" in message(excinfo)
+
+
+def test_client_column_with_empty_values_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "site,x,y\na,1,0\na,2,1\n,3,0\n")
+    with pytest.raises(InputError, match="site.*empty values"):
+        load_clients("csv", path, scheme="natural", by="site", label="y")
+
+
+def test_too_many_partitions_for_the_rows() -> None:
+    with pytest.raises(InputError, match="num-partitions=200.*300 rows"):
+        partition(row_id_dataset(), "iid", 200)
+
+
+def test_exponential_skew_too_steep_names_the_client() -> None:
+    with pytest.raises(InputError, match="num-partitions=10.*exponential size skew"):
+        partition(row_id_dataset(n=60), "size", 10, skew="exponential")
+
+
+@pytest.mark.parametrize(
+    ("call", "pattern"),
+    [
+        (lambda: load_dataset("mnist"), "dataset='mnist'.*digits, pums, csv, synthetic"),
+        (lambda: load_dataset("digits", colour=True), "option=\\['colour'\\].*images"),
+        (lambda: load_dataset("digits", "/tmp/x.csv"), "path=.*built in"),
+        (lambda: load_dataset("pums"), "path=None.*pums dataset needs"),
+        (lambda: load_dataset("synthetic", num_examples=1), "num_examples=1"),
+        (lambda: partition(row_id_dataset(), "random", 3), "partition-scheme='random'.*natural, iid"),
+        (lambda: partition(row_id_dataset(), "iid"), "num-partitions=None"),
+        (lambda: partition(row_id_dataset(), "size", 3, skew="cubic"), "skew='cubic'"),
+        (lambda: partition(row_id_dataset(), "dirichlet", 3, alpha=0), "alpha=0"),
+        (lambda: partition(row_id_dataset(), "iid", 3, test_fraction=1.0), "test-fraction=1.0"),
+        (lambda: partition(row_id_dataset(), "natural", 3), "num-partitions=3.*site value: 4"),
+        (lambda: partition(row_id_dataset(), "natural", by="city"), "partition-by='city'.*'site'"),
+        (lambda: load_clients("digits", scheme="natural"), "partition-by=None.*without a client column"),
+    ],
+)
+def test_bad_options_name_the_field(call, pattern: str) -> None:  # noqa: ANN001
+    with pytest.raises(InputError, match=pattern):
+        call()
