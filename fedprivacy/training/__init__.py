@@ -1,0 +1,31 @@
+"""Local DP-SGD: Poisson sampling, per-example clipping, Gaussian noise, SGD; see trainer.py."""
+
+from fedprivacy.training.clipping import (
+    SUPPORTED_LAYERS,
+    ClippedBatch,
+    PerExampleClipper,
+    UnsupportedLayerError,
+    check_supported,
+)
+from fedprivacy.training.rng import SeededRunWarning, StepRandomness
+from fedprivacy.training.schedule import StepSize
+from fedprivacy.training.step import dp_step, release, sgd_update
+from fedprivacy.training.trainer import DPTrainer, PlanExhausted, TrainReport, poisson_sample
+
+__all__ = [
+    "SUPPORTED_LAYERS",
+    "ClippedBatch",
+    "DPTrainer",
+    "PerExampleClipper",
+    "PlanExhausted",
+    "SeededRunWarning",
+    "StepRandomness",
+    "StepSize",
+    "TrainReport",
+    "UnsupportedLayerError",
+    "check_supported",
+    "dp_step",
+    "poisson_sample",
+    "release",
+    "sgd_update",
+]

@@ -1,0 +1,172 @@
+"""Time ONE training step: non-private SGD vs our DP step vs Opacus (hooks and ghost clipping).
+
+Honest comparison, same work per step for every implementation:
+  - same model architecture and initial weights, same batch (x, y), same thread count (2);
+  - a FIXED-size batch for every implementation (Poisson sampling is left out of all of them:
+    it is data indexing, identical work for each, and variable sizes would only add noise);
+  - the DP implementations each clip per example, add Gaussian noise to the sum and take the
+    optimizer step; ours includes per-step reseeding of its generator from OS entropy, exactly
+    as the trainer runs it (`fedprivacy.training.step.dp_step`);
+  - the non-private step is zero_grad + forward + mean cross-entropy + backward + torch SGD step.
+Repeats are interleaved (round-robin over implementations) so load from other processes on the
+shared machine hits all of them alike; we report the median over repeats after warm-up.
+
+Usage: python benchmarks/step_overhead.py [--repeats 31] [--inner 10] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fedprivacy.models import build_model
+from fedprivacy.training import PerExampleClipper, StepRandomness, dp_step
+
+CASES = [  # (model, num_features, num_classes, input shape)
+    ("logreg", 15, 2, (15,)),
+    ("mlp", 15, 2, (15,)),
+    ("cnn", 64, 10, (1, 8, 8)),
+]
+BATCHES = (64, 256)
+SIGMA, CLIP, LR = 1.0, 1.0, 0.05
+
+
+def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def fedprivacy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    clipper = PerExampleClipper(model)
+    randomness = StepRandomness("cpu")  # unseeded: fresh OS entropy every step
+    counter = iter(range(10**9))
+
+    def step() -> None:
+        dp_step(
+            clipper,
+            x,
+            y,
+            sigma=SIGMA,
+            clip_norm=CLIP,
+            expected_batch=float(len(x)),
+            generator=randomness.for_step(next(counter)),
+            learning_rate=lambda grads: LR,
+        )
+
+    return step
+
+
+def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], Callable[[], None]]:
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+        from opacus import PrivacyEngine
+
+        # A loader of exactly one batch: sample rate 1, so Opacus divides by len(x) like ours.
+        loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        made = PrivacyEngine().make_private(
+            module=model,
+            optimizer=opt,
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=loader,
+            noise_multiplier=SIGMA,
+            max_grad_norm=CLIP,
+            poisson_sampling=False,
+            grad_sample_mode=mode,
+        )
+        module, dp_opt = made[0], made[1]
+        criterion = made[2] if mode == "ghost" else nn.CrossEntropyLoss()
+
+        def step() -> None:
+            dp_opt.zero_grad(set_to_none=True)
+            criterion(module(x), y).backward()
+            dp_opt.step()
+
+        return step
+
+    return build
+
+
+IMPLS = {
+    "nonprivate": nonprivate_step,
+    "fedprivacy": fedprivacy_step,
+    "opacus-hooks": opacus_step("hooks"),
+    "opacus-ghost": opacus_step("ghost"),
+}
+
+
+def measure(repeats: int, inner: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for name, features, classes, shape in CASES:
+        for batch in BATCHES:
+            torch.manual_seed(0)
+            base = build_model(name, features, classes)
+            x = torch.randn(batch, *shape)
+            y = torch.randint(0, classes, (batch,))
+            steps = {impl: make(copy.deepcopy(base), x, y) for impl, make in IMPLS.items()}
+            times: dict[str, list[float]] = {impl: [] for impl in steps}
+            for step in steps.values():  # warm-up
+                for _ in range(inner):
+                    step()
+            for _ in range(repeats):  # interleaved repeats
+                for impl, step in steps.items():
+                    start = time.perf_counter()
+                    for _ in range(inner):
+                        step()
+                    times[impl].append((time.perf_counter() - start) / inner * 1e3)
+            base_ms = statistics.median(times["nonprivate"])
+            for impl, values in times.items():
+                ms = statistics.median(values)
+                rows.append(
+                    {
+                        "model": name,
+                        "batch": batch,
+                        "impl": impl,
+                        "ms_per_step": round(ms, 4),
+                        "ratio_vs_nonprivate": round(ms / base_ms, 3),
+                    }
+                )
+    return rows
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    print(f"{'model':<8}{'batch':>6}  {'impl':<14}{'ms/step':>10}{'× non-private':>15}")
+    for r in rows:
+        print(
+            f"{r['model']:<8}{r['batch']:>6}  {r['impl']:<14}"
+            f"{r['ms_per_step']:>10.3f}{r['ratio_vs_nonprivate']:>15.2f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=31, help="interleaved timed repeats")
+    parser.add_argument("--inner", type=int, default=10, help="steps per timed repeat")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    warnings.filterwarnings("ignore")  # Opacus warns about secure_mode and the accountant
+    rows = measure(args.repeats, args.inner)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""One DP-SGD step, exactly the mechanism of notes/privacy.md §1 (after sampling).
+
+Σ clipped per-example gradients + N(0, σ²C²·I), divided by the EXPECTED batch size q·N (not the
+realised one, so the sensitivity of the released average is C/(qN) whatever the batch), then a
+plain SGD update. The trainer and the step-overhead benchmark both run this code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from fedprivacy.training.clipping import ClippedBatch, PerExampleClipper
+
+
+def release(
+    grad_sums: list[Tensor],
+    sigma: float,
+    clip_norm: float,
+    expected_batch: float,
+    generator: torch.Generator,
+) -> list[Tensor]:
+    """The noisy averaged gradient (Σ clipped + N(0, σ²C²I)) / (qN), in place on `grad_sums`."""
+    noise = [
+        torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype) for g in grad_sums
+    ]
+    # torch._foreach_*: one call per list instead of one per tensor (what torch.optim uses).
+    torch._foreach_add_(grad_sums, noise, alpha=sigma * clip_norm)
+    torch._foreach_div_(grad_sums, expected_batch)
+    return grad_sums
+
+
+@torch.no_grad()
+def sgd_update(parameters: list[torch.nn.Parameter], grads: list[Tensor], lr: float) -> None:
+    """θ ← θ − η·g (plain SGD, no momentum: the released gradient is all the update sees)."""
+    torch._foreach_add_(parameters, grads, alpha=-lr)
+
+
+def dp_step(
+    clipper: PerExampleClipper,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    sigma: float,
+    clip_norm: float,
+    expected_batch: float,
+    generator: torch.Generator,
+    learning_rate: Callable[[list[Tensor]], float],
+) -> ClippedBatch | None:
+    """One noisy step on an already sampled batch; an empty batch still adds noise and steps.
+
+    `learning_rate` maps the released gradient to η (it only reads it for AdaGrad-norm).
+    Returns the batch statistics, or None for an empty batch.
+    """
+    batch = None
+    if inputs.shape[0] == 0:
+        grads = [torch.zeros_like(p) for p in clipper.parameters]
+    else:
+        batch = clipper.clipped_sum(inputs, targets, clip_norm)
+        grads = batch.grad_sums
+    grads = release(grads, sigma, clip_norm, expected_batch, generator)
+    sgd_update(clipper.parameters, grads, learning_rate(grads))
+    return batch

@@ -1,0 +1,180 @@
+"""The local DP-SGD trainer: runs exactly the plan's steps, in any slices, and nothing else.
+
+It reads σ_t, q, C and T from the `Plan` and never recomputes them (ADP-SGD's α_t is already in
+σ_t). Every step Poisson-samples each local record with probability q, so batches vary in size
+and an empty batch is still a step: it spends privacy and adds noise like any other. The step
+counter and the AdaGrad-norm accumulator are the whole state needed to resume.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.training.clipping import PerExampleClipper
+from fedprivacy.training.rng import StepRandomness
+from fedprivacy.training.schedule import StepSize
+from fedprivacy.training.step import dp_step
+
+
+class PlanExhausted(RuntimeError):
+    """A request for steps beyond the plan's T (they would spend privacy nobody certified)."""
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """What one slice of training did: steps, data seen, clipping and the noise it added."""
+
+    first_step: int
+    steps: int
+    examples: int
+    empty_steps: int
+    mean_loss: float  # mean cross-entropy of sampled examples, before each step's update; nan if none
+    clip_fraction: float  # sampled examples whose gradient norm exceeded C; nan if none
+    noisy_steps: int  # steps that added Gaussian noise (all of them; reported for the ledger)
+    sigma_mean: float  # mean noise multiplier σ_t over the slice
+    noise_std_on_mean: float  # mean σ_t·C/(qN): noise std per coordinate of the averaged gradient
+    last_learning_rate: float
+    seeded: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def poisson_sample(n: int, q: float, generator: torch.Generator, device: torch.device) -> Tensor:
+    """Indices of the records kept, each independently with probability q."""
+    return torch.nonzero(torch.rand(n, generator=generator, device=device) < q).flatten()
+
+
+class DPTrainer:
+    """Runs a plan's DP-SGD steps on one client's local data, on the model's device."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        features: Tensor | np.ndarray,
+        labels: Tensor | np.ndarray,
+        *,
+        seed: int | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.plan = plan
+        self.clipper = PerExampleClipper(model)
+        self.device = self.clipper.parameters[0].device
+        dtype = self.clipper.parameters[0].dtype
+        self.features = torch.as_tensor(features).to(self.device, dtype)
+        self.labels = torch.as_tensor(labels, dtype=torch.long).to(self.device)
+        if len(self.features) != plan.n or len(self.labels) != plan.n:
+            raise ValueError(
+                f"features/labels have {len(self.features)}/{len(self.labels)} rows but the plan "
+                f"was certified for n={plan.n}: sampling rate and noise would not match"
+            )
+        self.randomness = StepRandomness(self.device, seed)
+        self.step = 0
+        self.step_size = StepSize(plan)
+        if state is not None:
+            self.load_state_dict(state)
+
+    # ----- state -----
+    def state_dict(self) -> dict[str, Any]:
+        """The step counter and AdaGrad-norm accumulator: JSON-serialisable."""
+        return {"step": self.step, "b_squared": self.step_size.b_squared}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        step = int(state["step"])
+        if not 0 <= step <= self.plan.steps:
+            raise PlanExhausted(f"state step={step} outside the plan's 0..{self.plan.steps} steps")
+        self.step = step
+        self.step_size = StepSize(self.plan, state.get("b_squared"))
+
+    @property
+    def steps_left(self) -> int:
+        return self.plan.steps - self.step
+
+    # ----- running -----
+    def run_round(self, round_number: int) -> TrainReport:
+        """The steps of federated round `round_number` (1-based), which must be the next ones."""
+        count = self.plan.steps_in_round(round_number)
+        first = self.plan.first_step_of_round(round_number)
+        if count == 0:
+            raise PlanExhausted(
+                f"round {round_number} has no steps: the plan has {self.plan.rounds} rounds "
+                f"of {self.plan.steps} steps in all"
+            )
+        if first != self.step:
+            raise ValueError(
+                f"round {round_number} starts at step {first} but the trainer is at step "
+                f"{self.step}: rounds must run in order, each exactly once"
+            )
+        return self.run_steps(count)
+
+    def run_steps(self, count: int) -> TrainReport:
+        """The next `count` steps of the plan; refuses (before doing any) to pass step T."""
+        if count < 0:
+            raise ValueError(f"count={count}: must be >= 0")
+        if self.step + count > self.plan.steps:
+            raise PlanExhausted(
+                f"asked for {count} steps from step {self.step}, but the plan has only "
+                f"{self.plan.steps} steps ({self.steps_left} left)"
+            )
+        plan = self.plan
+        n, q, clip = plan.n, plan.sampling_rate, plan.clip_norm
+        expected = q * n
+        first = self.step
+        loss_sum = torch.zeros((), device=self.device)
+        clipped = torch.zeros((), dtype=torch.long, device=self.device)
+        examples = empty = 0
+        sigmas: list[float] = []
+        lr_used = math.nan
+
+        def learning_rate(grads: list[Tensor]) -> float:
+            nonlocal lr_used
+            lr_used = self.step_size.rate(self.step, grads)
+            return lr_used
+
+        self.model.train()
+        for _ in range(count):
+            sigma = plan.noise_multiplier(self.step)
+            generator = self.randomness.for_step(self.step)
+            index = poisson_sample(n, q, generator, self.device)
+            batch = dp_step(
+                self.clipper,
+                self.features[index],
+                self.labels[index],
+                sigma=sigma,
+                clip_norm=clip,
+                expected_batch=expected,
+                generator=generator,
+                learning_rate=learning_rate,
+            )
+            if batch is None:
+                empty += 1
+            else:
+                examples += len(index)
+                loss_sum += batch.loss_sum
+                clipped += batch.clipped
+            sigmas.append(sigma)
+            self.step += 1
+
+        sigma_mean = sum(sigmas) / count if count else math.nan
+        return TrainReport(
+            first_step=first,
+            steps=count,
+            examples=examples,
+            empty_steps=empty,
+            mean_loss=float(loss_sum) / examples if examples else math.nan,
+            clip_fraction=int(clipped) / examples if examples else math.nan,
+            noisy_steps=count,
+            sigma_mean=sigma_mean,
+            noise_std_on_mean=sigma_mean * clip / expected,
+            last_learning_rate=lr_used,
+            seeded=self.randomness.seeded,
+        )

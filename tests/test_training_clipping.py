@@ -1,0 +1,145 @@
+"""Per-example clipping equals the definition: one example at a time, autograd, clip, sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedprivacy.models import build_model
+from fedprivacy.training import PerExampleClipper, UnsupportedLayerError
+
+ATOL = 1e-5
+
+
+def reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float):
+    """Per-example gradients by a plain loop; returns (clipped per-example grads, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads, norms = [], []
+    for i in range(len(x)):
+        loss = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum")
+        g = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum(t.square().sum() for t in g))
+        factor = min(1.0, clip / float(norm))
+        grads.append([factor * t for t in g])
+        norms.append(norm)
+    return grads, torch.stack(norms)
+
+
+class TwoLayerSequence(nn.Module):
+    """A Linear applied over a sequence dimension (3-D input), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(5, 7)
+        self.head = nn.Linear(21, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.inner(x.view(-1, 3, 5))).flatten(1))
+
+
+def odd_convs() -> nn.Module:
+    """Strided, grouped, dilated, reflect- and 'same'-padded convs, one without bias."""
+    return nn.Sequential(
+        nn.Conv2d(4, 6, 3, stride=2, groups=2, padding=1, padding_mode="reflect"),
+        nn.Tanh(),
+        nn.Conv2d(6, 4, 2, dilation=2, padding="same", bias=False),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
+
+
+CASES = {
+    "logreg": (lambda: build_model("logreg", 15, 2), (15,), 2),
+    "mlp": (lambda: build_model("mlp", 15, 2), (15,), 2),
+    "cnn": (lambda: build_model("cnn", 64, 10), (1, 8, 8), 10),
+    "sequence-linear": (TwoLayerSequence, (15,), 3),
+    "odd-convs": (odd_convs, (4, 9, 9), 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_clipped_gradients_match_a_per_example_loop(case: str) -> None:
+    make, shape, classes = CASES[case]
+    torch.manual_seed(1)
+    model = make()
+    x = torch.randn(12, *shape) * torch.linspace(0.1, 3.0, 12).view(-1, *(1,) * len(shape))
+    y = torch.randint(0, classes, (12,))
+    _, norms = reference(model, x, y, float("inf"))
+    middle = norms.sort().values[5:7]
+    clip = float(middle.mean())  # between the middle two norms: half above C, half below
+    ref_grads, ref_norms = reference(model, x, y, clip)
+    assert (ref_norms > clip).any() and (ref_norms < clip).any()
+
+    clipper = PerExampleClipper(model)
+    batch = clipper.clipped_sum(x, y, clip)
+    torch.testing.assert_close(batch.norms, ref_norms, atol=ATOL, rtol=1e-5)
+    assert int(batch.clipped) == int((ref_norms > clip).sum())
+    expected_sum = [sum(g[k] for g in ref_grads) for k in range(len(ref_grads[0]))]
+    assert len(batch.grad_sums) == len(expected_sum)
+    for got, want in zip(batch.grad_sums, expected_sum):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+
+    # Each example alone: the clipped sum of a batch of one is that example's clipped gradient.
+    for i in (int(ref_norms.argmin()), int(ref_norms.argmax())):
+        alone = clipper.clipped_sum(x[i : i + 1], y[i : i + 1], clip)
+        for got, want in zip(alone.grad_sums, ref_grads[i]):
+            torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+        total = torch.sqrt(sum(g.square().sum() for g in alone.grad_sums))
+        assert float(total) <= clip * (1 + 1e-5)
+
+
+def test_frozen_parameters_are_left_out_of_the_norm() -> None:
+    torch.manual_seed(2)
+    model = build_model("mlp", 15, 2)
+    model[1].bias.requires_grad_(False)
+    x, y = torch.randn(6, 15), torch.randint(0, 2, (6,))
+    ref_grads, ref_norms = reference(model, x, y, 0.5)
+    batch = PerExampleClipper(model).clipped_sum(x, y, 0.5)
+    torch.testing.assert_close(batch.norms, ref_norms, atol=ATOL, rtol=1e-5)
+    for got, want in zip(batch.grad_sums, [sum(g[k] for g in ref_grads) for k in range(3)]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+
+
+def test_hooks_do_not_change_normal_use() -> None:
+    model = build_model("mlp", 15, 2)
+    PerExampleClipper(model)
+    model(torch.randn(4, 15)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "model,needle",
+    [
+        (nn.Sequential(nn.Linear(15, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), "BatchNorm1d"),
+        (nn.Sequential(nn.Linear(15, 8), nn.LayerNorm(8), nn.Linear(8, 2)), "LayerNorm"),
+        (nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(4, 2)), "Embedding"),
+    ],
+)
+def test_unsupported_layers_are_refused_by_name(model: nn.Module, needle: str) -> None:
+    with pytest.raises(UnsupportedLayerError, match=needle) as err:
+        PerExampleClipper(model)
+    assert "'1'" in str(err.value) or "'0'" in str(err.value)  # names the layer's position
+
+
+def test_frozen_batch_norm_is_still_refused() -> None:
+    model = nn.Sequential(nn.Linear(15, 8), nn.BatchNorm1d(8, affine=False), nn.Linear(8, 2))
+    with pytest.raises(UnsupportedLayerError, match="batch"):
+        PerExampleClipper(model)
+
+
+def test_in_place_activation_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(15, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    clipper = PerExampleClipper(model)
+    with pytest.raises(UnsupportedLayerError, match="in place"):
+        clipper.clipped_sum(torch.randn(4, 15), torch.randint(0, 2, (4,)), 1.0)
+
+
+def test_shared_layer_is_refused() -> None:
+    layer = nn.Linear(4, 4)
+    model = nn.Sequential(layer, nn.Tanh(), layer)
+    clipper = PerExampleClipper(model)
+    with pytest.raises(UnsupportedLayerError, match="more than once"):
+        clipper.clipped_sum(torch.randn(3, 4), torch.randint(0, 4, (3,)), 1.0)

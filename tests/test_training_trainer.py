@@ -1,0 +1,266 @@
+"""The DP trainer follows the plan: exactly T steps, Poisson sampling at q, noise σC on the sum."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedprivacy.models import build_model
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.training import (
+    DPTrainer,
+    PlanExhausted,
+    SeededRunWarning,
+    StepRandomness,
+    poisson_sample,
+    release,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
+
+
+def make_plan(
+    *,
+    n: int = 40,
+    q: float = 0.25,
+    steps: int = 20,
+    rounds: int = 1,
+    sigma: float = 1.0,
+    clip: float = 1.0,
+    lr: float = 0.1,
+    segments: tuple[tuple[float, int], ...] | None = None,
+    **extra: object,
+) -> Plan:
+    return Plan(
+        client_id="c0",
+        rule="calibrated",
+        n=n,
+        epsilon=1.0,
+        delta=1e-5,
+        clip_norm=clip,
+        sigma=sigma,
+        sampling_rate=q,
+        steps=steps,
+        rounds=rounds,
+        noise_segments=segments or ((sigma, steps),),
+        epsilon_pld=0.9,
+        epsilon_rdp=1.0,
+        learning_rate=lr,
+        **extra,
+    )
+
+
+def data(n: int = 40, features: int = 15, classes: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def trainer(plan: Plan, seed: int | None = 3, model_seed: int = 0, **kwargs) -> DPTrainer:
+    torch.manual_seed(model_seed)
+    x, y = data(plan.n)
+    return DPTrainer(build_model("mlp", 15, 2), plan, x, y, seed=seed, **kwargs)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+# ----- steps: exactly T, in any split, never more -----
+@pytest.mark.parametrize("rounds", [1, 3, 7])
+def test_runs_exactly_the_plan_steps_across_rounds(rounds: int) -> None:
+    plan = make_plan(steps=20, rounds=rounds)  # 20 is not divisible by 3 or 7
+    t = trainer(plan)
+    reports = [t.run_round(r) for r in range(1, rounds + 1)]
+    assert sum(r.steps for r in reports) == 20 == t.step
+    assert [r.first_step for r in reports] == [plan.first_step_of_round(r) for r in range(1, rounds + 1)]
+    assert all(r.noisy_steps == r.steps for r in reports)
+    before = flat(t.model)
+    with pytest.raises(PlanExhausted, match="20 steps"):
+        t.run_steps(1)
+    with pytest.raises(PlanExhausted, match="round"):
+        t.run_round(rounds + 1)
+    assert t.step == 20 and torch.equal(flat(t.model), before)
+
+
+def test_refuses_before_taking_any_step_past_t() -> None:
+    t = trainer(make_plan(steps=10))
+    t.run_steps(7)
+    before = flat(t.model)
+    with pytest.raises(PlanExhausted, match="3 left"):
+        t.run_steps(4)
+    assert t.step == 7 and torch.equal(flat(t.model), before)
+    assert t.run_steps(3).steps == 3
+
+
+def test_rounds_must_run_in_order() -> None:
+    t = trainer(make_plan(steps=9, rounds=3))
+    with pytest.raises(ValueError, match="starts at step 3"):
+        t.run_round(2)
+
+
+def test_data_must_match_the_plan_size() -> None:
+    x, y = data(30)
+    with pytest.raises(ValueError, match="n=40"):
+        DPTrainer(build_model("mlp", 15, 2), make_plan(n=40), x, y)
+
+
+# ----- empty batches still spend a step and add noise -----
+def test_empty_batches_are_noisy_steps() -> None:
+    plan = make_plan(n=10, q=1e-6, steps=5, lr=1e-5)  # noise on the mean: σC/(qN) = 1e5
+    t = trainer(plan)
+    states = [flat(t.model)]
+    for _ in range(5):
+        report = t.run_steps(1)
+        assert report.empty_steps == 1 and report.examples == 0 and report.noisy_steps == 1
+        assert math.isnan(report.mean_loss)
+        states.append(flat(t.model))
+    for a, b in zip(states, states[1:]):
+        moved = (b - a) / (plan.learning_rate * plan.noise_std_on_mean)  # ~ N(0, 1) each
+        assert (moved != 0).all()
+        assert 0.8 < float(moved.std()) < 1.2
+
+
+# ----- the noise and the sampling have the planned distributions -----
+def test_release_adds_noise_of_std_sigma_c_to_the_sum() -> None:
+    sigma, clip, coords = 1.3, 0.7, 40_000
+    g = torch.Generator().manual_seed(11)
+    clean = torch.randn(coords, generator=torch.Generator().manual_seed(5))
+    released = release([clean.clone()], sigma, clip, expected_batch=1.0, generator=g)[0]
+    noise = released - clean
+    # Sample std of n normals has relative s.e. 1/sqrt(2n) = 0.35%; allow 5 s.e.
+    assert abs(float(noise.std()) / (sigma * clip) - 1) < 5 / math.sqrt(2 * coords)
+    assert abs(float(noise.mean())) < 5 * sigma * clip / math.sqrt(coords)
+
+
+def test_trainer_noise_on_the_sum_is_sigma_c() -> None:
+    """End to end, q = 1 (every record sampled): N·released − clean clipped sum ~ N(0, σ²C²)."""
+    n, sigma, clip = 16, 2.0, 0.5
+    plan = make_plan(n=n, q=1.0, steps=1, sigma=sigma, clip=clip, lr=1.0)
+    noises = []
+    for seed in range(4):
+        t = trainer(plan, seed=seed)
+        x, y = t.features, t.labels
+        clean = torch.zeros_like(flat(t.model))
+        for i in range(n):
+            loss = F.cross_entropy(t.model(x[i : i + 1]), y[i : i + 1], reduction="sum")
+            grad = torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(t.model.parameters()))])
+            clean += grad * min(1.0, clip / float(grad.norm()))
+        before = flat(t.model)
+        report = t.run_steps(1)
+        assert report.examples == n
+        released = (before - flat(t.model)) / plan.learning_rate
+        noises.append(released * n - clean)
+    noise = torch.cat(noises)  # 4 × 1154 coordinates
+    assert abs(float(noise.std()) / (sigma * clip) - 1) < 5 / math.sqrt(2 * len(noise))
+    assert abs(float(noise.mean())) < 5 * sigma * clip / math.sqrt(len(noise))
+    assert report.noise_std_on_mean == pytest.approx(sigma * clip / n)
+
+
+def test_average_divides_by_the_expected_batch_not_the_realised_one() -> None:
+    """σ = 0: the released gradient is exactly the clipped sum of the sampled records / (qN)."""
+    plan = make_plan(n=40, q=0.3, steps=1, sigma=0.0, clip=0.5, lr=1.0)
+    t = trainer(plan, seed=21)
+    index = poisson_sample(40, 0.3, StepRandomness("cpu", 21).for_step(0), torch.device("cpu"))
+    assert 0 < len(index) != 12  # realised size differs from qN = 12
+    clean = torch.zeros_like(flat(t.model))
+    for i in index.tolist():
+        loss = F.cross_entropy(t.model(t.features[i : i + 1]), t.labels[i : i + 1], reduction="sum")
+        grad = torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(t.model.parameters()))])
+        clean += grad * min(1.0, 0.5 / float(grad.norm()))
+    before = flat(t.model)
+    assert t.run_steps(1).examples == len(index)
+    torch.testing.assert_close(before - flat(t.model), clean / 12, atol=1e-6, rtol=1e-5)
+
+
+def test_poisson_sampling_rate_matches_q() -> None:
+    n, q, reps = 10_000, 0.03, 20
+    g = torch.Generator().manual_seed(4)
+    sizes = [len(poisson_sample(n, q, g, torch.device("cpu"))) for _ in range(reps)]
+    total, trials = sum(sizes), n * reps
+    assert abs(total - q * trials) < 5 * math.sqrt(trials * q * (1 - q))  # binomial, 5 s.d.
+    assert len(set(sizes)) > 1  # variable batch sizes
+
+
+def test_trainer_samples_q_n_per_step_on_average() -> None:
+    plan = make_plan(n=200, q=0.1, steps=60)
+    report = trainer(plan).run_steps(60)
+    trials = plan.n * plan.steps
+    assert abs(report.examples - 0.1 * trials) < 5 * math.sqrt(trials * 0.1 * 0.9)
+    assert 0 <= report.clip_fraction <= 1 and report.mean_loss > 0
+
+
+def test_sigma_follows_the_plan_segments() -> None:
+    plan = make_plan(steps=10, segments=((2.0, 4), (1.0, 6)))
+    t = trainer(plan)
+    assert t.run_steps(4).sigma_mean == pytest.approx(2.0)
+    assert t.run_steps(6).sigma_mean == pytest.approx(1.0)
+
+
+# ----- randomness: secure by default, reproducible only with a seed -----
+def test_seeded_runs_are_reproducible_and_split_invariant() -> None:
+    plan = make_plan(steps=12, rounds=3)
+    a, b = trainer(plan, seed=9), trainer(plan, seed=9)
+    a.run_steps(12)
+    for r in range(1, 4):
+        b.run_round(r)
+    assert torch.equal(flat(a.model), flat(b.model))
+    c = trainer(plan, seed=10)
+    c.run_steps(12)
+    assert not torch.equal(flat(a.model), flat(c.model))
+
+
+def test_unseeded_runs_differ_and_say_so() -> None:
+    plan = make_plan(steps=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no SeededRunWarning without a seed
+        a, b = trainer(plan, seed=None), trainer(plan, seed=None)
+    ra, rb = a.run_steps(3), b.run_steps(3)
+    assert not ra.seeded and not rb.seeded
+    assert not torch.equal(flat(a.model), flat(b.model))
+
+
+def test_seeded_run_warns_and_reports_it() -> None:
+    with pytest.warns(SeededRunWarning, match="not production"):
+        t = trainer(make_plan(steps=2), seed=1)
+    assert t.run_steps(2).seeded
+
+
+# ----- resuming and learning-rate schedules -----
+def test_resume_from_state_matches_an_uninterrupted_run() -> None:
+    plan = make_plan(steps=10, rounds=2, lr_schedule="adagrad_norm", lr_params={"b0": 0.5})
+    whole = trainer(plan)
+    whole.run_steps(10)
+
+    first = trainer(plan)
+    first.run_round(1)
+    state = json.loads(json.dumps(first.state_dict()))
+    x, y = data(plan.n)
+    second = DPTrainer(copy.deepcopy(first.model), plan, x, y, seed=3, state=state)
+    assert second.step == 5
+    second.run_round(2)
+    assert torch.allclose(flat(whole.model), flat(second.model))
+    assert second.state_dict() == pytest.approx(whole.state_dict())
+
+
+def test_adagrad_norm_uses_the_released_gradient() -> None:
+    plan = make_plan(steps=1, lr=0.3, lr_schedule="adagrad_norm", lr_params={"b0": 2.0, "nu": 1e-3})
+    t = trainer(plan)
+    before = flat(t.model)
+    report = t.run_steps(1)
+    b_sq = t.state_dict()["b_squared"]
+    eta = report.last_learning_rate
+    assert eta == pytest.approx(0.3 / math.sqrt(b_sq))
+    step_sq = float((before - flat(t.model)).square().sum())  # ‖η g‖²
+    assert b_sq - 4.0 == pytest.approx(step_sq / eta**2, rel=1e-4)  # b² = b0² + ‖g‖²
+
+
+def test_inverse_sqrt_schedule_comes_from_the_plan() -> None:
+    plan = make_plan(steps=5, lr=1.0, lr_schedule="inverse_sqrt", lr_params={"a": 4.0, "c": 1.0})
+    report = trainer(plan).run_steps(5)
+    assert report.last_learning_rate == pytest.approx(1.0 / math.sqrt(4.0 + 4))
