@@ -1,0 +1,214 @@
+"""The results folder of one federated run, and the bookkeeping that fills it.
+
+Results are files (DESIGN.md): sweeps, reports and tests all read the same folder:
+
+    config.json       the resolved run config (and where the data and ledger were)
+    rounds.csv        one row per round: accuracy, loss, ε spent (max/mean), clients trained
+                      this round, clients out of budget / failed so far…
+    clients.csv       one row per client: budget, ε spent, σ, steps, exhausted round, status
+    plans/            every client's planning sheet (md, html, png, json) and an index
+    model.pt          the final global model's state_dict
+    progress.png      accuracy and ε spent per round
+    summary.json      the headline numbers
+
+`RunRecorder` is fed plain dicts by the ServerApp (no flwr here) and rewrites the CSV files after
+every round, so a run that dies midway still leaves readable results.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.privacy.sheets import write_sheets
+
+ROUND_COLUMNS = (
+    "round", "accuracy", "loss", "federated_accuracy", "federated_loss", "clients_trained",
+    "clients_exhausted", "clients_failed", "epsilon_spent_max", "epsilon_spent_mean",
+    "train_loss", "clip_fraction", "elapsed_s",
+)  # fmt: skip
+CLIENT_COLUMNS = (
+    "client_id", "num_examples", "epsilon_budget", "epsilon_spent", "delta", "sigma", "steps_done",
+    "steps_planned", "rounds_trained", "exhausted_round", "status",
+)  # fmt: skip
+
+
+def new_run_folder(results_dir: Path, run_id: int | str) -> Path:
+    """A fresh folder `<results_dir>/<UTC time>-run<run_id>` (never reuses an existing one)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = results_dir / f"{stamp}-run{run_id}"
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    os.replace(tmp, path)
+
+
+@dataclass
+class ClientRecord:
+    """What the server knows about one client, from its replies."""
+
+    client_id: str
+    num_examples: int = 0
+    epsilon_budget: float = math.nan
+    epsilon_spent: float = 0.0
+    delta: float = math.nan
+    sigma: float = math.nan
+    steps_done: int = 0
+    steps_planned: int = 0
+    rounds_trained: int = 0
+    exhausted_round: int | None = None
+    status: str = "ok"
+
+
+@dataclass
+class RunRecorder:
+    """Collects per-client replies and per-round evaluations; writes the results folder."""
+
+    folder: Path
+    started: float = field(default_factory=time.monotonic)
+    clients: dict[str, ClientRecord] = field(default_factory=dict)
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    plans: dict[str, Plan] = field(default_factory=dict)
+    _round: dict[str, Any] = field(default_factory=dict)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        _atomic_write(self.folder / "config.json", json.dumps(config, indent=2, default=str) + "\n")
+
+    def client(self, client_id: str) -> ClientRecord:
+        return self.clients.setdefault(client_id, ClientRecord(client_id))
+
+    def trained(self, server_round: int, client_id: str, metrics: dict[str, float], plan: Plan | None) -> None:
+        """A training reply: `metrics` carries the ClientApp's numbers (see clients/app.py)."""
+        rec = self.client(client_id)
+        rec.num_examples = plan.n if plan is not None else int(metrics["num-examples"])
+        rec.epsilon_budget = float(metrics["epsilon-budget"])
+        rec.epsilon_spent = float(metrics["epsilon-spent"])
+        rec.delta = float(metrics["delta"])
+        rec.sigma = float(metrics["sigma"])
+        rec.steps_done = int(metrics["steps-done"])
+        rec.steps_planned = int(metrics["steps-planned"])
+        if plan is not None:
+            self.plans[client_id] = plan
+        current = self._round.setdefault("trained", [])
+        if metrics["budget-exhausted"]:
+            rec.exhausted_round = rec.exhausted_round or server_round
+            rec.status = "exhausted"
+            return
+        rec.rounds_trained += 1
+        current.append((int(metrics["num-examples"]), float(metrics["train-loss"]), float(metrics["clip-fraction"])))
+
+    def failed(self, client_id: str, reason: str) -> None:
+        """A client whose reply was an error: it is dropped from later rounds, with its reason."""
+        rec = self.client(client_id)
+        rec.status = f"failed: {reason.strip().splitlines()[-1] if reason.strip() else 'unknown error'}"
+
+    def evaluated(self, key: str, accuracy: float, loss: float) -> None:
+        """Round metrics from central ('') or federated ('federated_') evaluation."""
+        self._round[f"{key}accuracy"] = float(accuracy)
+        self._round[f"{key}loss"] = float(loss)
+
+    def end_round(self, server_round: int) -> dict[str, Any]:
+        """Close the round: append its row, rewrite the CSV files, return the row."""
+        trained = self._round.pop("trained", [])
+        spent = [c.epsilon_spent for c in self.clients.values() if not c.status.startswith("failed")]
+        weight = sum(n for n, _, _ in trained)
+        row = {
+            "round": server_round,
+            "accuracy": self._round.get("accuracy"),
+            "loss": self._round.get("loss"),
+            "federated_accuracy": self._round.get("federated_accuracy"),
+            "federated_loss": self._round.get("federated_loss"),
+            "clients_trained": len(trained),
+            "clients_exhausted": sum(1 for c in self.clients.values() if c.exhausted_round is not None),
+            "clients_failed": sum(1 for c in self.clients.values() if c.status.startswith("failed")),
+            "epsilon_spent_max": max(spent, default=0.0),
+            "epsilon_spent_mean": sum(spent) / len(spent) if spent else 0.0,
+            "train_loss": sum(n * l for n, l, _ in trained) / weight if weight else None,
+            "clip_fraction": sum(n * c for n, _, c in trained) / weight if weight else None,
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+        }
+        self._round = {}
+        self.rounds.append(row)
+        _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
+        _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(c) for c in self.clients.values()])
+        return row
+
+    def write_plans(self) -> list[Path]:
+        """Every client's planning sheet (md, html, png, json) and the index, under plans/."""
+        plans = [self.plans[c] for c in sorted(self.plans)]
+        return write_sheets(plans, self.folder / "plans") if plans else []
+
+    def save_model(self, state_dict: dict[str, Any]) -> Path:
+        import torch
+
+        path = self.folder / "model.pt"
+        torch.save(state_dict, path)
+        return path
+
+    def write_figure(self) -> Path:
+        """Accuracy (central, else federated) and max ε spent per round."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rounds = [r["round"] for r in self.rounds]
+        key = "accuracy" if any(r["accuracy"] is not None for r in self.rounds) else "federated_accuracy"
+        fig, left = plt.subplots(figsize=(6, 3.5))
+        left.plot(rounds, [math.nan if r[key] is None else r[key] for r in self.rounds], "o-", color="C0")
+        left.set_xlabel("round")
+        left.set_ylabel(key.replace("_", " "), color="C0")
+        right = left.twinx()
+        right.plot(rounds, [r["epsilon_spent_max"] for r in self.rounds], "s--", color="C3")
+        right.set_ylabel("max ε spent", color="C3")
+        fig.tight_layout()
+        path = self.folder / "progress.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def write_summary(self, extra: dict[str, Any]) -> dict[str, Any]:
+        last = self.rounds[-1] if self.rounds else {}
+        summary = {
+            "results_dir": str(self.folder),
+            "rounds": len(self.rounds),
+            "final_accuracy": last.get("accuracy"),
+            "final_federated_accuracy": last.get("federated_accuracy"),
+            "clients": len(self.clients),
+            "clients_exhausted": sorted(c.client_id for c in self.clients.values() if c.exhausted_round),
+            "clients_failed": sorted(c.client_id for c in self.clients.values() if c.status.startswith("failed")),
+            "epsilon_spent_max": max((c.epsilon_spent for c in self.clients.values()), default=0.0),
+            "all_within_budget": all(
+                c.epsilon_spent <= c.epsilon_budget for c in self.clients.values() if not math.isnan(c.epsilon_budget)
+            ),
+            "wall_time_s": round(time.monotonic() - self.started, 3),
+            **extra,
+        }
+        _atomic_write(self.folder / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        return summary

@@ -1,0 +1,245 @@
+"""The run configuration of the Flower apps, validated where it enters.
+
+`DEFAULTS` is the single list of run-config keys; `[tool.flwr.app.config]` in pyproject.toml
+repeats it (a test keeps the two equal) because Flower only accepts `--run-config` overrides
+for keys declared there, and `run_simulation` hands the apps an empty run config.
+
+Paths. Flower runs the apps from its own installed copy of the project, in a working directory
+of its choosing, so a relative path would silently point somewhere else. Every path here is
+therefore resolved one way: `~` and `$VARS` are expanded, and the result must be absolute;
+a relative path is refused with a message that says why.
+
+Deployment. A SuperNode is started with its own `--node-config "client-id=… data-path=…
+epsilon=… delta=…"`; `NodeSettings` validates that. In a simulation the node config only holds
+`partition-id` and `num-partitions`, and budgets come from the run config.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
+from fedprivacy.models import MODELS
+
+DATASETS = ("digits", "pums", "csv", "synthetic")
+PARTITIONINGS = ("auto", "iid", "dirichlet", "natural", "size")
+SIZE_SKEWS = ("linear", "square", "exponential")
+RULES = ("proactive", "calibrated", "adp")
+
+DEFAULTS: dict[str, bool | int | float | str] = {
+    "num-server-rounds": 3,
+    "dataset": "digits",
+    "data-path": "",
+    "label-column": "",
+    "partitioning": "auto",
+    "partition-by": "",
+    "dirichlet-alpha": 0.5,
+    "size-skew": "linear",
+    "test-fraction": 0.2,
+    "model": "logreg",
+    "epsilon": 1.0,
+    "epsilons": "",
+    "delta": 1e-5,
+    "rule": "proactive",
+    "clip-norm": 1.0,
+    "learning-rate": 1.0,
+    "epochs": 0.0,
+    "seed": 0,
+    "noise-seed": -1,
+    "fraction-train": 1.0,
+    "fraction-evaluate": 1.0,
+    "min-clients": 2,
+    "results-dir": "~/fedprivacy-results",
+    "ledger-path": "",
+    "round-timeout": 600.0,
+}
+
+PATH_RULE = (
+    "must be an absolute path (~ and $VARS are expanded): Flower runs the apps from its own "
+    "copy of the project in another working directory, so a relative path is refused"
+)
+
+
+def resolve_path(field: str, value: Any) -> Path | None:
+    """The one way paths are read: '' means unset; ~ and $VARS expand; the result must be absolute."""
+    if not isinstance(value, str):
+        raise InputError(field, value, "must be a string path")
+    if value.strip() == "":
+        return None
+    path = Path(os.path.expandvars(os.path.expanduser(value.strip())))
+    if not path.is_absolute():
+        raise InputError(field, value, PATH_RULE)
+    return path
+
+
+def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise InputError(field, value, f"must be one of: {', '.join(allowed)}")
+    return str(value)
+
+
+def _fraction(field: str, value: Any) -> float:
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    return unit_rate(field, value)
+
+
+def _epsilons(value: Any) -> tuple[float, ...]:
+    """'0.5,1,2' (a string: run configs hold no lists) → per-client budgets."""
+    if not isinstance(value, str):
+        raise InputError("epsilons", value, "must be a comma-separated string such as '0.5,1,2'")
+    if value.strip() == "":
+        return ()
+    return tuple(positive("epsilons", part.strip()) for part in value.split(","))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The validated run config (key `a-b` becomes field `a_b`).
+
+    `partitioning='auto'` is `natural` when `partition-by` names a column, else `iid`;
+    `noise-seed=-1` draws DP noise from OS entropy (a seed makes noise reproducible: experiments only);
+    `epochs=0` lets the planner choose k.
+    """
+
+    num_server_rounds: int
+    dataset: str
+    data_path: Path | None
+    label_column: str
+    partitioning: str
+    partition_by: str
+    dirichlet_alpha: float
+    size_skew: str
+    test_fraction: float
+    model: str
+    epsilon: float
+    epsilons: tuple[float, ...]
+    delta: float
+    rule: str
+    clip_norm: float
+    learning_rate: float
+    epochs: float | None
+    seed: int
+    noise_seed: int
+    fraction_train: float
+    fraction_evaluate: float
+    min_clients: int
+    results_dir: Path
+    ledger_path: Path | None
+    round_timeout: float
+
+    def budget(self, index: int, num_clients: int) -> float:
+        """Client `index`'s ε: its entry of `epsilons` when given, else the common `epsilon`."""
+        if not self.epsilons:
+            return self.epsilon
+        if len(self.epsilons) != num_clients:
+            raise InputError(
+                "epsilons",
+                ",".join(f"{e:g}" for e in self.epsilons),
+                f"needs one budget per client: {num_clients} clients, {len(self.epsilons)} budgets",
+            )
+        return self.epsilons[index]
+
+
+def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
+    """Validate a Flower run config (missing keys take `DEFAULTS`; unknown keys are refused)."""
+    unknown = sorted(set(run_config) - set(DEFAULTS))
+    if unknown:
+        raise InputError(unknown[0], run_config[unknown[0]], f"not a run-config key; known keys: {', '.join(DEFAULTS)}")
+    rc = {**DEFAULTS, **run_config}
+    dataset = _choice("dataset", rc["dataset"], DATASETS)
+    data_path = resolve_path("data-path", rc["data-path"])
+    epochs = None if rc["epochs"] == 0 else positive("epochs", rc["epochs"])
+    results_dir = resolve_path("results-dir", rc["results-dir"])
+    if results_dir is None:
+        raise InputError("results-dir", rc["results-dir"], "must name a folder (an absolute path)")
+    for key in ("label-column", "partition-by"):
+        if not isinstance(rc[key], str):
+            raise InputError(key, rc[key], "must be a string (a column name, or '' for none)")
+    return RunSettings(
+        num_server_rounds=integer_at_least("num-server-rounds", rc["num-server-rounds"], 1),
+        dataset=dataset,
+        data_path=data_path,
+        label_column=rc["label-column"],
+        partitioning=_choice("partitioning", rc["partitioning"], PARTITIONINGS),
+        partition_by=rc["partition-by"],
+        dirichlet_alpha=positive("dirichlet-alpha", rc["dirichlet-alpha"]),
+        size_skew=_choice("size-skew", rc["size-skew"], SIZE_SKEWS),
+        test_fraction=_test_fraction(rc["test-fraction"]),
+        model=_choice("model", rc["model"], tuple(MODELS)),
+        epsilon=positive("epsilon", rc["epsilon"]),
+        epsilons=_epsilons(rc["epsilons"]),
+        delta=open_unit("delta", rc["delta"]),
+        rule=_choice("rule", rc["rule"], RULES),
+        clip_norm=positive("clip-norm", rc["clip-norm"]),
+        learning_rate=positive("learning-rate", rc["learning-rate"]),
+        epochs=epochs,
+        seed=integer_at_least("seed", rc["seed"], 0),
+        noise_seed=integer_at_least("noise-seed", rc["noise-seed"], -1),
+        fraction_train=unit_rate("fraction-train", rc["fraction-train"]),
+        fraction_evaluate=_fraction("fraction-evaluate", rc["fraction-evaluate"]),
+        min_clients=integer_at_least("min-clients", rc["min-clients"], 1),
+        results_dir=results_dir,
+        ledger_path=resolve_path("ledger-path", rc["ledger-path"]),
+        round_timeout=positive("round-timeout", rc["round-timeout"]),
+    )
+
+
+def _test_fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise InputError("test-fraction", value, "must be a number in (0, 1): each client evaluates on its own test split")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """A deployed SuperNode's own identity, data and budget (from `--node-config`)."""
+
+    client_id: str
+    data_path: Path
+    epsilon: float
+    delta: float | None
+    ledger_path: Path | None
+
+
+NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "ledger-path")
+
+
+def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
+    """`NodeSettings` for a deployed SuperNode; None in a simulation (partition-id is set)."""
+    if "partition-id" in node_config:
+        return None
+    unknown = sorted(set(node_config) - set(NODE_KEYS))
+    if unknown:
+        raise InputError(unknown[0], node_config[unknown[0]], f"not a node-config key; known keys: {', '.join(NODE_KEYS)}")
+    missing = [k for k in ("client-id", "data-path", "epsilon") if k not in node_config]
+    if missing:
+        raise InputError(
+            missing[0],
+            None,
+            "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1\""
+            " (delta and ledger-path optional)",
+        )
+    client_id = node_config["client-id"]
+    if not isinstance(client_id, str) or not client_id.strip():
+        raise InputError("client-id", client_id, "must be a non-empty string")
+    data_path = resolve_path("data-path", node_config["data-path"])
+    if data_path is None:
+        raise InputError("data-path", node_config["data-path"], "must name the client's data file")
+    delta = node_config.get("delta")
+    return NodeSettings(
+        client_id=client_id.strip(),
+        data_path=data_path,
+        epsilon=positive("epsilon", node_config["epsilon"]),
+        delta=None if delta is None else open_unit("delta", delta),
+        ledger_path=resolve_path("ledger-path", node_config.get("ledger-path", "")),
+    )
+
+
+def default_ledger_path() -> Path:
+    """Where a deployed client keeps its ledger unless told: per user, outliving any run."""
+    return Path(os.path.expanduser("~/.fedprivacy/ledger.sqlite"))

@@ -1,0 +1,1 @@
+"""The Flower ServerApp of fedprivacy and its strategy (glue around fedprivacy.results)."""

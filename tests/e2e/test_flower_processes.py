@@ -1,0 +1,159 @@
+"""Slow tier: real `flwr run` against our own SuperLink (simulation), and a loopback deployment
+(SuperLink + SuperNodes, each with its own data file, budget and ledger), with and without TLS.
+Success is the run's final status from `flwr list`, never an exit code."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import ipaddress
+import json
+import ssl
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+PUMS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
+
+pytestmark = pytest.mark.slow
+
+
+def only_folder(results: Path) -> Path:
+    (folder,) = [p for p in results.iterdir() if p.is_dir()]
+    return folder
+
+
+def clients_csv(folder: Path) -> dict[str, dict[str, str]]:
+    with (folder / "clients.csv").open(newline="") as handle:
+        return {row["client_id"]: row for row in csv.DictReader(handle)}
+
+
+@pytest.mark.timeout(300)
+def test_flwr_run_simulation_completes_and_refuses_a_relative_results_dir(flower, tmp_path):
+    port = flower.free_port()
+    flower.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
+                               "--port", str(port), "--database", ":flwr-in-memory:"])  # fmt: skip
+    flower.wait_healthy(port)
+    flower.connect("e2e", port)
+    results = tmp_path / "results"
+    run_id = flower.submit(
+        "e2e", f"results-dir='{results}' num-server-rounds=2", "num-supernodes=3 client-resources-num-cpus=1"
+    )
+    run = flower.wait_finished(run_id, timeout=200)
+    log = flower.run_log(run_id)
+    assert run["status"] == "finished:completed", log
+    folder = only_folder(results)
+    assert f"results folder: {folder}" in log and "round 2/2: accuracy" in log
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["clients"] == 3 and summary["all_within_budget"] is True
+
+    bad = flower.submit("e2e", "results-dir='relative/results' num-server-rounds=1", "num-supernodes=2")
+    run = flower.wait_finished(bad, timeout=120)
+    assert run["status"] == "finished:failed"
+    assert "must be an absolute path" in flower.run_log(bad)
+
+
+def pums_nodes(tmp_path: Path, budgets: dict[int, float]) -> list[str]:
+    """`--node-config` strings: one PUMA file (400 rows), budget and ledger per client."""
+    if not PUMS.is_file():
+        pytest.skip(f"PUMS file missing: {PUMS}")
+    table = pd.read_csv(PUMS)
+    configs = []
+    for puma, epsilon in budgets.items():
+        path = tmp_path / f"puma{puma}.csv"
+        table[table.puma == puma].sample(400, random_state=0).to_csv(path, index=False)
+        ledger = tmp_path / f"ledger-{puma}.sqlite"
+        configs.append(f"client-id='puma-{puma}' data-path='{path}' epsilon={epsilon} delta=1e-5 ledger-path='{ledger}'")
+    return configs
+
+
+def start_deployment(flower, node_configs: list[str], tls: dict[str, Path] | None = None) -> int:
+    port = flower.free_port()
+    link_security = (
+        ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
+        if tls else ["--insecure"]
+    )  # fmt: skip
+    flower.start("superlink", ["flower-superlink", *link_security, "--host", "127.0.0.1", "--port", str(port),
+                               "--database", ":flwr-in-memory:"])  # fmt: skip
+    context = ssl.create_default_context(cafile=str(tls["ca"])) if tls else None
+    flower.wait_healthy(port, scheme="https" if tls else "http", context=context)
+    node_security = ["--root-certificates", str(tls["ca"])] if tls else ["--insecure"]
+    for i, node_config in enumerate(node_configs):
+        home = flower.home / f"node{i}"
+        home.mkdir()
+        flower.start(f"supernode{i}", ["flower-supernode", *node_security, "--superlink", f"127.0.0.1:{port}",
+                                       "--port", str(flower.free_port()), "--node-config", node_config], home=home)  # fmt: skip
+    flower.connect("deployment", port, root_certificates=tls["ca"] if tls else None)
+    return port
+
+
+@pytest.mark.timeout(420)
+def test_deployment_runs_and_a_second_run_finds_the_ledger(flower, tmp_path):
+    """Run 1 spends about half of each budget (proactive); run 2 (calibrated, which alone would
+    spend all of it) starts from the ledgers and stops each client before it would overspend."""
+    start_deployment(flower, pums_nodes(tmp_path, {1101: 1.0, 1102: 1.0}))
+    common = "dataset='pums' min-clients=2"
+    first = flower.submit("deployment", f"{common} num-server-rounds=1 rule='proactive' results-dir='{tmp_path / 'r1'}'")
+    run = flower.wait_finished(first, timeout=180)
+    assert run["status"] == "finished:completed", flower.run_log(first)
+    run1 = clients_csv(only_folder(tmp_path / "r1"))
+    assert set(run1) == {"puma-1101", "puma-1102"}
+    assert all(r["status"] == "ok" and float(r["epsilon_spent"]) <= 1.0 for r in run1.values())
+    assert "federated (the server has no data)" in flower.run_log(first)
+
+    second = flower.submit(
+        "deployment", f"{common} num-server-rounds=2 fraction-evaluate=0 rule='calibrated' results-dir='{tmp_path / 'r2'}'"
+    )
+    run = flower.wait_finished(second, timeout=180)
+    log = flower.run_log(second)
+    assert run["status"] == "finished:completed", log
+    run2 = clients_csv(only_folder(tmp_path / "r2"))
+    for client_id, row in run2.items():
+        assert int(row["steps_done"]) >= int(run1[client_id]["steps_done"])  # the ledger carried over
+        assert float(row["epsilon_spent"]) <= float(row["epsilon_budget"]) == 1.0
+    assert any(row["exhausted_round"] for row in run2.values()), log
+    assert "out of budget" in log
+
+
+def make_certificates(folder: Path) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1/localhost."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, server_key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedprivacy test CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    server = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name).public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = {"ca": folder / "ca.crt", "cert": folder / "server.pem", "key": folder / "server.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(
+        server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+@pytest.mark.timeout(300)
+def test_deployment_over_tls(flower, tmp_path):
+    certificates = make_certificates(tmp_path)
+    start_deployment(flower, pums_nodes(tmp_path, {1103: 1.0, 1104: 2.0}), tls=certificates)
+    run_id = flower.submit("deployment", f"dataset='pums' num-server-rounds=1 results-dir='{tmp_path / 'r'}'")
+    run = flower.wait_finished(run_id, timeout=180)
+    assert run["status"] == "finished:completed", flower.run_log(run_id)
+    rows = clients_csv(only_folder(tmp_path / "r"))
+    assert {r["client_id"]: float(r["epsilon_budget"]) for r in rows.values()} == {"puma-1103": 1.0, "puma-1104": 2.0}

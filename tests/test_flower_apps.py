@@ -1,0 +1,269 @@
+"""Fast tier: the ServerApp and ClientApp driven in process (no Ray, no processes).
+
+Privacy checks recompute ε with dp_accounting directly (not the project's wrapper) from each
+client's plan and the steps it reports.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import dp_accounting
+import pandas as pd
+import pytest
+import torch
+from dp_accounting import dp_event, pld
+
+from clients.app import app as client_app
+from fedprivacy import participant
+from fedprivacy.errors import InputError
+from fedprivacy.models import build_model
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.runconfig import DEFAULTS, parse_node_config, parse_run_config
+from server.app import app as server_app
+
+PROJECT = Path(__file__).resolve().parents[1]
+PUMS = PROJECT.parent / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # seeded-noise warnings: tests seed on purpose
+
+
+def independent_epsilon(plan: dict[str, Any], steps: int, delta: float) -> float:
+    """PLD ε of the first `steps` steps of `plan` (Poisson-subsampled Gaussian, add/remove-one)."""
+    accountant = pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    left = steps
+    for sigma, count in plan["noise_segments"]:
+        take = min(count, left)
+        if take:
+            step = dp_event.PoissonSampledDpEvent(plan["sampling_rate"], dp_event.GaussianDpEvent(sigma))
+            accountant.compose(dp_event.SelfComposedDpEvent(step, take))
+        left -= take
+    assert left == 0, "the client reports more steps than its plan has"
+    return accountant.get_epsilon(delta) if steps else 0.0
+
+
+def run_folder(results_dir: Path) -> Path:
+    (folder,) = [p for p in results_dir.iterdir() if p.is_dir()]
+    return folder
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture
+def simulate(in_process):
+    """Run the apps in process on `num_nodes` simulated clients; return the grid (its call log)."""
+
+    def run(run_config: dict[str, Any], num_nodes: int, run_id: int = 1):
+        grid = in_process.Grid.simulation(client_app, num_nodes, run_config, run_id)
+        in_process.run_server(server_app, grid, run_config)
+        return grid
+
+    return run
+
+
+def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run_config, capsys):
+    simulate(run_config, num_nodes=3)
+    folder = run_folder(Path(run_config["results-dir"]))
+    out = capsys.readouterr().out
+    assert out.count(f"results folder: {folder}") == 2  # printed at start and end
+    assert "round 3/3: accuracy" in out and "ε spent max" in out
+
+    rounds = pd.read_csv(folder / "rounds.csv")
+    assert list(rounds["round"]) == [1, 2, 3]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["resolved"]["epsilon"] == 1.0 and config["clients"] == 3
+
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["all_within_budget"] is True and summary["rounds"] == 3
+    # the initial model is at chance (~0.1 on 10 digits); private training must clearly beat it
+    assert rounds["accuracy"].iloc[-1] > 0.5
+    assert rounds["accuracy"].iloc[-1] > rounds["accuracy"].iloc[0]
+
+    clients = read_csv(folder / "clients.csv")
+    assert len(clients) == 3
+    for row in clients:
+        plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
+        steps = int(row["steps_done"])
+        assert steps == plan["steps"]  # a fresh ledger: every planned step ran
+        spent = float(row["epsilon_spent"])
+        assert spent <= float(row["epsilon_budget"]) == 1.0
+        assert spent == pytest.approx(independent_epsilon(plan, steps, float(row["delta"])), rel=1e-9)
+    assert (folder / "plans" / "index.csv").is_file() and (folder / "plans" / "0.html").is_file()
+    assert (folder / "progress.png").read_bytes()[:4] == b"\x89PNG"
+    model = build_model("logreg", 64, 10)
+    model.load_state_dict(torch.load(folder / "model.pt"))
+    assert (folder / "ledger.sqlite").is_file()  # a simulation's fresh ledger lives in its results folder
+
+
+def test_pyproject_declares_the_app_and_no_federations(in_process):
+    with (PROJECT / "pyproject.toml").open("rb") as handle:
+        flwr_table = tomllib.load(handle)["tool"]["flwr"]
+    assert "federations" not in flwr_table
+    assert flwr_table["app"]["components"] == {"serverapp": "server.app:app", "clientapp": "clients.app:app"}
+    assert in_process.defaults() == DEFAULTS
+    parse_run_config(in_process.defaults())  # the defaults work with no overrides
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("data-path", "data/pums.csv", "must be an absolute path"),
+        ("results-dir", "./results", "must be an absolute path"),
+        ("rule", "magic", "must be one of"),
+        ("epsilons", "1,x", "finite number"),
+        ("no-such-key", 1, "not a run-config key"),
+    ],
+)
+def test_bad_run_config_names_the_key(key, value, message):
+    with pytest.raises(InputError, match=message) as info:
+        parse_run_config({key: value})
+    assert info.value.field == key
+
+
+def test_budgets_must_match_the_clients():
+    settings = parse_run_config({"epsilons": "0.5,1,2"})
+    assert settings.budget(2, 3) == 2.0
+    with pytest.raises(InputError, match="one budget per client: 2 clients, 3 budgets"):
+        settings.budget(0, 2)
+
+
+def test_node_config_for_a_deployed_client(tmp_path):
+    assert parse_node_config({"partition-id": 0, "num-partitions": 2}) is None
+    node = parse_node_config({"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 2})
+    assert node is not None and node.epsilon == 2.0 and node.delta is None
+    with pytest.raises(InputError, match="client-id"):
+        parse_node_config({"data-path": "/x.csv", "epsilon": 1})
+    with pytest.raises(InputError, match="absolute path"):
+        parse_node_config({"client-id": "a", "data-path": "a.csv", "epsilon": 1})
+
+
+def independent_epsilon_of(parts: list[tuple[dict[str, Any], int]], delta: float) -> float:
+    """PLD ε of the first n steps of each plan in `parts`, all composed (dp_accounting directly)."""
+    accountant = pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    for plan, steps in parts:
+        for sigma, count in plan["noise_segments"]:
+            take, steps = min(count, steps), steps - min(count, steps)
+            step = dp_event.PoissonSampledDpEvent(plan["sampling_rate"], dp_event.GaussianDpEvent(sigma))
+            accountant.compose(dp_event.SelfComposedDpEvent(step, take))
+    return accountant.get_epsilon(delta)
+
+
+def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate, run_config, tmp_path, capsys):
+    """Privacy composes across runs: run 2 starts from run 1's spend and stops each client
+    before the round it cannot afford; it is never asked to train again."""
+    ledger = tmp_path / "shared-ledger.sqlite"
+    first = {**run_config, "ledger-path": str(ledger), "rule": "proactive", "num-server-rounds": 3}
+    simulate(first, num_nodes=2, run_id=1)
+    folder1 = run_folder(Path(first["results-dir"]))
+    second = {**first, "results-dir": str(tmp_path / "results2"), "rule": "calibrated", "num-server-rounds": 4}
+    grid = simulate(second, num_nodes=2, run_id=2)
+    folder2 = run_folder(tmp_path / "results2")
+
+    rows = read_csv(folder2 / "clients.csv")
+    for row in rows:
+        plan1 = json.loads((folder1 / "plans" / f"{row['client_id']}.json").read_text())
+        plan2 = json.loads((folder2 / "plans" / f"{row['client_id']}.json").read_text())
+        stopped = int(row["exhausted_round"])  # proactive spends ~half; calibrated alone would spend all
+        assert 1 < stopped <= 4
+        steps2 = Plan.from_dict(plan2).first_step_of_round(stopped)
+        refused = Plan.from_dict(plan2).steps_in_round(stopped)
+        assert int(row["steps_done"]) == plan1["steps"] + steps2
+        spent = float(row["epsilon_spent"])
+        assert spent <= float(row["epsilon_budget"]) == 1.0
+        assert spent == pytest.approx(independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2)], 1e-5), rel=1e-9)
+        # the round it skipped would have overspent
+        assert independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2 + refused)], 1e-5) > 1.0
+
+    trains = [node for node, kind in grid.calls if kind == "train"]
+    for node in set(trains):  # one train call per round up to and including the refused one, none after
+        name = node - 101
+        stopped = int(next(r["exhausted_round"] for r in rows if r["client_id"] == str(name)))
+        assert trains.count(node) == stopped
+    rounds = read_csv(folder2 / "rounds.csv")
+    assert rounds[-1]["clients_trained"] == "0" and rounds[-1]["clients_exhausted"] == "2"
+    assert "2 out of budget" in capsys.readouterr().out
+
+
+def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_config, monkeypatch):
+    """A node loses its in-memory state before round 2: it must take its plan and its spend
+    from the ledger (re-planning is made impossible), and finish exactly its plan."""
+    restarted = 101
+
+    def no_replanning(*args, **kwargs):
+        raise AssertionError("a client re-planned in the middle of a run")
+
+    class RestartBeforeRound2:
+        grid = None
+
+        def __call__(self, message, context):
+            if message.metadata.message_type == "train" and int(message.content["config"]["server-round"]) == 2:
+                monkeypatch.setattr(participant, "plan_client", no_replanning)
+                if context.node_id == restarted:
+                    self.grid.restart_node(restarted)
+                    context = self.grid.contexts[restarted]
+            return client_app(message, context)
+
+    wrapper = RestartBeforeRound2()
+    grid = in_process.Grid.simulation(wrapper, 2, run_config)
+    wrapper.grid = grid
+    in_process.run_server(server_app, grid, run_config)
+    folder = run_folder(Path(run_config["results-dir"]))
+    rows = read_csv(folder / "clients.csv")
+    assert len(rows) == 2
+    for row in rows:
+        plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
+        assert row["status"] == "ok" and row["rounds_trained"] == "3"
+        assert int(row["steps_done"]) == plan["steps"]
+        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, plan["steps"], plan["delta"]), rel=1e-9)
+
+
+@pytest.fixture
+def deployment_nodes(tmp_path) -> list[dict[str, Any]]:
+    """Two PUMA clients with their own files, budgets and ledgers, plus one with 3 rows."""
+    if not PUMS.is_file():
+        pytest.skip(f"PUMS file missing: {PUMS}")
+    table = pd.read_csv(PUMS)
+    nodes = []
+    for puma, epsilon in ((1101, 1.0), (1102, 2.0)):
+        path = tmp_path / f"puma{puma}.csv"
+        table[table.puma == puma].sample(400, random_state=0).to_csv(path, index=False)
+        nodes.append({"client-id": f"puma-{puma}", "data-path": str(path), "epsilon": epsilon, "ledger-path": str(tmp_path / f"ledger-{puma}.sqlite")})
+    tiny = tmp_path / "tiny.csv"
+    table.head(3).to_csv(tiny, index=False)
+    nodes.append({"client-id": "tiny", "data-path": str(tiny), "epsilon": 1.0, "ledger-path": str(tmp_path / "ledger-tiny.sqlite")})
+    return nodes
+
+
+def test_deployment_clients_without_server_data_and_a_too_small_client(in_process, run_config, deployment_nodes, capsys):
+    """Each node brings its own file and budget; the server has no data and evaluates through the
+    clients; the 3-row client fails clearly and the run goes on without it."""
+    config = {**run_config, "dataset": "pums"}
+    grid = in_process.Grid(client_app, deployment_nodes, config)
+    in_process.run_server(server_app, grid, config)
+    folder = run_folder(Path(config["results-dir"]))
+    out = capsys.readouterr().out
+    assert "federated (the server has no data)" in out
+    rounds = pd.read_csv(folder / "rounds.csv")
+    assert rounds["accuracy"].isna().all() and rounds["federated_accuracy"].notna().all()
+    assert list(rounds["clients_trained"]) == [2, 2, 2]
+    clients = {r["client_id"]: r for r in read_csv(folder / "clients.csv")}
+    (failed,) = [r for r in clients.values() if r["status"].startswith("failed")]
+    assert "too little data for client tiny" in failed["status"]
+    assert ("query" in {k for _, k in grid.calls})  # the initial model came from a client
+    for node in deployment_nodes[:2]:
+        row = clients[node["client-id"]]
+        plan = json.loads((folder / "plans" / f"{node['client-id']}.json").read_text())
+        assert float(row["epsilon_budget"]) == node["epsilon"]
+        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, int(row["steps_done"]), plan["delta"]), rel=1e-9)
+        assert Path(node["ledger-path"]).is_file()
