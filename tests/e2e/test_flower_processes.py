@@ -1,5 +1,6 @@
 """Slow tier: real `flwr run` against our own SuperLink (simulation), and a loopback deployment
-(SuperLink + SuperNodes, each with its own data file, budget and ledger), with and without TLS.
+(SuperLink + SuperNodes, each with its own data file, budget and ledger), with and without TLS,
+and with CLI-managed SuperNode authentication (only SuperNodes whose keys were registered join).
 Success is the run's final status from `flwr list`, never an exit code."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import datetime
 import ipaddress
 import json
 import ssl
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -68,23 +70,37 @@ def pums_nodes(tmp_path: Path, budgets: dict[int, float]) -> list[str]:
     return configs
 
 
-def start_deployment(flower, node_configs: list[str], tls: dict[str, Path] | None = None) -> int:
+def start_superlink(flower, tls: dict[str, Path] | None = None, *extra: str) -> int:
+    """A deployment SuperLink on a free port (TLS when `tls` is given), healthy, with the CLI
+    connection `deployment` pointing at it; returns its port."""
     port = flower.free_port()
     link_security = (
         ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
         if tls else ["--insecure"]
     )  # fmt: skip
     flower.start("superlink", ["flower-superlink", *link_security, "--host", "127.0.0.1", "--port", str(port),
-                               "--database", ":flwr-in-memory:"])  # fmt: skip
+                               "--database", ":flwr-in-memory:", *extra])  # fmt: skip
     context = ssl.create_default_context(cafile=str(tls["ca"])) if tls else None
     flower.wait_healthy(port, scheme="https" if tls else "http", context=context)
-    node_security = ["--root-certificates", str(tls["ca"])] if tls else ["--insecure"]
-    for i, node_config in enumerate(node_configs):
-        home = flower.home / f"node{i}"
-        home.mkdir()
-        flower.start(f"supernode{i}", ["flower-supernode", *node_security, "--superlink", f"127.0.0.1:{port}",
-                                       "--port", str(flower.free_port()), "--node-config", node_config], home=home)  # fmt: skip
     flower.connect("deployment", port, root_certificates=tls["ca"] if tls else None)
+    return port
+
+
+def start_supernode(flower, name: str, port: int, node_config: str, tls: dict[str, Path] | None = None,
+                    private_key: Path | None = None):  # fmt: skip
+    """One SuperNode with its own FLWR_HOME and Runtime API port (and its auth key, if given)."""
+    home = flower.home / name
+    home.mkdir()
+    security = ["--root-certificates", str(tls["ca"])] if tls else ["--insecure"]
+    auth = ["--auth-supernode-private-key", str(private_key)] if private_key else []
+    return flower.start(name, ["flower-supernode", *security, *auth, "--superlink", f"127.0.0.1:{port}",
+                               "--port", str(flower.free_port()), "--node-config", node_config], home=home)  # fmt: skip
+
+
+def start_deployment(flower, node_configs: list[str], tls: dict[str, Path] | None = None) -> int:
+    port = start_superlink(flower, tls)
+    for i, node_config in enumerate(node_configs):
+        start_supernode(flower, f"supernode{i}", port, node_config, tls)
     return port
 
 
@@ -157,3 +173,73 @@ def test_deployment_over_tls(flower, tmp_path):
     assert run["status"] == "finished:completed", flower.run_log(run_id)
     rows = clients_csv(only_folder(tmp_path / "r"))
     assert {r["client_id"]: float(r["epsilon_budget"]) for r in rows.values()} == {"puma-1103": 1.0, "puma-1104": 2.0}
+
+
+def make_supernode_key(path: Path) -> Path:
+    """An EC P-384 key pair in the OpenSSH formats flwr loads (what `ssh-keygen -t ecdsa -b 384`
+    writes): the private key at `path` for `--auth-supernode-private-key`, the public key at
+    `path.pub` for `flwr supernode register`. Returns the public key's path."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    )
+    path.chmod(0o600)
+    public = path.with_name(path.name + ".pub")
+    openssh = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    public.write_bytes(openssh)
+    return public
+
+
+def node_statuses(flower) -> dict[str, str]:
+    """`flwr supernode list`: node id → status (registered, online, offline, unregistered)."""
+    return {n["node-id"]: n["status"] for n in flower.cli("supernode", "list", "deployment")["nodes"]}
+
+
+def wait_online(flower, node_ids: set[str], timeout: float = 90) -> None:
+    """Poll `flwr supernode list` until exactly `node_ids` are listed, all online."""
+    deadline = time.monotonic() + timeout
+    while (statuses := node_statuses(flower)) != dict.fromkeys(node_ids, "online"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not exactly SuperNodes {node_ids} online after {timeout} s: {statuses}")
+        time.sleep(2)
+
+
+@pytest.mark.timeout(300)
+def test_supernode_authentication_admits_only_registered_nodes(flower, tmp_path):
+    """CLI-managed SuperNode authentication (TLS + `--enable-supernode-auth`): two SuperNodes whose
+    public keys were registered with `flwr supernode register` train; one signing with an
+    unregistered key and one without a key are refused at connection, never listed, never train."""
+    certificates = make_certificates(tmp_path)
+    port = start_superlink(flower, certificates, "--enable-supernode-auth")
+    *members, intruder, anonymous = pums_nodes(tmp_path, {1105: 1.0, 1106: 1.0, 1107: 1.0, 1101: 1.0})
+    keys = [tmp_path / "keys" / f"supernode{i}" for i in range(3)]
+    public_keys = [make_supernode_key(key) for key in keys]
+    registered = set()
+    for public_key in public_keys[:2]:
+        reply = flower.cli("supernode", "register", str(public_key), "deployment")
+        assert reply.get("success"), reply
+        registered.add(str(reply["node-id"]))
+    assert node_statuses(flower) == dict.fromkeys(registered, "registered")
+
+    for i, node_config in enumerate(members):
+        start_supernode(flower, f"supernode{i}", port, node_config, certificates, private_key=keys[i])
+    refused = {
+        "intruder": start_supernode(flower, "intruder", port, intruder, certificates, private_key=keys[2]),
+        "anonymous": start_supernode(flower, "anonymous", port, anonymous, certificates),
+    }
+    for name, process in refused.items():
+        process.wait(timeout=90)  # refused at connection: the SuperNode exits by itself
+        assert process.returncode != 0, flower.log(name)
+    assert "Failed to activate SuperNode" in flower.log("intruder")
+    assert "All SuperNodes must be registered via the CLI" in flower.log("anonymous")
+    wait_online(flower, registered)
+
+    run_id = flower.submit("deployment", f"dataset='pums' num-server-rounds=1 results-dir='{tmp_path / 'r'}'")
+    run = flower.wait_finished(run_id, timeout=180)
+    assert run["status"] == "finished:completed", flower.run_log(run_id)
+    assert set(clients_csv(only_folder(tmp_path / "r"))) == {"puma-1105", "puma-1106"}
+    assert node_statuses(flower) == dict.fromkeys(registered, "online")  # the refused never joined
