@@ -149,22 +149,27 @@ def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> 
     return build_model(settings.model, int(np.prod(features.shape[1:])), num_classes)
 
 
+def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float, delta: float, client_id: str) -> Plan:
+    """The plan a client makes from the run config: one place, so the ClientApp and the baselines agree."""
+    return plan_client(
+        num_examples,
+        epsilon,
+        delta,
+        rule=settings.rule,
+        clip_norm=settings.clip_norm,
+        epochs=settings.epochs,
+        rounds=settings.num_server_rounds,
+        client_id=client_id,
+        learning_rate=settings.learning_rate,
+    )
+
+
 def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id: str) -> tuple[Plan, bool]:
     """(the client's plan for this run, whether it was made now). Made once, a priori, then kept."""
     plan = ledger.load_plan(client.account, run_id)
     if plan is not None:
         return plan, False
-    plan = plan_client(
-        client.data.num_examples,
-        client.epsilon,
-        client.delta,
-        rule=settings.rule,
-        clip_norm=settings.clip_norm,
-        epochs=settings.epochs,
-        rounds=settings.num_server_rounds,
-        client_id=client.client_id,
-        learning_rate=settings.learning_rate,
-    )
+    plan = plan_from_settings(settings, client.data.num_examples, client.epsilon, client.delta, client.client_id)
     if plan.expected_batch_size < 1:
         raise InputError(
             "num-examples",
@@ -177,7 +182,7 @@ def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id:
     return ledger.load_plan(client.account, run_id) or plan, True
 
 
-def _noise_seed(settings: RunSettings, account: str) -> int | None:
+def client_noise_seed(settings: RunSettings, account: str) -> int | None:
     """Per-client seed (clients must never share noise); None = fresh OS entropy every step."""
     if settings.noise_seed < 0:
         return None
@@ -223,7 +228,7 @@ def train_round(
         plan,
         client.data.train.features,
         client.data.train.labels,
-        seed=_noise_seed(settings, client.account),
+        seed=client_noise_seed(settings, client.account),
         state={"step": plan.first_step_of_round(server_round), "b_squared": b_squared},
     )
     report = trainer.run_round(server_round)

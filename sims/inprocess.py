@@ -1,0 +1,96 @@
+"""An in-process Flower Grid: the real ServerApp and ClientApp objects, no Ray, no processes.
+
+Tests (tests/conftest.py) and simulation scenarios (sims/runner.py) both drive the apps with it.
+
+`InProcessGrid` implements Flower's `Grid` by calling the ClientApp object directly, one
+`Context` per node that persists across rounds, exactly as the simulation engine keeps
+`context.state`. An exception in a handler becomes an error reply, as Flower does, so the
+ServerApp sees failing clients the way it would in a real run. Nodes are called one after the
+other in this process, so a run uses one core (plus torch's threads).
+"""
+
+from __future__ import annotations
+
+import tomllib
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity  # internal; required to build Messages (flwr >= 1.38)
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def app_defaults() -> dict[str, Any]:
+    """`[tool.flwr.app.config]` of pyproject.toml: what `flwr run .` starts from."""
+    with (PROJECT / "pyproject.toml").open("rb") as handle:
+        return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+
+
+class InProcessGrid(Grid):
+    """A Grid whose nodes are ClientApp calls in this process."""
+
+    def __init__(self, client_app: Any, node_configs: list[dict[str, Any]], run_config: Mapping[str, Any], run_id: int = 1) -> None:
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 1, 1
+        self.client_app = client_app
+        self.run_id = run_id
+        self.contexts = {
+            node_id: Context(run_id=run_id, node_id=node_id, node_config=dict(cfg), state=RecordDict(), run_config=dict(run_config))
+            for node_id, cfg in enumerate(node_configs, start=101)
+        }
+        self.replies: dict[str, Message] = {}
+        self.calls: list[tuple[int, str]] = []
+        self._run = None
+
+    @classmethod
+    def simulation(cls, client_app: Any, num_nodes: int, run_config: Mapping[str, Any], run_id: int = 1) -> "InProcessGrid":
+        configs = [{"partition-id": i, "num-partitions": num_nodes} for i in range(num_nodes)]
+        return cls(client_app, configs, run_config, run_id)
+
+    def restart_node(self, node_id: int) -> None:
+        """What a SuperNode restart loses: its in-memory `context.state`."""
+        self.contexts[node_id].state = RecordDict()
+
+    def set_run(self, run_id: int) -> None:
+        self._run = run_id
+
+    @property
+    def run(self) -> Any:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None) -> Message:
+        return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for message in messages:
+            message_id = uuid.uuid4().hex
+            message.metadata.__dict__["_message_id"] = message_id  # the SuperLink assigns this normally
+            node = message.metadata.dst_node_id
+            self.calls.append((node, message.metadata.message_type))
+            try:
+                reply = self.client_app(message, self.contexts[node])
+            except Exception as exc:  # Flower turns a handler's exception into an error reply
+                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+            reply.metadata.__dict__["_src_node_id"] = node
+            self.replies[message_id] = reply
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+
+def run_server(server_app: Any, grid: InProcessGrid, run_config: Mapping[str, Any]) -> None:
+    """Run the ServerApp to completion on `grid`, as the SuperLink would."""
+    context = Context(run_id=grid.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config))
+    server_app(grid, context)

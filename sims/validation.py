@@ -1,0 +1,57 @@
+"""A validation split carved from the clients' training rows, for honest hyperparameter choice.
+
+`training_rows_file` writes the raw rows of every client's TRAINING split (the rows the private
+clients train on; never a test row) to a new CSV of the same layout. A run config pointing
+`data-path` at that file makes every client split its training rows again, by the same seeded
+rule, into a smaller training part and a validation part; the server then evaluates on the union
+of the validation parts. The test set the reported numbers use is never read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fedprivacy.data.loaders import load_dataset
+from fedprivacy.data.partition import load_clients, partition_rows
+from fedprivacy.data.splits import split_indices
+from fedprivacy.participant import partition_kwargs
+from fedprivacy.runconfig import DEFAULTS, parse_run_config
+from sims.runner import natural_client_count
+
+
+def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
+    """Write the training rows of `run_config`'s clients (pums or csv, natural partitions) to `out`."""
+    config = {**DEFAULTS, **run_config}
+    settings = parse_run_config(config)
+    kwargs = partition_kwargs(settings, natural_client_count(config))
+    if settings.dataset not in ("pums", "csv") or kwargs["scheme"] != "natural" or settings.data_path is None:
+        raise ValueError("a validation file needs a pums or csv data set with natural partitions (partition-by)")
+    options = {k: v for k, v in kwargs.items() if k not in ("name", "path", "scheme", "num_partitions", "seed", "by", "alpha", "skew", "test_fraction")}
+    if kwargs["by"] is not None:
+        options["client_column"] = kwargs["by"]
+    dataset = load_dataset(settings.dataset, settings.data_path, **options)
+    parts = partition_rows(dataset, "natural", kwargs["num_partitions"], settings.seed, kwargs["by"])
+    table = pd.read_csv(settings.data_path)
+    if len(table) != len(dataset):
+        raise ValueError(f"{settings.data_path}: {len(table)} rows in the file, {len(dataset)} loaded")
+    keep = []
+    for position, (_, rows) in enumerate(parts):  # the same split as fedprivacy.data.partition._client
+        train, _ = split_indices(dataset.labels[rows], settings.test_fraction, np.random.default_rng([settings.seed, position]))
+        keep.append(rows[train])
+    rows = np.sort(np.concatenate(keep))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.iloc[rows].to_csv(out, index=False)
+    # Check: the file holds exactly each client's training rows, nothing of any test split.
+    originals = load_clients(**kwargs)
+    carved = load_dataset(settings.dataset, out, **options)
+    for client, (_, part) in zip(originals, partition_rows(carved, "natural", len(originals), settings.seed, kwargs["by"]), strict=True):
+        mine = np.sort(carved.features[part].sum(axis=1))
+        theirs = np.sort(client.train.features.sum(axis=1))
+        if mine.shape != theirs.shape or not np.allclose(mine, theirs):
+            raise AssertionError(f"client {client.client_id}: validation file does not match its training rows")
+    return out
