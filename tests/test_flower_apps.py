@@ -12,11 +12,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import dp_accounting
 import pandas as pd
 import pytest
 import torch
-from dp_accounting import dp_event, pld
 
 from clients.app import app as client_app
 from fedprivacy import participant
@@ -24,6 +22,7 @@ from fedprivacy.errors import InputError
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.runconfig import DEFAULTS, parse_node_config, parse_run_config
+from independent import CERTIFICATE_REL_TOL, plan_prefix_events, pld_epsilon
 from server.app import app as server_app
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -34,18 +33,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # seeded-noise w
 
 def independent_epsilon(plan: dict[str, Any], steps: int, delta: float) -> float:
     """PLD ε of the first `steps` steps of `plan` (Poisson-subsampled Gaussian, add/remove-one)."""
-    accountant = pld.PLDAccountant(
-        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
-    )
-    left = steps
-    for sigma, count in plan["noise_segments"]:
-        take = min(count, left)
-        if take:
-            step = dp_event.PoissonSampledDpEvent(plan["sampling_rate"], dp_event.GaussianDpEvent(sigma))
-            accountant.compose(dp_event.SelfComposedDpEvent(step, take))
-        left -= take
-    assert left == 0, "the client reports more steps than its plan has"
-    return accountant.get_epsilon(delta) if steps else 0.0
+    return independent_epsilon_of([(plan, steps)], delta)
+
+
+def independent_epsilon_of(parts: list[tuple[dict[str, Any], int]], delta: float) -> float:
+    """PLD ε of the first n steps of each plan in `parts`, all composed (dp_accounting directly)."""
+    return pld_epsilon([run for plan, steps in parts for run in plan_prefix_events(plan, steps)], delta)
 
 
 def run_folder(results_dir: Path) -> Path:
@@ -96,7 +89,7 @@ def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run
         assert steps == plan["steps"]  # a fresh ledger: every planned step ran
         spent = float(row["epsilon_spent"])
         assert spent <= float(row["epsilon_budget"]) == 1.0
-        assert spent == pytest.approx(independent_epsilon(plan, steps, float(row["delta"])), rel=1e-9)
+        assert spent == pytest.approx(independent_epsilon(plan, steps, float(row["delta"])), rel=CERTIFICATE_REL_TOL)
     assert (folder / "plans" / "index.csv").is_file() and (folder / "plans" / "0.html").is_file()
     assert (folder / "progress.png").read_bytes()[:4] == b"\x89PNG"
     model = build_model("logreg", 64, 10)
@@ -146,19 +139,6 @@ def test_node_config_for_a_deployed_client(tmp_path):
         parse_node_config({"client-id": "a", "data-path": "a.csv", "epsilon": 1})
 
 
-def independent_epsilon_of(parts: list[tuple[dict[str, Any], int]], delta: float) -> float:
-    """PLD ε of the first n steps of each plan in `parts`, all composed (dp_accounting directly)."""
-    accountant = pld.PLDAccountant(
-        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
-    )
-    for plan, steps in parts:
-        for sigma, count in plan["noise_segments"]:
-            take, steps = min(count, steps), steps - min(count, steps)
-            step = dp_event.PoissonSampledDpEvent(plan["sampling_rate"], dp_event.GaussianDpEvent(sigma))
-            accountant.compose(dp_event.SelfComposedDpEvent(step, take))
-    return accountant.get_epsilon(delta)
-
-
 def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate, run_config, tmp_path, capsys):
     """Privacy composes across runs: run 2 starts from run 1's spend and stops each client
     before the round it cannot afford; it is never asked to train again."""
@@ -181,7 +161,7 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate,
         assert int(row["steps_done"]) == plan1["steps"] + steps2
         spent = float(row["epsilon_spent"])
         assert spent <= float(row["epsilon_budget"]) == 1.0
-        assert spent == pytest.approx(independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2)], 1e-5), rel=1e-9)
+        assert spent == pytest.approx(independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2)], 1e-5), rel=CERTIFICATE_REL_TOL)
         # the round it skipped would have overspent
         assert independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2 + refused)], 1e-5) > 1.0
 
@@ -225,7 +205,7 @@ def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_con
         plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
         assert row["status"] == "ok" and row["rounds_trained"] == "3"
         assert int(row["steps_done"]) == plan["steps"]
-        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, plan["steps"], plan["delta"]), rel=1e-9)
+        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, plan["steps"], plan["delta"]), rel=CERTIFICATE_REL_TOL)
 
 
 @pytest.fixture
@@ -265,5 +245,5 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
         row = clients[node["client-id"]]
         plan = json.loads((folder / "plans" / f"{node['client-id']}.json").read_text())
         assert float(row["epsilon_budget"]) == node["epsilon"]
-        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, int(row["steps_done"]), plan["delta"]), rel=1e-9)
+        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, int(row["steps_done"]), plan["delta"]), rel=CERTIFICATE_REL_TOL)
         assert Path(node["ledger-path"]).is_file()

@@ -4,27 +4,14 @@ from __future__ import annotations
 
 import threading
 
-import dp_accounting
 import pytest
-from dp_accounting import dp_event, pld
 
 from fedprivacy.ledger import BudgetExceeded, Ledger, round_events
-from fedprivacy.privacy.accountants import NoiseEvent
+from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon as ledger_accounting
 from fedprivacy.privacy.plan import Plan
+from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 DELTA = 1e-5
-
-
-def independent_pld(events: list[tuple[float, float, int]], delta: float) -> float:
-    """PLD ε straight from dp_accounting (same discretisation as the project's certificate)."""
-    accountant = pld.PLDAccountant(
-        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
-    )
-    for sigma, q, count in events:
-        accountant.compose(
-            dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), count)
-        )
-    return accountant.get_epsilon(delta)
 
 
 def test_records_compose_with_pld_and_survive_reopening(tmp_path):
@@ -34,12 +21,12 @@ def test_records_compose_with_pld_and_survive_reopening(tmp_path):
     first = ledger.record("a", "run1", 1, [NoiseEvent(4.0, 0.1, 10)], delta=DELTA, budget=10.0)
     second = ledger.record("a", "run1", 2, [NoiseEvent(3.0, 0.1, 5)], delta=DELTA, budget=10.0)
     assert 0 < first < second
-    expected = independent_pld([(4.0, 0.1, 10), (3.0, 0.1, 5)], DELTA)
-    assert second == pytest.approx(expected, rel=1e-9)
+    expected = pld_epsilon([(4.0, 0.1, 10), (3.0, 0.1, 5)], DELTA)
+    assert second == pytest.approx(expected, rel=CERTIFICATE_REL_TOL)
 
     reopened = Ledger(path)  # a restarted client opens the same file
     assert reopened.steps_spent("a") == 15
-    assert reopened.epsilon_spent("a", DELTA) == pytest.approx(expected, rel=1e-9)
+    assert reopened.epsilon_spent("a", DELTA) == pytest.approx(expected, rel=CERTIFICATE_REL_TOL)
     assert reopened.steps_spent("b") == 0  # accounts are separate
 
 
@@ -59,7 +46,7 @@ def test_concurrent_writers_never_overshoot(tmp_path):
     path = tmp_path / "ledger.sqlite"
     Ledger(path)
     step = [NoiseEvent(1.5, 0.2, 10)]
-    budget = independent_pld([(1.5, 0.2, 30)], DELTA) + 1e-6  # room for exactly 3 spends
+    budget = ledger_accounting([NoiseEvent(1.5, 0.2, 30)], DELTA) + 1e-6  # room for exactly 3 spends (concurrency, not accounting, is under test)
     outcomes: list[str] = []
 
     def writer() -> None:
