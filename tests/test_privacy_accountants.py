@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, GaussianPrivacyLoss
 
 from fedprivacy.errors import PlanRefused
 from fedprivacy.privacy import accountants
+from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
 from fedprivacy.privacy.planner import plan_client
 from independent import CERTIFICATE_REL_TOL, pld_epsilon, pld_epsilon_lower_bound, rdp_epsilon
 
@@ -97,3 +100,23 @@ def test_truncated_certificate_stays_an_upper_bound_at_tiny_delta(sigma, q, step
     still lies above an optimistic estimate of the true ε and within 1% of PLDAccountant."""
     certified = accountants.pld_epsilon(accountants.constant_events(sigma, q, steps), delta)
     assert pld_epsilon_lower_bound(sigma, q, steps, delta) <= certified <= 1.01 * pld_epsilon([(sigma, q, steps)], delta)
+
+
+SUBSAMPLED = [(0.5, 1e-4), (0.8, 0.02), (1.0, 0.3), (3.0, 0.5)]
+
+
+@pytest.mark.parametrize(
+    "adjacency, sigma, q",
+    [(AdjacencyType.REMOVE, 2.0, 1.0)]  # at q = 1 one PMF serves both adjacencies
+    + [(adjacency, sigma, q) for adjacency in AdjacencyType if adjacency != AdjacencyType.REPLACE for sigma, q in SUBSAMPLED],
+)
+def test_vectorised_hockey_stick_equals_dp_accounting_point_by_point(adjacency, sigma, q):
+    """gaussian_pld's δ(ε) is dp-accounting's GaussianPrivacyLoss.get_delta_for_epsilon, to rounding,
+    over the whole loss range the connect-the-dots grid covers (and past both ends)."""
+    ours = gaussian_pld_module._GaussianLoss(sigma, sampling_prob=q, adjacency_type=adjacency)
+    reference = GaussianPrivacyLoss(sigma, sampling_prob=q, adjacency_type=adjacency)
+    bounds = reference.connect_dots_bounds()
+    span = bounds.epsilon_upper - bounds.epsilon_lower
+    epsilons = np.linspace(bounds.epsilon_lower - 0.1 * span, bounds.epsilon_upper + 0.1 * span, 4001)
+    np.testing.assert_allclose(ours.get_delta_for_epsilon(epsilons), reference.get_delta_for_epsilon(epsilons), rtol=1e-9, atol=1e-15)
+    assert ours.get_delta_for_epsilon(0.5) == pytest.approx(reference.get_delta_for_epsilon(0.5), rel=1e-12)
