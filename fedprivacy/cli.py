@@ -35,7 +35,7 @@ def _guarded(action: Callable[[], T]) -> T:
 
 
 def _plan_table(plan: Any) -> Table:
-    table = Table(title=f"Plan for client {plan.client_id} ({plan.rule})", show_header=True)
+    table = Table(title=f"{plan.rule.capitalize()} plan for {plan.client_id}", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")
     rows = [

@@ -7,7 +7,11 @@ enters, and a failure names the field, the value and what is allowed, in one lin
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^(?:[\w]+\.)*(\w+(?:Error|Exception)): (.*\S.*)$")
 
 
 class InputError(ValueError):
@@ -75,3 +79,19 @@ def integer_at_least(field: str, value: Any, minimum: int) -> int:
     if not math.isfinite(number) or number != int(number) or number < minimum:
         raise InputError(field, value, allowed)
     return int(number)
+
+
+def error_summary(reason: str) -> str:
+    """The one line of a remote error that says what went wrong.
+
+    A ClientApp's exception reaches the server as a whole traceback (under Ray: two chained
+    tracebacks with colour codes, ending in a wrapper exception). Users need its cause, e.g.
+    "InputError: data-path='/x.csv': no such file", so this keeps the last `Name: message` line
+    with a non-empty message (the innermost exception Python printed), else the last line.
+    """
+    lines = [line.strip() for line in _ANSI_ESCAPE.sub("", reason).splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = _EXCEPTION_LINE.match(line)
+        if match and match.group(1) != "ClientAppException":  # Flower's wrapper, not the cause
+            return f"{match.group(1)}: {match.group(2)}"
+    return lines[-1] if lines else "unknown error"

@@ -76,8 +76,17 @@ def partition_kwargs(settings: RunSettings, num_clients: int) -> dict[str, Any]:
     )
 
 
+def _data_file_missing(settings: RunSettings) -> bool:
+    """A file-based data set whose run-config data-path is not a file on this machine."""
+    return settings.dataset in ("pums", "csv") and (settings.data_path is None or not settings.data_path.is_file())
+
+
 def simulation_client(settings: RunSettings, partition_id: int, num_partitions: int, ledger_path: Path) -> LocalClient:
     """A simulated client: partition `partition_id` of the run's data set, budget from the run config."""
+    if _data_file_missing(settings):
+        raise InputError("data-path", "" if settings.data_path is None else str(settings.data_path),
+                         f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
+                         "the run config's data-path (an absolute path on this machine)")
     data = load_client(partition_id, **partition_kwargs(settings, num_partitions))
     return LocalClient(
         client_id=data.client_id,
@@ -127,7 +136,7 @@ def server_test_set(settings: RunSettings, num_clients: int) -> Dataset | None:
     None when the server cannot build it (a deployment: the data lives on the clients); the
     server then evaluates through the clients.
     """
-    if settings.dataset in ("pums", "csv") and (settings.data_path is None or not settings.data_path.is_file()):
+    if _data_file_missing(settings):
         return None
     clients = load_clients(**partition_kwargs(settings, num_clients))
     tests = [c.test for c in clients]

@@ -9,7 +9,7 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
     plans/            every client's planning sheet (md, html, png, json) and an index
     model.pt          the final global model's state_dict
     progress.png      accuracy and ε spent per round
-    summary.json      the headline numbers
+    summary.json      status (completed, or failed with its error) and the headline numbers
 
 `RunRecorder` is fed plain dicts by the ServerApp (no flwr here) and rewrites the CSV files after
 every round, so a run that dies midway still leaves readable results.
@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.sheets import write_sheets
 
@@ -126,7 +127,7 @@ class RunRecorder:
     def failed(self, client_id: str, reason: str) -> None:
         """A client whose reply was an error: it is dropped from later rounds, with its reason."""
         rec = self.client(client_id)
-        rec.status = f"failed: {reason.strip().splitlines()[-1] if reason.strip() else 'unknown error'}"
+        rec.status = f"failed: {error_summary(reason)}"
 
     def evaluated(self, key: str, accuracy: float, loss: float) -> None:
         """Round metrics from central ('') or federated ('federated_') evaluation."""
@@ -156,7 +157,7 @@ class RunRecorder:
         self._round = {}
         self.rounds.append(row)
         _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
-        _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(c) for c in self.clients.values()])
+        _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(self.clients[c]) for c in sorted(self.clients)])
         return row
 
     def write_plans(self) -> list[Path]:
@@ -177,12 +178,14 @@ class RunRecorder:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         rounds = [r["round"] for r in self.rounds]
         key = "accuracy" if any(r["accuracy"] is not None for r in self.rounds) else "federated_accuracy"
         fig, left = plt.subplots(figsize=(6, 3.5))
         left.plot(rounds, [math.nan if r[key] is None else r[key] for r in self.rounds], "o-", color="C0")
         left.set_xlabel("round")
+        left.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         left.set_ylabel(key.replace("_", " "), color="C0")
         right = left.twinx()
         right.plot(rounds, [r["epsilon_spent_max"] for r in self.rounds], "s--", color="C3")
@@ -193,9 +196,12 @@ class RunRecorder:
         plt.close(fig)
         return path
 
-    def write_summary(self, extra: dict[str, Any]) -> dict[str, Any]:
+    def write_summary(self, extra: dict[str, Any], error: str | None = None) -> dict[str, Any]:
+        """summary.json; `error` marks a run that stopped on an exception (what it had is kept)."""
         last = self.rounds[-1] if self.rounds else {}
         summary = {
+            "status": "completed" if error is None else "failed",
+            "error": error,
             "results_dir": str(self.folder),
             "rounds": len(self.rounds),
             "final_accuracy": last.get("accuracy"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 import flwr
@@ -17,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fedprivacy.errors import error_summary
 from fedprivacy.participant import evaluate_model, new_model, server_test_set
 from fedprivacy.results import RunRecorder, new_run_folder
 from fedprivacy.runconfig import RunSettings, parse_run_config
@@ -38,7 +40,7 @@ def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, node: int, con
     query = Message(RecordDict({"config": config}), dst_node_id=node, message_type=MessageType.QUERY)
     (reply,) = grid.send_and_receive([query], timeout=settings.round_timeout)
     if reply.has_error():
-        raise RuntimeError(f"client on node {node} could not build the initial model: {reply.error.reason}")
+        raise RuntimeError(f"client on node {node} could not build the initial model: {error_summary(reply.error.reason)}")
     return reply.content["arrays"]
 
 
@@ -57,9 +59,31 @@ def main(grid: Grid, context: Context) -> None:
     settings = parse_run_config(context.run_config)
     folder = new_run_folder(settings.results_dir, context.run_id)
     say(f"results folder: {folder}")
-    random.seed(settings.seed)  # anything left that draws from the global RNG
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
+    extra = {"run_id": context.run_id, "ledger_path": str(ledger_path)}
+    try:
+        _federate(grid, context, settings, recorder, ledger_path)
+    except Exception as exc:
+        # Keep what the run had (rounds.csv and clients.csv are already written), and say why
+        # it stopped in one line; Flower then reports the run as finished:failed.
+        reason = error_summary(f"{type(exc).__name__}: {exc}")
+        recorder.write_plans()
+        recorder.write_summary(extra, error=reason)
+        say(f"run failed: {reason}")
+        say(f"results folder: {folder} (partial)")
+        raise
+    summary = recorder.write_summary(extra)
+    say(
+        f"done: final accuracy {_fmt(summary['final_accuracy'] or summary['final_federated_accuracy'])}, "
+        f"max ε spent {summary['epsilon_spent_max']:.4f}, all within budget: {summary['all_within_budget']}"
+    )
+    say(f"results folder: {folder}")
+
+
+def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: RunRecorder, ledger_path: Path) -> None:
+    """The rounds: FedAvg with privacy-aware sampling, evaluation each round, then the model and figure."""
+    random.seed(settings.seed)  # anything left that draws from the global RNG
     strategy = PrivacyFedAvg(
         recorder,
         seed=settings.seed,
@@ -71,10 +95,14 @@ def main(grid: Grid, context: Context) -> None:
     )
     nodes = strategy.connected_nodes(grid)
     test = server_test_set(settings, len(nodes))
+    if test is None and settings.data_path is not None:
+        say(f"data-path {settings.data_path} is not a file on the server: evaluating through the clients "
+            "(as in a deployment, where each SuperNode reads its own file)")
     evaluation = "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
     recorder.write_config(
         _resolved_config(
-            settings, context, {"results_folder": str(folder), "ledger_path": str(ledger_path), "clients": len(nodes), "evaluation": evaluation}
+            settings, context,
+            {"results_folder": str(recorder.folder), "ledger_path": str(ledger_path), "clients": len(nodes), "evaluation": evaluation},
         )
     )
     say(f"{len(nodes)} clients, {settings.num_server_rounds} rounds, dataset {settings.dataset}, rule {settings.rule}; evaluation: {evaluation}")
@@ -107,12 +135,6 @@ def main(grid: Grid, context: Context) -> None:
     recorder.write_plans()
     recorder.save_model((result.arrays or initial).to_torch_state_dict())
     recorder.write_figure()
-    summary = recorder.write_summary({"run_id": context.run_id, "ledger_path": str(ledger_path)})
-    say(
-        f"done: final accuracy {_fmt(summary['final_accuracy'] or summary['final_federated_accuracy'])}, "
-        f"max ε spent {summary['epsilon_spent_max']:.4f}, all within budget: {summary['all_within_budget']}"
-    )
-    say(f"results folder: {folder}")
 
 
 def _fmt(value: float | None) -> str:

@@ -21,6 +21,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.results import RunRecorder
 
@@ -128,7 +129,7 @@ class PrivacyFedAvg(FedAvg):
             if reply.has_error():
                 self.failed.add(node)
                 self.recorder.failed(self._name(node), reply.error.reason)
-                log(WARNING, "client %s failed and is dropped from the run: %s", self._name(node), reply.error.reason)
+                log(WARNING, "client %s failed and is dropped from the run: %s", self._name(node), error_summary(reply.error.reason))
                 continue
             client = reply.content["client"]
             self.names[node] = str(client["client-id"])
@@ -145,7 +146,8 @@ class PrivacyFedAvg(FedAvg):
         replies = list(replies)
         for reply in replies:
             if reply.has_error():
-                log(WARNING, "evaluation failed on client %s: %s", self._name(reply.metadata.src_node_id), reply.error.reason)
+                log(WARNING, "evaluation failed on client %s: %s", self._name(reply.metadata.src_node_id),
+                    error_summary(reply.error.reason))
         metrics = super().aggregate_evaluate(server_round, [r for r in replies if not r.has_error()])
         if metrics is not None:
             self.recorder.evaluated("federated_", float(metrics["accuracy"]), float(metrics["loss"]))

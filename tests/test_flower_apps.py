@@ -247,3 +247,25 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
         assert float(row["epsilon_budget"]) == node["epsilon"]
         assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, int(row["steps_done"]), plan["delta"]), rel=CERTIFICATE_REL_TOL)
         assert Path(node["ledger-path"]).is_file()
+
+
+def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(simulate, run_config, tmp_path, capsys):
+    """The server cannot tell a simulation from a deployment, so it evaluates through the clients;
+    the clients then refuse the file by its key, and the results folder says the run failed."""
+    missing = tmp_path / "nowhere" / "pums.csv"
+    config = {**run_config, "dataset": "pums", "data-path": str(missing), "partition-by": "puma"}
+    with pytest.raises(RuntimeError, match="could not build the initial model: InputError: data-path="):
+        simulate(config, num_nodes=2)
+    out = capsys.readouterr().out
+    assert f"data-path {missing} is not a file on the server" in out
+    assert "run failed: RuntimeError: client on node" in out and "data-path=" in out
+    summary = json.loads((run_folder(Path(config["results-dir"])) / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds"] == 0
+    assert summary["error"].endswith("needs a CSV file: in a simulation every client reads the run config's "
+                                     "data-path (an absolute path on this machine)")
+
+
+def test_a_completed_run_says_so_in_its_summary(simulate, run_config):
+    simulate({**run_config, "num-server-rounds": 1}, num_nodes=2)
+    summary = json.loads((run_folder(Path(run_config["results-dir"])) / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["error"] is None
