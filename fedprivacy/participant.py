@@ -256,6 +256,7 @@ def train_round(
         "clip-fraction": _finite(report.clip_fraction),
         "train-loss": _finite(report.mean_loss),
         "budget-exhausted": 0,
+        "on-gpu": int(dev.type == "cuda"),
     }
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return RoundResult(state, metrics, trainer.state_dict()["b_squared"])

@@ -38,7 +38,7 @@ ROUND_COLUMNS = (
 )  # fmt: skip
 CLIENT_COLUMNS = (
     "client_id", "num_examples", "epsilon_budget", "epsilon_spent", "delta", "sigma", "steps_done",
-    "steps_planned", "rounds_trained", "exhausted_round", "status",
+    "steps_planned", "rounds_trained", "exhausted_round", "device", "status",
 )  # fmt: skip
 
 
@@ -84,6 +84,7 @@ class ClientRecord:
     steps_planned: int = 0
     rounds_trained: int = 0
     exhausted_round: int | None = None
+    device: str = ""  # where it last trained: "gpu" or "cpu"
     status: str = "ok"
 
 
@@ -122,6 +123,7 @@ class RunRecorder:
             rec.status = "exhausted"
             return
         rec.rounds_trained += 1
+        rec.device = "gpu" if metrics["on-gpu"] else "cpu"
         current.append((int(metrics["num-examples"]), float(metrics["train-loss"]), float(metrics["clip-fraction"])))
 
     def failed(self, client_id: str, reason: str) -> None:

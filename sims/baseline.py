@@ -9,7 +9,9 @@ compared with:
   over rounds come from the plan its private twin makes (`plan_from_settings` with the run config's ε,
   rule, epochs and rounds, exactly as the ClientApp calls it); that plan's noise is never used;
 - the same constant learning rate and the same FedAvg weighting (by local training size N);
-- the same test set: `fedprivacy.participant.server_test_set` (the union of the clients' test splits).
+- the same test set: `fedprivacy.participant.server_test_set` (the union of the clients' test splits);
+- the same device: local training runs where a ClientApp would (`fedprivacy.participant.device`),
+  since a seeded generator draws different noise on a GPU than on the CPU.
 
 Each step takes the plain mean cross-entropy gradient of the Poisson-sampled batch, unclipped and
 without noise (an empty batch is a step without an update). It is a separate function, not a
@@ -33,7 +35,7 @@ from torch import nn
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.data.types import ClientData
-from fedprivacy.participant import client_noise_seed, evaluate_model, new_model, partition_kwargs, plan_from_settings, server_test_set
+from fedprivacy.participant import client_noise_seed, device, evaluate_model, new_model, partition_kwargs, plan_from_settings, server_test_set
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.training.trainer import DPTrainer
@@ -64,6 +66,7 @@ def _federate(run_config: dict[str, Any], num_clients: int | None, name: str, pr
 
     torch.manual_seed(settings.seed)  # the ServerApp's initial model
     model = new_model(settings, test.features, test.num_classes)
+    local_device = device()
     global_state: State = {k: v.detach().clone() for k, v in model.state_dict().items()}
     started = time.perf_counter()
     rounds: list[dict[str, Any]] = []
@@ -72,10 +75,10 @@ def _federate(run_config: dict[str, Any], num_clients: int | None, name: str, pr
         for index, (client, plan) in enumerate(zip(clients, plans, strict=True)):
             if plan.steps_in_round(server_round) == 0:  # a private client would be out of budget
                 continue
-            local = new_model(settings, client.train.features, client.train.num_classes)
+            local = new_model(settings, client.train.features, client.train.num_classes).to(local_device)
             local.load_state_dict(global_state)
             local_train(index, client, plan, local, server_round)
-            states.append({k: v.detach().clone() for k, v in local.state_dict().items()})
+            states.append({k: v.detach().cpu().clone() for k, v in local.state_dict().items()})
             weights.append(float(client.num_examples))
         if states:
             total = sum(weights)
@@ -112,7 +115,7 @@ def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Pla
     generators = [torch.Generator().manual_seed(int(s.generate_state(1)[0])) for s in seeds]
 
     def train(index: int, client: ClientData, plan: Plan, model: nn.Module, server_round: int) -> None:
-        x, y = tensors[index]
+        x, y = (t.to(next(model.parameters()).device) for t in tensors[index])
         optimizer = torch.optim.SGD(model.parameters(), lr=settings.learning_rate)
         model.train()
         for _ in range(plan.steps_in_round(server_round)):
@@ -120,6 +123,7 @@ def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Pla
             if batch.numel() == 0:
                 continue
             optimizer.zero_grad()
+            batch = batch.to(x.device)
             nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
             optimizer.step()
 

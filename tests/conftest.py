@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from sims.inprocess import InProcessGrid, app_defaults, run_server
 
@@ -28,3 +29,11 @@ def in_process() -> Any:
 def run_config(tmp_path: Path) -> dict[str, Any]:
     """The app defaults, results under tmp_path, reproducible noise."""
     return {**app_defaults(), "results-dir": str(tmp_path / "results"), "noise-seed": 7}
+
+
+@pytest.fixture(
+    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+)
+def compute_device(request: pytest.FixtureRequest) -> torch.device:
+    """Each device-sensitive training test runs on the CPU, and on the GPU too when one is visible."""
+    return torch.device(request.param)

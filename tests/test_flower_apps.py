@@ -83,7 +83,9 @@ def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run
 
     clients = read_csv(folder / "clients.csv")
     assert len(clients) == 3
+    expected_device = "gpu" if torch.cuda.is_available() else "cpu"  # in process, clients see what we see
     for row in clients:
+        assert row["device"] == expected_device
         plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
         steps = int(row["steps_done"])
         assert steps == plan["steps"]  # a fresh ledger: every planned step ran

@@ -61,10 +61,11 @@ def data(n: int = 40, features: int = 15, classes: int = 2, seed: int = 0):
     return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
 
 
-def trainer(plan: Plan, seed: int | None = 3, model_seed: int = 0, **kwargs) -> DPTrainer:
+def trainer(plan: Plan, seed: int | None = 3, model_seed: int = 0, device: str | torch.device = "cpu", **kwargs) -> DPTrainer:
+    """An MLP trainer on `device` (the trainer follows the model's device, data included)."""
     torch.manual_seed(model_seed)
     x, y = data(plan.n)
-    return DPTrainer(build_model("mlp", 15, 2), plan, x, y, seed=seed, **kwargs)
+    return DPTrainer(build_model("mlp", 15, 2).to(device), plan, x, y, seed=seed, **kwargs)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -73,9 +74,9 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 # ----- steps: exactly T, in any split, never more -----
 @pytest.mark.parametrize("rounds", [1, 3, 7])
-def test_runs_exactly_the_plan_steps_across_rounds(rounds: int) -> None:
+def test_runs_exactly_the_plan_steps_across_rounds(rounds: int, compute_device: torch.device) -> None:
     plan = make_plan(steps=20, rounds=rounds)  # 20 is not divisible by 3 or 7
-    t = trainer(plan)
+    t = trainer(plan, device=compute_device)
     reports = [t.run_round(r) for r in range(1, rounds + 1)]
     assert sum(r.steps for r in reports) == 20 == t.step
     assert [r.first_step for r in reports] == [plan.first_step_of_round(r) for r in range(1, rounds + 1)]
@@ -111,9 +112,9 @@ def test_data_must_match_the_plan_size() -> None:
 
 
 # ----- empty batches still spend a step and add noise -----
-def test_empty_batches_are_noisy_steps() -> None:
+def test_empty_batches_are_noisy_steps(compute_device: torch.device) -> None:
     plan = make_plan(n=10, q=1e-6, steps=5, lr=1e-5)  # noise on the mean: σC/(qN) = 1e5
-    t = trainer(plan)
+    t = trainer(plan, device=compute_device)
     states = [flat(t.model)]
     for _ in range(5):
         report = t.run_steps(1)
@@ -127,10 +128,10 @@ def test_empty_batches_are_noisy_steps() -> None:
 
 
 # ----- the noise and the sampling have the planned distributions -----
-def test_release_adds_noise_of_std_sigma_c_to_the_sum() -> None:
+def test_release_adds_noise_of_std_sigma_c_to_the_sum(compute_device: torch.device) -> None:
     sigma, clip, coords = 1.3, 0.7, 40_000
-    g = torch.Generator().manual_seed(11)
-    clean = torch.randn(coords, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator(device=compute_device).manual_seed(11)
+    clean = torch.randn(coords, generator=torch.Generator().manual_seed(5)).to(compute_device)
     released = release([clean.clone()], sigma, clip, expected_batch=1.0, generator=g)[0]
     noise = released - clean
     # Sample std of n normals has relative s.e. 1/sqrt(2n) = 0.35%; allow 5 s.e.
@@ -138,13 +139,13 @@ def test_release_adds_noise_of_std_sigma_c_to_the_sum() -> None:
     assert abs(float(noise.mean())) < 5 * sigma * clip / math.sqrt(coords)
 
 
-def test_trainer_noise_on_the_sum_is_sigma_c() -> None:
+def test_trainer_noise_on_the_sum_is_sigma_c(compute_device: torch.device) -> None:
     """End to end, q = 1 (every record sampled): N·released − clean clipped sum ~ N(0, σ²C²)."""
     n, sigma, clip = 16, 2.0, 0.5
     plan = make_plan(n=n, q=1.0, steps=1, sigma=sigma, clip=clip, lr=1.0)
     noises = []
     for seed in range(4):
-        t = trainer(plan, seed=seed)
+        t = trainer(plan, seed=seed, device=compute_device)
         x, y = t.features, t.labels
         clean = torch.zeros_like(flat(t.model))
         for i in range(n):
@@ -162,11 +163,11 @@ def test_trainer_noise_on_the_sum_is_sigma_c() -> None:
     assert report.noise_std_on_mean == pytest.approx(sigma * clip / n)
 
 
-def test_average_divides_by_the_expected_batch_not_the_realised_one() -> None:
+def test_average_divides_by_the_expected_batch_not_the_realised_one(compute_device: torch.device) -> None:
     """σ = 0: the released gradient is exactly the clipped sum of the sampled records / (qN)."""
     plan = make_plan(n=40, q=0.3, steps=1, sigma=0.0, clip=0.5, lr=1.0)
-    t = trainer(plan, seed=21)
-    index = poisson_sample(40, 0.3, StepRandomness("cpu", 21).for_step(0), torch.device("cpu"))
+    t = trainer(plan, seed=21, device=compute_device)
+    index = poisson_sample(40, 0.3, StepRandomness(compute_device, 21).for_step(0), compute_device)
     assert 0 < len(index) != 12  # realised size differs from qN = 12
     clean = torch.zeros_like(flat(t.model))
     for i in index.tolist():
@@ -178,10 +179,10 @@ def test_average_divides_by_the_expected_batch_not_the_realised_one() -> None:
     torch.testing.assert_close(before - flat(t.model), clean / 12, atol=1e-6, rtol=1e-5)
 
 
-def test_poisson_sampling_rate_matches_q() -> None:
+def test_poisson_sampling_rate_matches_q(compute_device: torch.device) -> None:
     n, q, reps = 10_000, 0.03, 20
-    g = torch.Generator().manual_seed(4)
-    sizes = [len(poisson_sample(n, q, g, torch.device("cpu"))) for _ in range(reps)]
+    g = torch.Generator(device=compute_device).manual_seed(4)
+    sizes = [len(poisson_sample(n, q, g, compute_device)) for _ in range(reps)]
     total, trials = sum(sizes), n * reps
     assert abs(total - q * trials) < 5 * math.sqrt(trials * q * (1 - q))  # binomial, 5 s.d.
     assert len(set(sizes)) > 1  # variable batch sizes
@@ -203,14 +204,14 @@ def test_sigma_follows_the_plan_segments() -> None:
 
 
 # ----- randomness: secure by default, reproducible only with a seed -----
-def test_seeded_runs_are_reproducible_and_split_invariant() -> None:
+def test_seeded_runs_are_reproducible_and_split_invariant(compute_device: torch.device) -> None:
     plan = make_plan(steps=12, rounds=3)
-    a, b = trainer(plan, seed=9), trainer(plan, seed=9)
+    a, b = trainer(plan, seed=9, device=compute_device), trainer(plan, seed=9, device=compute_device)
     a.run_steps(12)
     for r in range(1, 4):
         b.run_round(r)
     assert torch.equal(flat(a.model), flat(b.model))
-    c = trainer(plan, seed=10)
+    c = trainer(plan, seed=10, device=compute_device)
     c.run_steps(12)
     assert not torch.equal(flat(a.model), flat(c.model))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 PUMS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
 
@@ -31,13 +32,18 @@ def clients_csv(folder: Path) -> dict[str, dict[str, str]]:
         return {row["client_id"]: row for row in csv.DictReader(handle)}
 
 
-@pytest.mark.timeout(300)
-def test_flwr_run_simulation_completes_and_refuses_a_relative_results_dir(flower, tmp_path):
+def start_simulation_superlink(flower) -> None:
+    """A simulation SuperLink (Ray runs the clients) on a free port, with the CLI connection `e2e`."""
     port = flower.free_port()
     flower.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
                                "--port", str(port), "--database", ":flwr-in-memory:"])  # fmt: skip
     flower.wait_healthy(port)
     flower.connect("e2e", port)
+
+
+@pytest.mark.timeout(300)
+def test_flwr_run_simulation_completes_and_refuses_a_relative_results_dir(flower, tmp_path):
+    start_simulation_superlink(flower)
     results = tmp_path / "results"
     run_id = flower.submit(
         "e2e", f"results-dir='{results}' num-server-rounds=2", "num-supernodes=3 client-resources-num-cpus=1"
@@ -49,11 +55,31 @@ def test_flwr_run_simulation_completes_and_refuses_a_relative_results_dir(flower
     assert f"results folder: {folder}" in log and "round 2/2: accuracy" in log
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["clients"] == 3 and summary["all_within_budget"] is True
+    # RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 (OFFLINE_ENV): num-gpus=0 actors still see a GPU if there is one
+    assert {row["device"] for row in clients_csv(folder).values()} == {"gpu" if torch.cuda.is_available() else "cpu"}
 
     bad = flower.submit("e2e", "results-dir='relative/results' num-server-rounds=1", "num-supernodes=2")
     run = flower.wait_finished(bad, timeout=120)
     assert run["status"] == "finished:failed"
     assert "must be an absolute path" in flower.run_log(bad)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_flwr_run_simulation_shares_a_gpu_between_clients(flower, tmp_path):
+    """`client-resources-num-gpus=0.25`: Ray gives every client actor the GPU, four at a time."""
+    start_simulation_superlink(flower)
+    results = tmp_path / "results"
+    run_id = flower.submit(
+        "e2e",
+        f"results-dir='{results}' num-server-rounds=2 model='cnn'",
+        "num-supernodes=6 client-resources-num-cpus=1 client-resources-num-gpus=0.25",
+    )
+    run = flower.wait_finished(run_id, timeout=240)
+    log = flower.run_log(run_id)
+    assert run["status"] == "finished:completed", log
+    rows = clients_csv(only_folder(results))
+    assert len(rows) == 6 and {row["device"] for row in rows.values()} == {"gpu"}, rows
 
 
 def pums_nodes(tmp_path: Path, budgets: dict[int, float]) -> list[str]:
