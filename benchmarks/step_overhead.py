@@ -9,9 +9,11 @@ Honest comparison, same work per step for every implementation:
     as the trainer runs it (`fedprivacy.training.step.dp_step`);
   - the non-private step is zero_grad + forward + mean cross-entropy + backward + torch SGD step.
 Repeats are interleaved (round-robin over implementations) so load from other processes on the
-shared machine hits all of them alike; we report the median over repeats after warm-up.
+shared machine hits all of them alike; we report the median over repeats after warm-up. With
+`--device cuda` everything (models, batches, our noise generator) lives on the GPU and each timed
+repeat ends with a device synchronisation, so queued kernels are counted.
 
-Usage: python benchmarks/step_overhead.py [--repeats 31] [--inner 10] [--json PATH]
+Usage: python benchmarks/step_overhead.py [--device cpu|cuda] [--repeats 31] [--inner 10] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Calla
 
 def fedprivacy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     clipper = PerExampleClipper(model)
-    randomness = StepRandomness("cpu")  # unseeded: fresh OS entropy every step
+    randomness = StepRandomness(x.device)  # unseeded: fresh OS entropy every step
     counter = iter(range(10**9))
 
     def step() -> None:
@@ -110,30 +112,39 @@ IMPLS = {
 }
 
 
-def measure(repeats: int, inner: int) -> list[dict[str, object]]:
+def synchronise(device: torch.device) -> None:
+    """Wait for queued GPU kernels, so a timed repeat counts the work it launched."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(repeats: int, inner: int, device: torch.device) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for name, features, classes, shape in CASES:
         for batch in BATCHES:
             torch.manual_seed(0)
-            base = build_model(name, features, classes)
-            x = torch.randn(batch, *shape)
-            y = torch.randint(0, classes, (batch,))
+            base = build_model(name, features, classes).to(device)
+            x = torch.randn(batch, *shape, device=device)
+            y = torch.randint(0, classes, (batch,), device=device)
             steps = {impl: make(copy.deepcopy(base), x, y) for impl, make in IMPLS.items()}
             times: dict[str, list[float]] = {impl: [] for impl in steps}
             for step in steps.values():  # warm-up
                 for _ in range(inner):
                     step()
+            synchronise(device)
             for _ in range(repeats):  # interleaved repeats
                 for impl, step in steps.items():
                     start = time.perf_counter()
                     for _ in range(inner):
                         step()
+                    synchronise(device)
                     times[impl].append((time.perf_counter() - start) / inner * 1e3)
             base_ms = statistics.median(times["nonprivate"])
             for impl, values in times.items():
                 ms = statistics.median(values)
                 rows.append(
                     {
+                        "device": device.type,
                         "model": name,
                         "batch": batch,
                         "impl": impl,
@@ -158,10 +169,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=31, help="interleaved timed repeats")
     parser.add_argument("--inner", type=int, default=10, help="steps per timed repeat")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where models and batches live")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver?)")
     torch.set_num_threads(2)
     warnings.filterwarnings("ignore")  # Opacus warns about secure_mode and the accountant
-    rows = measure(args.repeats, args.inner)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}")
+    rows = measure(args.repeats, args.inner, device)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
