@@ -41,7 +41,7 @@ class LocalClient:
     """Who a client is, what it holds and what it may spend."""
 
     client_id: str
-    account: str  # the ledger key: one per (client, data set)
+    account: str  # the ledger key: one per data set (a deployed file's content, or a simulated partition)
     data: ClientData
     epsilon: float
     delta: float
@@ -108,7 +108,8 @@ def _file_digest(path: Path) -> str:
 
 def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
     """A deployed client: its whole file, split into train/test; its ledger account is keyed by
-    the file's content, so every run on the same data draws on the same budget."""
+    the file's content alone, so every run on the same data draws on the same budget, whatever
+    `client-id` the SuperNode is started with."""
     if settings.dataset not in ("pums", "csv"):
         raise InputError("dataset", settings.dataset, "a deployment reads each client's own file: use 'pums' or 'csv'")
     if not node.data_path.is_file():
@@ -122,7 +123,7 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
     data = split_client(node.client_id, dataset, settings.test_fraction, rng)
     return LocalClient(
         client_id=node.client_id,
-        account=f"{node.client_id}:{digest}",
+        account=f"data:{digest}",
         data=data,
         epsilon=node.epsilon,
         delta=settings.delta if node.delta is None else node.delta,

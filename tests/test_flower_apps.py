@@ -251,6 +251,21 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
         assert Path(node["ledger-path"]).is_file()
 
 
+def test_a_renamed_deployed_client_keeps_the_budget_its_data_has_spent(in_process, run_config, deployment_nodes, tmp_path):
+    """The ledger account is the data file, not the client id: run 2 under a new name on the same
+    file and ledger starts from run 1's spend (a fresh account would restart at step 0)."""
+    first = deployment_nodes[0]
+    renamed = {**first, "client-id": "puma-1101-renamed"}
+    steps = {}
+    for run, node in ((1, first), (2, renamed)):
+        config = {**run_config, "dataset": "pums", "results-dir": str(tmp_path / f"r{run}")}
+        in_process.run_server(server_app, in_process.Grid(client_app, [node, deployment_nodes[1]], config, run_id=run), config)
+        rows = {r["client_id"]: r for r in read_csv(run_folder(tmp_path / f"r{run}") / "clients.csv")}
+        steps[run] = int(rows[node["client-id"]]["steps_done"])  # the ledger's cumulative steps
+    plan = json.loads((run_folder(tmp_path / "r1") / "plans" / f"{first['client-id']}.json").read_text())
+    assert steps[1] == plan["steps"] < steps[2]  # run 2 trained on top of run 1's steps
+
+
 def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(simulate, run_config, tmp_path, capsys):
     """The server cannot tell a simulation from a deployment, so it evaluates through the clients;
     the clients then refuse the file by its key, and the results folder says the run failed."""
