@@ -139,7 +139,8 @@ def server_test_set(settings: RunSettings, num_clients: int) -> Dataset | None:
     """
     if _data_file_missing(settings):
         return None
-    clients = load_clients(**partition_kwargs(settings, num_clients))
+    # A client too small to train fails on its own (the run goes on); it has no test rows to give.
+    clients = load_clients(**partition_kwargs(settings, num_clients), drop_too_small=True)
     tests = [c.test for c in clients]
     return Dataset(
         features=np.concatenate([t.features for t in tests]),

@@ -329,11 +329,16 @@ def test_fractional_label_is_refused(tmp_path: Path) -> None:
         load_dataset("csv", path, label="y")
 
 
-def test_client_with_one_row_names_the_client(tmp_path: Path) -> None:
+def test_client_with_one_row_names_the_client_and_only_it_fails(tmp_path: Path) -> None:
     path = write(tmp_path, "site,x,y\na,1,0\na,2,1\na,3,0\nb,4,1\n")
+    options = dict(name="csv", path=path, scheme="natural", by="site", label="y")
     with pytest.raises(InputError) as excinfo:
-        load_clients("csv", path, scheme="natural", by="site", label="y")
-    assert message(excinfo).startswith("partition-by site='b': client b has 1 row(s)") and "at least 2" in message(excinfo)
+        load_clients(**options)
+    assert message(excinfo).startswith("client b=1: row(s) in its partition") and "at least 2" in message(excinfo)
+    with pytest.raises(InputError, match="client b=1"):
+        load_client(1, **options)
+    assert load_client(0, **options).client_id == "a"  # the other clients still load
+    assert [c.client_id for c in load_clients(**options, drop_too_small=True)] == ["a"]
 
 
 def test_client_column_with_empty_values_is_refused(tmp_path: Path) -> None:

@@ -251,6 +251,27 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
         assert Path(node["ledger-path"]).is_file()
 
 
+def test_a_simulated_client_with_one_row_fails_alone(simulate, run_config, tmp_path):
+    """Natural partitions: a PUMA with a single row cannot train; it fails with its name and the
+    other clients finish the run, evaluated on their own test splits."""
+    if not PUMS.is_file():
+        pytest.skip(f"PUMS file missing: {PUMS}")
+    table = pd.read_csv(PUMS)
+    path = tmp_path / "three_pumas.csv"
+    pieces = [table[table.puma == 1101].sample(400, random_state=0), table[table.puma == 1102].sample(400, random_state=0),
+              table[table.puma == 1103].head(1)]  # fmt: skip
+    pd.concat(pieces).to_csv(path, index=False)
+    config = {**run_config, "dataset": "pums", "data-path": str(path), "partition-by": "puma"}
+    simulate(config, num_nodes=3)
+    folder = run_folder(Path(config["results-dir"]))
+    rounds = pd.read_csv(folder / "rounds.csv")
+    assert list(rounds["clients_trained"]) == [2, 2, 2] and rounds["accuracy"].notna().all()
+    clients = {r["client_id"]: r for r in read_csv(folder / "clients.csv")}
+    assert clients["1101"]["status"] == clients["1102"]["status"] == "ok"
+    (failed,) = [r for r in clients.values() if r["status"] != "ok"]  # known by its node: it never got to reply
+    assert failed["status"].startswith("failed: InputError: client 1103=1: row(s) in its partition")
+
+
 def test_a_renamed_deployed_client_keeps_the_budget_its_data_has_spent(in_process, run_config, deployment_nodes, tmp_path):
     """The ledger account is the data file, not the client id: run 2 under a new name on the same
     file and ledger starts from run 1's spend (a fresh account would restart at step 0)."""

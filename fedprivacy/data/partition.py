@@ -49,7 +49,7 @@ def _natural(dataset: Dataset, by: str | None, num_partitions: int | None) -> li
             "partition-by", by, f"the {dataset.name} dataset was loaded with client column {dataset.group_name!r}"
         )
     column = str(dataset.group_name)
-    sizes = partition_sizes(pd.DataFrame({column: dataset.groups}), column, MIN_CLIENT_ROWS)
+    sizes = partition_sizes(pd.DataFrame({column: dataset.groups}), column, min_rows=1)  # small ones: see _client
     if num_partitions is not None and integer_at_least("num-partitions", num_partitions, 1) != len(sizes):
         raise InputError(
             "num-partitions", num_partitions, f"the natural scheme gives one client per {column} value: {len(sizes)}"
@@ -113,7 +113,9 @@ def partition_rows(
 ) -> tuple[tuple[str, np.ndarray], ...]:
     """(client id, row positions in `dataset`) per client; cached, so the arrays are read-only.
 
-    Client ids are the column values for `natural` and "0".."k-1" otherwise.
+    Client ids are the column values for `natural` and "0".."k-1" otherwise. A client with too few
+    rows is kept here and refused only when its own data is asked for (`_client`), so in a
+    federated run that client fails alone and the others go on.
     """
     seed = integer_at_least("seed", seed, 0)
     if scheme == "natural":
@@ -122,11 +124,7 @@ def partition_rows(
         parts = _sampled(dataset, scheme, num_partitions, seed, alpha, skew)
     else:
         raise InputError("partition-scheme", scheme, f"must be one of: {', '.join(SCHEMES)}")
-    for client, rows in parts:
-        if rows.size < MIN_CLIENT_ROWS:
-            raise InputError(
-                f"client {client}", int(rows.size), f"has too few rows; each client needs at least {MIN_CLIENT_ROWS}"
-            )
+    for _, rows in parts:
         rows.setflags(write=False)
     return tuple(parts)
 
@@ -136,6 +134,10 @@ def _client(
 ) -> ClientData:
     """Client `position`'s train/test pair; its split seed depends only on (seed, position)."""
     client, rows = parts[position]
+    if rows.size < MIN_CLIENT_ROWS:
+        raise InputError(
+            f"client {client}", int(rows.size), f"row(s) in its partition; each client needs at least {MIN_CLIENT_ROWS}"
+        )
     return split_client(client, dataset.subset(rows), fraction, np.random.default_rng([seed, position]))
 
 
@@ -148,16 +150,19 @@ def partition(
     alpha: float = 0.5,
     skew: str = "linear",
     test_fraction: float = 0.2,
+    drop_too_small: bool = False,
 ) -> list[ClientData]:
     """Every client's train/test data; the same seed gives identical clients.
 
     Schemes: `natural` (one client per value of the dataset's client column `by`), `iid`,
     `dirichlet` (label skew, smaller `alpha` = more skew), `size` (size skew: `skew` is
     linear, square or exponential in the client index). `by` matters to `natural` only.
+    A client with fewer than 2 rows is an error naming it, or left out with `drop_too_small`.
     """
     fraction = check_test_fraction(test_fraction)
     parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
-    return [_client(dataset, parts, position, seed, fraction) for position in range(len(parts))]
+    positions = [p for p, (_, rows) in enumerate(parts) if not drop_too_small or rows.size >= MIN_CLIENT_ROWS]
+    return [_client(dataset, parts, position, seed, fraction) for position in positions]
 
 
 def _load(name: str, path: str | Path | None, by: str | None, options: dict[str, Any]) -> Dataset:
@@ -177,11 +182,12 @@ def load_clients(
     alpha: float = 0.5,
     skew: str = "linear",
     test_fraction: float = 0.2,
+    drop_too_small: bool = False,
     **options: Any,
 ) -> list[ClientData]:
     """Load a dataset by name (options as in `load_dataset`) and partition it."""
     dataset = _load(name, path, by, options)
-    return partition(dataset, scheme, num_partitions, seed, by, alpha, skew, test_fraction)
+    return partition(dataset, scheme, num_partitions, seed, by, alpha, skew, test_fraction, drop_too_small)
 
 
 def load_client(
