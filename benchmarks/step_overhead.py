@@ -144,7 +144,6 @@ def measure(repeats: int, inner: int, device: torch.device) -> list[dict[str, ob
                 ms = statistics.median(values)
                 rows.append(
                     {
-                        "device": device.type,
                         "model": name,
                         "batch": batch,
                         "impl": impl,

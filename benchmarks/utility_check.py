@@ -47,6 +47,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ from fedprivacy.models import build_model, mlp
 from fedprivacy.privacy.planner import plan_client
 from fedprivacy.training import DPTrainer, SeededRunWarning
 
-DEFAULT_PUMS = "/work/shared/data/pums/fulton_pums5_full.csv"
+DEFAULT_PUMS = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "pums" / "fulton_pums5_full.csv")
 DELTA = 1e-5
 SEEDS = (0, 1, 2)
 TEST_FRACTION = 0.2

@@ -1,5 +1,5 @@
 """`python -m fedprivacy` is the `fedprivacy` command."""
 
-from fedprivacy.cli import app
+from fedprivacy.cli import main
 
-app()
+main()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import click
 import typer
 from rich.console import Console
 from rich.progress import Progress
@@ -32,6 +33,16 @@ def _guarded(action: Callable[[], T]) -> T:
     except (InputError, PlanRefused) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from None
+
+
+def _write_sheets(plans: list[Any], out: Path, **options: Any) -> list[Path]:
+    """write_sheets, with an unwritable `--out` (a file, no permission, a full disk) as a user error."""
+    from fedprivacy.privacy.sheets import write_sheets
+
+    try:
+        return write_sheets(plans, out, **options)
+    except OSError as error:
+        raise InputError("out", str(out), f"cannot write the sheets there: {error.strerror or error}") from None
 
 
 def _plan_table(plan: Any) -> Table:
@@ -77,14 +88,13 @@ def plan(
 ) -> None:
     """Plan, certify and explain one client's DP-SGD parameters."""
     from fedprivacy.privacy.planner import plan_client
-    from fedprivacy.privacy.sheets import write_sheets
 
     the_plan = _guarded(lambda: plan_client(
         n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, sampling_rate=sampling_rate,
         expected_batch_size=batch_size, steps=steps, rounds=rounds, client_id=client_id,
         learning_rate=learning_rate, lr_schedule=lr_schedule, alpha_schedule=alpha_schedule,
     ))
-    written = write_sheets([the_plan], out, index=False) if sheet else []
+    written = _guarded(lambda: _write_sheets([the_plan], out, index=False)) if sheet else []
     if as_json:
         sys.stdout.write(the_plan.to_json() + "\n")
         return
@@ -123,7 +133,6 @@ def sheets(
     """One planning sheet per client of a CSV split by a column, plus an index."""
     from fedprivacy.data.tables import partition_sizes, read_table
     from fedprivacy.privacy.planner import plan_client
-    from fedprivacy.privacy.sheets import write_sheets
 
     console = Console(stderr=True)
 
@@ -141,7 +150,7 @@ def sheets(
 
     plans = _guarded(build)
     with console.status("writing sheets"):
-        write_sheets(plans, out)
+        _guarded(lambda: _write_sheets(plans, out))
     table = Table(title=f"{len(plans)} clients of {data.name} by {partition_by}")
     for column in ("client", "N", "ε", "σ", "q", "T", "PLD ε", "unused"):
         table.add_column(column, justify="right")
@@ -187,3 +196,17 @@ def calculator(
                       f"{d['sigma']:.3f}", f"{d['noise_std_on_mean']:.3g}", f"{d['epsilon_pld']:.3f}",
                       ("[bold green]1[/bold green]" if r.rank == 1 else str(r.rank)))
     Console().print(table)
+
+
+def main() -> None:
+    """The `fedprivacy` command. Click's own usage errors (a non-number, an unknown or missing
+    option) become one line too, instead of a usage box, still with exit code 2."""
+    try:
+        code = app(standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError:  # the help has been printed
+        sys.exit(2)
+    except click.UsageError as error:
+        command = error.ctx.command_path if error.ctx else "fedprivacy"
+        typer.echo(f"error: {error.format_message()} (see: {command} --help)", err=True)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -103,6 +103,30 @@ def test_plan_bad_input_exits_2_with_one_line_and_no_files(tmp_path, args, field
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["plan", "--n", "abc", "--epsilon", "1"], "'--n': 'abc' is not a valid integer"),
+        (["plan", "--n", "100", "--epsilon", "1", "--frobnicate"], "--frobnicate"),
+        (["plan", "--epsilon", "1"], "--n"),
+    ],
+)
+def test_click_usage_errors_are_one_line_too(tmp_path, args, needle):
+    result = fedprivacy(*args, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+
+
+def test_an_unwritable_out_is_one_line_and_leaves_it_alone(tmp_path):
+    (tmp_path / "taken").write_text("not a folder")
+    result = fedprivacy("plan", "--n", "100", "--epsilon", "1", "--out", "taken", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: out=") and "cannot write the sheets there" in lines[0]
+    assert (tmp_path / "taken").read_text() == "not a folder"
+
+
 def test_sheets_bad_csv_inputs_exit_2_with_no_output(tmp_path):
     (tmp_path / "empty.csv").write_text("")
     (tmp_path / "header.csv").write_text("puma,age\n")
