@@ -82,6 +82,7 @@ def plan(
     learning_rate: float = typer.Option(0.1, "--learning-rate"),
     lr_schedule: str | None = typer.Option(None, "--lr-schedule", help="constant | inverse_sqrt | adagrad_norm"),
     alpha_schedule: str | None = typer.Option(None, "--alpha-schedule", help="ADP noise schedule: constant | inverse_sqrt_lr | power"),
+    alpha_power: float = typer.Option(0.5, "--alpha-power", help="p in [0, 1] of the power schedule α_t² ∝ t^p (0.5: the paper's choice with adagrad_norm)"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as one JSON object and nothing else"),
     out: Path = typer.Option(Path("sheets"), "--out", help="folder for the planning sheet"),
     sheet: bool = typer.Option(True, "--sheet/--no-sheet", help="write the planning sheet"),
@@ -92,7 +93,7 @@ def plan(
     the_plan = _guarded(lambda: plan_client(
         n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, sampling_rate=sampling_rate,
         expected_batch_size=batch_size, steps=steps, rounds=rounds, client_id=client_id,
-        learning_rate=learning_rate, lr_schedule=lr_schedule, alpha_schedule=alpha_schedule,
+        learning_rate=learning_rate, lr_schedule=lr_schedule, alpha_schedule=alpha_schedule, alpha_power=alpha_power,
     ))
     written = _guarded(lambda: _write_sheets([the_plan], out, index=False)) if sheet else []
     if as_json:

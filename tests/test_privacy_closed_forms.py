@@ -101,6 +101,26 @@ def test_theorem41_with_constant_alpha_is_equation_13():
     assert adp.theorem41_scale(eps, delta, q, np.ones(steps)) == pytest.approx(expected, rel=1e-12)
 
 
+def test_theorem41_condition_on_t_is_every_step_within_epsilon_one():
+    """Constant α: min α²·Σ1/α² = T, so the condition is T ≥ ε² log(1.25/δ0)/(32q²B_δ); at the
+    boundary each step's ε_t under Theorem 4.1's σ is exactly 1 (Step One of its proof)."""
+    q, eps, delta = 0.05, 4.0, 1e-5
+
+    def condition(steps: int) -> bool:
+        (_, on_t) = adp.theorem41_conditions(eps, delta, q, np.ones(steps))
+        return on_t.met
+
+    def step_epsilon(steps: int) -> float:  # ε_t = 2·sqrt(2 log(1.25/δ0)) / σ_t, replace-one sensitivity 2C
+        delta0 = (1 - (1 - 0.2 * delta) ** (1 / steps)) / q
+        return 2 * math.sqrt(2 * math.log(1.25 / delta0)) / adp.theorem41_scale(eps, delta, q, np.ones(steps))
+
+    short, long = 5, 5000
+    assert step_epsilon(short) > 1 and not condition(short)
+    assert step_epsilon(long) < 1 and condition(long)
+    boundary = next(t for t in range(short, long) if condition(t))
+    assert step_epsilon(boundary) <= 1 < step_epsilon(boundary - 1)
+
+
 def test_theorem41_power_one_scales_with_harmonic_sum():
     steps = 500
     alphas = adp.alpha_values("power", steps, power=1.0)

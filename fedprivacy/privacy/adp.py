@@ -96,6 +96,12 @@ def theorem41_scale(epsilon: float, delta: float, sampling_rate: float, alphas: 
     return 16.0 * sampling_rate * math.sqrt(b_delta * float(np.sum(1.0 / alphas**2))) / epsilon
 
 
+def per_step_delta(delta: float, sampling_rate: float, steps: int, slack_share: float = 0.8) -> float:
+    """δ0 of one unsampled step: the (1 − slack_share)·δ not kept as Lemma 2.2's slack δ', shared
+    by the T sampled steps (each (·, qδ0)), so that 1 − Π(1 − qδ0) fills it exactly."""
+    return -math.expm1(math.log1p(-(1.0 - slack_share) * delta) / steps) / sampling_rate
+
+
 def lemma22_epsilon(
     scale: float, delta: float, sampling_rate: float, segments: Sequence[tuple[float, int]], slack_share: float = 0.8
 ) -> float:
@@ -107,7 +113,7 @@ def lemma22_epsilon(
     """
     steps = sum(count for _, count in segments)
     slack = slack_share * delta
-    delta0 = -math.expm1(math.log1p(-(1.0 - slack_share) * delta) / steps) / sampling_rate
+    delta0 = per_step_delta(delta, sampling_rate, steps, slack_share)
     base = 2.0 * math.sqrt(2.0 * math.log(1.25 / delta0))
     step_eps = np.concatenate([np.full(count, base / (scale * alpha)) for alpha, count in segments])
     if np.any(step_eps > 1.0):
@@ -116,12 +122,27 @@ def lemma22_epsilon(
     return epsilon
 
 
-def theorem41_conditions(sampling_rate: float) -> tuple[Condition, ...]:
-    """Where Theorem 4.1's σ applies (mini-batch m ≤ n/2 for its amplification step)."""
+def theorem41_conditions(epsilon: float, delta: float, sampling_rate: float, alphas: Sequence[float]) -> tuple[Condition, ...]:
+    """Where Theorem 4.1's σ applies: mini-batch m ≤ n/2 for its amplification step, and T long
+    enough that every step is (ε_t ≤ 1)-DP under that σ (Theorem C.1's condition on T). With
+    m = qn and δ0 as in `lemma22_epsilon`, ε_t ≤ 1 for all t reads
+    min_t α_t² · Σ 1/α_t² ≥ ε² log(1.25/δ0) / (32 q² B_δ)."""
+    alphas = np.asarray(alphas, dtype=float)
+    steps = len(alphas)
+    b_delta = math.log(16.0 * steps * sampling_rate / delta) * math.log(1.25 / delta)
+    delta0 = per_step_delta(delta, sampling_rate, steps)
+    have = float(np.min(alphas**2) * np.sum(1.0 / alphas**2))
+    need = epsilon**2 * math.log(1.25 / delta0) / (32.0 * sampling_rate**2 * b_delta)
     return (
         Condition(
             "adp_batch_fraction",
             sampling_rate <= 0.5,
             f"q = {sampling_rate:.3g} {'≤' if sampling_rate <= 0.5 else '>'} 1/2 (Theorem 4.1's amplification by sampling)",
+        ),
+        Condition(
+            "adp_theorem41_steps",
+            have >= need,
+            f"min α_t²·Σ1/α_t² = {have:.4g} {'≥' if have >= need else '<'} ε²·log(1.25/δ0)/(32q²B_δ) = {need:.4g} "
+            "(Theorem 4.1's condition on T: every step ε_t ≤ 1)",
         ),
     )

@@ -115,7 +115,7 @@ def plan_client(
     lr_schedule: str | None = None,
     lr_params: dict[str, float] | None = None,
     alpha_schedule: str | None = None,
-    alpha_power: float = 1.0,
+    alpha_power: float = 0.5,  # seed 004 §5.2: α_t² = sqrt(b0² + tC) grows as t^(1/2) under adagrad_norm
     compare: bool = True,
 ) -> Plan:
     """Plan, certify and return one client's DP-SGD parameters (see the module docstring)."""
@@ -152,7 +152,7 @@ def plan_client(
     if rule == "proactive":
         conditions.extend(proactive_conditions(n, epsilon, delta, rate * steps, steps))
     if rule == "adp":
-        conditions.extend(adp.theorem41_conditions(rate))
+        conditions.extend(adp.theorem41_conditions(epsilon, delta, rate, alphas))
     conditions.append(
         Condition("certified", epsilon_pld <= epsilon, f"PLD ε = {epsilon_pld:.4f} {'≤' if epsilon_pld <= epsilon else '>'} target {epsilon:g}")
     )
