@@ -93,7 +93,7 @@ def simulation_client(settings: RunSettings, partition_id: int, num_partitions: 
         account=f"{settings.dataset}/{data.client_id}",
         data=data,
         epsilon=settings.budget(partition_id, num_partitions),
-        delta=settings.delta,
+        delta=settings.client_delta(partition_id, num_partitions),
         ledger_path=ledger_path,
     )
 

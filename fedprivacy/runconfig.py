@@ -17,7 +17,7 @@ epsilon=… delta=…"`; `NodeSettings` validates that. In a simulation the node
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "epsilon": 1.0,
     "epsilons": "",
     "delta": 1e-5,
+    "deltas": "",
     "rule": "proactive",
     "clip-norm": 1.0,
     "learning-rate": 1.0,
@@ -88,13 +89,13 @@ def _fraction(field: str, value: Any) -> float:
     return unit_rate(field, value)
 
 
-def _epsilons(value: Any) -> tuple[float, ...]:
-    """'0.5,1,2' (a string: run configs hold no lists) → per-client budgets."""
+def _per_client(field: str, value: Any, check: Callable[[str, Any], float], example: str) -> tuple[float, ...]:
+    """'0.5,1,2' (a string: run configs hold no lists) → one value per client, each checked."""
     if not isinstance(value, str):
-        raise InputError("epsilons", value, "must be a comma-separated string such as '0.5,1,2'")
+        raise InputError(field, value, f"must be a comma-separated string such as '{example}'")
     if value.strip() == "":
         return ()
-    return tuple(positive("epsilons", part.strip()) for part in value.split(","))
+    return tuple(check(field, part.strip()) for part in value.split(","))
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class RunSettings:
     epsilon: float
     epsilons: tuple[float, ...]
     delta: float
+    deltas: tuple[float, ...]
     rule: str
     clip_norm: float
     learning_rate: float
@@ -134,15 +136,23 @@ class RunSettings:
 
     def budget(self, index: int, num_clients: int) -> float:
         """Client `index`'s ε: its entry of `epsilons` when given, else the common `epsilon`."""
-        if not self.epsilons:
-            return self.epsilon
-        if len(self.epsilons) != num_clients:
-            raise InputError(
-                "epsilons",
-                ",".join(f"{e:g}" for e in self.epsilons),
-                f"needs one budget per client: {num_clients} clients, {len(self.epsilons)} budgets",
-            )
-        return self.epsilons[index]
+        return _client_value("epsilons", self.epsilons, self.epsilon, index, num_clients)
+
+    def client_delta(self, index: int, num_clients: int) -> float:
+        """Client `index`'s δ: its entry of `deltas` when given, else the common `delta`."""
+        return _client_value("deltas", self.deltas, self.delta, index, num_clients)
+
+
+def _client_value(field: str, values: tuple[float, ...], common: float, index: int, num_clients: int) -> float:
+    if not values:
+        return common
+    if len(values) != num_clients:
+        raise InputError(
+            field,
+            ",".join(f"{v:g}" for v in values),
+            f"needs one value per client: {num_clients} clients, {len(values)} values",
+        )
+    return values[index]
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
@@ -172,8 +182,9 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         test_fraction=_test_fraction(rc["test-fraction"]),
         model=_choice("model", rc["model"], tuple(MODELS)),
         epsilon=positive("epsilon", rc["epsilon"]),
-        epsilons=_epsilons(rc["epsilons"]),
+        epsilons=_per_client("epsilons", rc["epsilons"], positive, "0.5,1,2"),
         delta=open_unit("delta", rc["delta"]),
+        deltas=_per_client("deltas", rc["deltas"], open_unit, "1e-5,1e-6"),
         rule=_choice("rule", rc["rule"], RULES),
         clip_norm=positive("clip-norm", rc["clip-norm"]),
         learning_rate=positive("learning-rate", rc["learning-rate"]),

@@ -115,6 +115,7 @@ def test_pyproject_declares_the_app_and_no_federations(in_process):
         ("results-dir", "./results", "must be an absolute path"),
         ("rule", "magic", "must be one of"),
         ("epsilons", "1,x", "finite number"),
+        ("deltas", "1e-5,2", "open interval"),
         ("no-such-key", 1, "not a run-config key"),
     ],
 )
@@ -125,10 +126,24 @@ def test_bad_run_config_names_the_key(key, value, message):
 
 
 def test_budgets_must_match_the_clients():
-    settings = parse_run_config({"epsilons": "0.5,1,2"})
-    assert settings.budget(2, 3) == 2.0
-    with pytest.raises(InputError, match="one budget per client: 2 clients, 3 budgets"):
+    settings = parse_run_config({"epsilons": "0.5,1,2", "deltas": "1e-5,1e-6,1e-7"})
+    assert settings.budget(2, 3) == 2.0 and settings.client_delta(1, 3) == 1e-6
+    with pytest.raises(InputError, match="one value per client: 2 clients, 3 values"):
         settings.budget(0, 2)
+    with pytest.raises(InputError, match="deltas=.*one value per client"):
+        settings.client_delta(0, 2)
+    assert parse_run_config({}).client_delta(1, 3) == 1e-5  # the common delta when deltas is empty
+
+
+def test_each_simulated_client_plans_with_its_own_delta(simulate, run_config):
+    simulate({**run_config, "epsilons": "1,2", "deltas": "1e-5,1e-7", "num-server-rounds": 1}, num_nodes=2)
+    folder = run_folder(Path(run_config["results-dir"]))
+    for row in read_csv(folder / "clients.csv"):
+        plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
+        expected = {"0": (1.0, 1e-5), "1": (2.0, 1e-7)}[row["client_id"]]
+        assert (plan["epsilon"], plan["delta"]) == expected and float(row["delta"]) == expected[1]
+        spent = float(row["epsilon_spent"])
+        assert spent == pytest.approx(independent_epsilon(plan, int(row["steps_done"]), expected[1]), rel=CERTIFICATE_REL_TOL)
 
 
 def test_node_config_for_a_deployed_client(tmp_path):
