@@ -200,8 +200,8 @@ def calculator(
 
 
 def main() -> None:
-    """The `fedprivacy` command. Click's own usage errors (a non-number, an unknown or missing
-    option) become one line too, instead of a usage box, still with exit code 2."""
+    """The `fedprivacy` command. Click's own errors (a non-number, an unknown or missing option)
+    become one line too, instead of a usage box, with Click's exit codes (2 for usage errors)."""
     try:
         code = app(standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError:  # the help has been printed
@@ -209,5 +209,11 @@ def main() -> None:
     except click.UsageError as error:
         command = error.ctx.command_path if error.ctx else "fedprivacy"
         typer.echo(f"error: {error.format_message()} (see: {command} --help)", err=True)
-        sys.exit(2)
+        sys.exit(error.exit_code)
+    except click.ClickException as error:
+        typer.echo(f"error: {error.format_message()}", err=True)
+        sys.exit(error.exit_code)
+    except click.Abort:  # Ctrl-C, as Click's standalone mode reports it
+        typer.echo("Aborted!", err=True)
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)

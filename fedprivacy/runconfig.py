@@ -144,6 +144,7 @@ class RunSettings:
 
 
 def _client_value(field: str, values: tuple[float, ...], common: float, index: int, num_clients: int) -> float:
+    """Client `index`'s entry of a per-client list (`epsilons`, `deltas`), or the common value."""
     if not values:
         return common
     if len(values) != num_clients:

@@ -107,15 +107,16 @@ def _federate(run_config: dict[str, Any], num_clients: int | None, name: str, pr
 
 
 def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan]) -> LocalTrain:
+    local_device = device()  # where `_federate` puts the local models: the data moves there once
     tensors = [
-        (torch.as_tensor(c.train.features, dtype=torch.float32), torch.as_tensor(c.train.labels, dtype=torch.long))
+        (torch.as_tensor(c.train.features, dtype=torch.float32).to(local_device), torch.as_tensor(c.train.labels, dtype=torch.long).to(local_device))
         for c in clients
     ]
     seeds = np.random.SeedSequence([settings.seed, 0x5EED]).spawn(len(clients))
     generators = [torch.Generator().manual_seed(int(s.generate_state(1)[0])) for s in seeds]
 
     def train(index: int, client: ClientData, plan: Plan, model: nn.Module, server_round: int) -> None:
-        x, y = (t.to(next(model.parameters()).device) for t in tensors[index])
+        x, y = tensors[index]
         optimizer = torch.optim.SGD(model.parameters(), lr=settings.learning_rate)
         model.train()
         for _ in range(plan.steps_in_round(server_round)):

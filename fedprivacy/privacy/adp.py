@@ -84,6 +84,11 @@ def extended_advanced_composition(
     return epsilon, delta
 
 
+def _b_delta(delta: float, sampling_rate: float, steps: int) -> float:
+    """Theorem 4.1's B_δ = log(16Tm/(nδ))·log(1.25/δ), with m/n = q."""
+    return math.log(16.0 * steps * sampling_rate / delta) * math.log(1.25 / delta)
+
+
 def theorem41_scale(epsilon: float, delta: float, sampling_rate: float, alphas: Sequence[float]) -> float:
     """Theorem 4.1 (mini-batch form C.1) as a noise-multiplier scale s, σ_t = s·α_t.
 
@@ -91,8 +96,7 @@ def theorem41_scale(epsilon: float, delta: float, sampling_rate: float, alphas: 
     m = qN, so σ_t = α_t·σ·m/C = 16q·α_t·sqrt(B_δ Σ 1/α_t²)/ε, B_δ = log(16Tq/δ)·log(1.25/δ).
     """
     alphas = np.asarray(alphas, dtype=float)
-    steps = len(alphas)
-    b_delta = math.log(16.0 * steps * sampling_rate / delta) * math.log(1.25 / delta)
+    b_delta = _b_delta(delta, sampling_rate, len(alphas))
     return 16.0 * sampling_rate * math.sqrt(b_delta * float(np.sum(1.0 / alphas**2))) / epsilon
 
 
@@ -129,7 +133,7 @@ def theorem41_conditions(epsilon: float, delta: float, sampling_rate: float, alp
     min_t α_t² · Σ 1/α_t² ≥ ε² log(1.25/δ0) / (32 q² B_δ)."""
     alphas = np.asarray(alphas, dtype=float)
     steps = len(alphas)
-    b_delta = math.log(16.0 * steps * sampling_rate / delta) * math.log(1.25 / delta)
+    b_delta = _b_delta(delta, sampling_rate, steps)
     delta0 = per_step_delta(delta, sampling_rate, steps)
     have = float(np.min(alphas**2) * np.sum(1.0 / alphas**2))
     need = epsilon**2 * math.log(1.25 / delta0) / (32.0 * sampling_rate**2 * b_delta)
