@@ -3,55 +3,95 @@
 Simulation: the node config holds `partition-id`/`num-partitions`; data and budgets come from the
 run config, and the ledger path from the server's train config (the run's results folder unless
 the run config names one). Deployment: the SuperNode's `--node-config` names the client, its data
-file, its budget and optionally its ledger (default ~/.fedprivacy/ledger.sqlite).
+file, its budget (ε and δ) and optionally its ledger (default ~/.fedprivacy/ledger.sqlite), its
+test fraction and label count; nothing the server sends can change them.
+
+Errors. A deployed client's exception may quote its records (a bad cell of its file, say), so
+only errors built from public values leave it with their text: refusals (`ClientRefusal`,
+`PlanRefused`) and bad run or node config. Anything else reaches the server as its exception
+type only; the full text is logged on the SuperNode.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedprivacy.errors import ClientRefusal, PlanRefused
 from fedprivacy.ledger import Ledger
 from fedprivacy.participant import (
     LocalClient,
     deployed_client,
     evaluate_local,
     new_model,
+    open_account,
     run_plan,
     simulation_client,
     train_round,
 )
-from fedprivacy.runconfig import RunSettings, parse_node_config, parse_run_config
+from fedprivacy.runconfig import NodeSettings, RunSettings, parse_node_config, parse_run_config
 
 app = ClientApp()
+logger = logging.getLogger(__name__)
+Handler = Callable[[Message, Context], Message]
 
 
-def _client(context: Context, config: ConfigRecord) -> tuple[RunSettings, LocalClient]:
-    settings = parse_run_config(context.run_config)
-    node = parse_node_config(context.node_config)
+def _configs(context: Context) -> tuple[RunSettings, NodeSettings | None]:
+    """The run config (untrusted) and, on a deployed SuperNode, its node config (trusted)."""
+    return parse_run_config(context.run_config), parse_node_config(context.node_config)
+
+
+def _client(context: Context, config: ConfigRecord, settings: RunSettings, node: NodeSettings | None) -> LocalClient:
     if node is not None:
-        return settings, deployed_client(settings, node)
+        return deployed_client(settings, node)
     ledger_path = Path(str(config.get("ledger-path", ""))) if config.get("ledger-path") else None
     if ledger_path is None:
         raise RuntimeError("simulation train message without 'ledger-path': the ServerApp must send it")
     partition_id = int(context.node_config["partition-id"])
     num_partitions = int(context.node_config["num-partitions"])
-    return settings, simulation_client(settings, partition_id, num_partitions, ledger_path)
+    return simulation_client(settings, partition_id, num_partitions, ledger_path)
+
+
+def _handler(body: Callable[[Message, Context, RunSettings, NodeSettings | None], Message]) -> Handler:
+    """Parse the configs (their errors are public), then run `body`, keeping private error text home."""
+
+    @functools.wraps(body)
+    def handle(msg: Message, context: Context) -> Message:
+        settings, node = _configs(context)
+        try:
+            return body(msg, context, settings, node)
+        except (ClientRefusal, PlanRefused):
+            raise
+        except Exception as error:
+            if node is None:  # a simulation: the researcher's own machine sees everything
+                raise
+            logger.exception("client %s: %s failed", node.client_id, msg.metadata.message_type)
+            raise ClientRefusal(
+                f"client {node.client_id} failed with {type(error).__name__}; its message stays in the "
+                "SuperNode's log (it may quote the client's records)"
+            ) from None
+
+    return handle
 
 
 @app.train()
-def train(msg: Message, context: Context) -> Message:
+@_handler
+def train(msg: Message, context: Context, settings: RunSettings, node: NodeSettings | None) -> Message:
     """Train this round's slice of the plan if the budget affords it; record it, then reply."""
     config = msg.content["config"]
-    settings, client = _client(context, config)
+    client = _client(context, config, settings, node)
     ledger = Ledger(client.ledger_path)
     run_id = str(context.run_id)
+    open_account(client, settings, ledger, run_id)
     plan, _ = run_plan(client, settings, ledger, run_id)
-    trainer_state = context.state.get("trainer")
-    b_squared = trainer_state.get("b-squared") if isinstance(trainer_state, ConfigRecord) else None
+    saved = context.state.get("trainer")
     result = train_round(
         client,
         settings,
@@ -60,10 +100,10 @@ def train(msg: Message, context: Context) -> Message:
         run_id,
         int(config["server-round"]),
         msg.content["arrays"].to_torch_state_dict(),
-        None if b_squared is None else float(b_squared),
+        json.loads(str(saved["state"])) if isinstance(saved, ConfigRecord) else None,
     )
-    if result.b_squared is not None:
-        context.state["trainer"] = ConfigRecord({"b-squared": float(result.b_squared)})
+    if result.trainer_state is not None:
+        context.state["trainer"] = ConfigRecord({"state": json.dumps(result.trainer_state)})
     content = RecordDict(
         {
             "metrics": MetricRecord(result.metrics),
@@ -76,17 +116,19 @@ def train(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    """Local test loss and accuracy of the global model."""
-    settings, client = _client(context, msg.content["config"])
+@_handler
+def evaluate(msg: Message, context: Context, settings: RunSettings, node: NodeSettings | None) -> Message:
+    """Local test loss and accuracy of the global model (a deployed client declines: zero weight)."""
+    client = _client(context, msg.content["config"], settings, node)
     metrics = evaluate_local(client, settings, msg.content["arrays"].to_torch_state_dict())
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 @app.query()
-def initial_model(msg: Message, context: Context) -> Message:
+@_handler
+def initial_model(msg: Message, context: Context, settings: RunSettings, node: NodeSettings | None) -> Message:
     """The seeded initial model, for a server that has no data to size it (a deployment)."""
-    settings, client = _client(context, msg.content["config"])
+    client = _client(context, msg.content["config"], settings, node)
     torch.manual_seed(settings.seed)
     model = new_model(settings, client.data.train.features, client.data.train.num_classes)
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict())}), reply_to=msg)

@@ -28,6 +28,15 @@ class PlanRefused(RuntimeError):
     """A plan whose certified ε exceeds its target: it must never run."""
 
 
+class ClientRefusal(RuntimeError):
+    """A client declines a request for a reason built from public values only (its budget, its
+    plan, round numbers, config keys), so the message may leave the client as it is.
+
+    Anything else a deployed client raises is reported to the server without its text (which
+    may quote a record, e.g. a bad cell of the data file); see clients/app.py.
+    """
+
+
 def _as_float(field: str, value: Any, allowed: str) -> float:
     if isinstance(value, bool):
         raise InputError(field, value, allowed)

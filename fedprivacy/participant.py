@@ -2,20 +2,26 @@
 
 The ClientApp (clients/app.py) is glue around these functions. Per train message a client:
 1. knows its data and budget (`simulation_client`: a partition and the run config;
-   `deployed_client`: its own file and node config);
-2. gets the run's plan: the one it made on its first round (kept in the ledger, so a restarted
+   `deployed_client`: its own file and node config, never the run config);
+2. opens its ledger account (`open_account`): the budget is pinned there on first use, and the
+   run's policy is checked (no noise seed in a deployment, no seeded run on a reused ledger);
+3. gets the run's plan: the one it made on its first round (kept in the ledger, so a restarted
    client resumes the same plan), or a new a-priori plan from its own N, ε, δ;
-3. asks the ledger whether this round's slice of the plan is affordable: PLD of everything it has
-   ever released plus these steps ≤ ε. If not, it does not train;
-4. runs the slice with the DP trainer, then records the steps in the ledger before returning
+4. refuses a global model that is not finite and a (run, round) it already trained, then asks
+   the ledger whether this round's slice of the plan is affordable;
+5. runs the slice with the DP trainer, then records the steps in the ledger before returning
    anything, so no update ever leaves unrecorded.
+
+What a reply may hold (SECURITY.md): public values (N, the budget, the plan, steps, ε spent) and
+the noised weights. Raw training statistics are returned only by a simulation with diagnostics on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +33,21 @@ from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_client, load_clients
 from fedprivacy.data.splits import split_client
 from fedprivacy.data.types import ClientData, Dataset
-from fedprivacy.errors import InputError
-from fedprivacy.ledger import BudgetExceeded, Ledger, round_events
+from fedprivacy.errors import ClientRefusal, InputError
+from fedprivacy.ledger import BudgetExceeded, Ledger, RoundRepeated, round_events
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client
 from fedprivacy.runconfig import NodeSettings, RunSettings, default_ledger_path
-from fedprivacy.training.trainer import DPTrainer
+from fedprivacy.training.trainer import DPTrainer, check_finite
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_REPLY_KEYS = (
+    "num-examples", "epsilon-budget", "delta", "sigma", "steps-planned", "epsilon-spent", "steps-done",
+    "budget-exhausted", "on-gpu",
+)  # fmt: skip
+DIAGNOSTIC_KEYS = ("train-loss", "clip-fraction", "nonfinite-examples")  # simulations with diagnostics only
 
 
 @dataclass(frozen=True)
@@ -41,11 +55,14 @@ class LocalClient:
     """Who a client is, what it holds and what it may spend."""
 
     client_id: str
-    account: str  # the ledger key: one per data set (a deployed file's content, or a simulated partition)
+    account: str  # the ledger key: the records' identity (a deployed file's content, or a simulated partition)
     data: ClientData
     epsilon: float
     delta: float
     ledger_path: Path
+    deployed: bool = False
+    dataset_id: str = ""  # simulations: the data set's identity, whose partitioning the ledger pins
+    partitioning: dict[str, Any] | None = None
 
 
 def _data_options(settings: RunSettings) -> dict[str, Any]:
@@ -81,54 +98,136 @@ def _data_file_missing(settings: RunSettings) -> bool:
     return settings.dataset in ("pums", "csv") and (settings.data_path is None or not settings.data_path.is_file())
 
 
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(path: Path) -> str:
+    """The first 16 hex digits of the file's SHA-256 (cached per path, size and mtime)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()[:16]
+    return _DIGESTS[key]
+
+
+def dataset_identity(settings: RunSettings) -> str:
+    """What the records are: a file's content, or a built-in data set's arrays and options."""
+    if settings.dataset in ("pums", "csv") and settings.data_path is not None:
+        return f"file:{file_digest(settings.data_path)}"
+    dataset = load_dataset(settings.dataset, None)
+    digest = hashlib.sha256(dataset.features.tobytes() + dataset.labels.tobytes()).hexdigest()[:16]
+    return f"{settings.dataset}:{digest}"
+
+
+def simulated_account(dataset_id: str, client_id: str) -> str:
+    """A simulated client's ledger account: its data set's identity and its partition."""
+    return f"{dataset_id}/{client_id}"
+
+
+def partitioning_of(settings: RunSettings, num_clients: int) -> dict[str, Any]:
+    """Everything that decides which rows each simulated client holds, and which it trains on."""
+    options = partition_kwargs(settings, num_clients)
+    options.pop("path")
+    return options
+
+
 def simulation_client(settings: RunSettings, partition_id: int, num_partitions: int, ledger_path: Path) -> LocalClient:
-    """A simulated client: partition `partition_id` of the run's data set, budget from the run config."""
+    """A simulated client: partition `partition_id` of the run's data set, budget from the run config.
+
+    Its account is the data set's identity plus its partition; the ledger pins the partitioning
+    per data set (see `open_account`), so an account always names the same rows.
+    """
     if _data_file_missing(settings):
         raise InputError("data-path", "" if settings.data_path is None else str(settings.data_path),
                          f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
                          "the run config's data-path (an absolute path on this machine)")
     data = load_client(partition_id, **partition_kwargs(settings, num_partitions))
+    dataset_id = dataset_identity(settings)
     return LocalClient(
         client_id=data.client_id,
-        account=f"{settings.dataset}/{data.client_id}",
+        account=simulated_account(dataset_id, data.client_id),
         data=data,
         epsilon=settings.budget(partition_id, num_partitions),
         delta=settings.client_delta(partition_id, num_partitions),
         ledger_path=ledger_path,
+        dataset_id=dataset_id,
+        partitioning=partitioning_of(settings, num_partitions),
     )
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
-
-
 def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
-    """A deployed client: its whole file, split into train/test; its ledger account is keyed by
-    the file's content alone, so every run on the same data draws on the same budget, whatever
-    `client-id` the SuperNode is started with."""
+    """A deployed client: its whole file, split as its node config says; budget from the node config.
+
+    The run config is untrusted: its ε and δ are ignored (with a warning when they differ), and
+    the split depends on the file and the node's test fraction only. The ledger account is the
+    file's content, so every run on the same data draws on the same budget, whatever `client-id`
+    the SuperNode is started with.
+    """
     if settings.dataset not in ("pums", "csv"):
         raise InputError("dataset", settings.dataset, "a deployment reads each client's own file: use 'pums' or 'csv'")
     if not node.data_path.is_file():
         raise InputError("data-path", str(node.data_path), "no such file on this SuperNode")
+    for key, run_value, node_value in (("epsilon", settings.epsilon, node.epsilon), ("delta", settings.delta, node.delta)):
+        if run_value != node_value:
+            logger.warning("run config %s=%g ignored: a deployed client's budget is its node config's (%s=%g)",
+                           key, run_value, key, node_value)
     options = _data_options(settings)
     if settings.dataset == "pums":
         options["client_column"] = None
+    elif node.num_classes is None:
+        raise ClientRefusal("a deployed csv client needs num-classes in its node config: the model's shape "
+                            "must not depend on which labels its records happen to hold")
     dataset = load_dataset(settings.dataset, node.data_path, **options)
-    digest = _file_digest(node.data_path)
-    rng = np.random.default_rng([settings.seed, int(digest, 16) % (2**32)])  # same split every run
-    data = split_client(node.client_id, dataset, settings.test_fraction, rng)
+    if node.num_classes is not None:
+        dataset = _with_classes(dataset, node.num_classes)
+    digest = file_digest(node.data_path)
+    rng = np.random.default_rng(int(digest, 16))  # the same split every run, whatever the run config
+    data = split_client(node.client_id, dataset, node.test_fraction, rng)
     return LocalClient(
         client_id=node.client_id,
         account=f"data:{digest}",
         data=data,
         epsilon=node.epsilon,
-        delta=settings.delta if node.delta is None else node.delta,
+        delta=node.delta,
         ledger_path=node.ledger_path or default_ledger_path(),
+        deployed=True,
     )
+
+
+def _with_classes(dataset: Dataset, num_classes: int) -> Dataset:
+    """The node's declared label count (labels must lie below it)."""
+    if int(dataset.labels.max()) >= num_classes:
+        raise InputError("num-classes", num_classes, "a label in the data file is not below it")
+    return replace(dataset, num_classes=num_classes)
+
+
+def open_account(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id: str) -> None:
+    """Pin or check the client's budget in its ledger, and refuse runs that could reuse noise.
+
+    - A deployed client refuses a noise seed and raw diagnostics (the run config is untrusted).
+    - A simulation's partitioning is pinned per data set (accounts follow records).
+    - A seeded simulation refuses a ledger account that other runs spent from: the same seed
+      would draw the same noise again, and the difference of two releases would cancel it.
+    """
+    if client.deployed and settings.noise_seed >= 0:
+        raise ClientRefusal(f"noise-seed={settings.noise_seed}: a deployed client draws its noise from OS entropy "
+                            "and never accepts a seed (seeds are for simulations)")
+    if client.deployed and settings.diagnostics:
+        raise ClientRefusal("diagnostics=true: raw training statistics are not private; a deployed client never "
+                            "returns them")
+    ledger.open_account(client.account, client.epsilon, client.delta)
+    if client.partitioning is not None:
+        ledger.pin_partitioning(client.dataset_id, client.partitioning)
+    if settings.noise_seed >= 0 and ledger.runs(client.account) - {run_id}:
+        raise ClientRefusal(
+            f"noise-seed={settings.noise_seed} on ledger {client.ledger_path}, where client {client.client_id} "
+            "already spent in another run: a fixed seed would repeat that run's noise. Use a fresh ledger-path "
+            "or noise-seed=-1"
+        )
 
 
 def server_test_set(settings: RunSettings, num_clients: int) -> Dataset | None:
@@ -182,31 +281,30 @@ def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id:
         return plan, False
     plan = plan_from_settings(settings, client.data.num_examples, client.epsilon, client.delta, client.client_id)
     if plan.expected_batch_size < 1:
-        raise InputError(
-            "num-examples",
-            client.data.num_examples,
-            f"too little data for client {client.client_id}: its plan samples q·N = "
-            f"{plan.expected_batch_size:.2f} < 1 record per step, so most steps would train on nothing",
+        raise ClientRefusal(
+            f"num-examples={client.data.num_examples}: too little data for client {client.client_id}: its plan "
+            f"samples q·N = {plan.expected_batch_size:.2f} < 1 record per step, so most steps would train on nothing"
         )
     ledger.save_plan(client.account, run_id, plan)
     # Re-read: if a restarted twin saved its plan first, both must follow that one.
     return ledger.load_plan(client.account, run_id) or plan, True
 
 
-def client_noise_seed(settings: RunSettings, account: str) -> int | None:
-    """Per-client seed (clients must never share noise); None = fresh OS entropy every step."""
+def client_noise_seed(settings: RunSettings, account: str) -> str | None:
+    """A simulated client's seed material (clients never share noise); None = OS entropy every step."""
     if settings.noise_seed < 0:
         return None
-    return int.from_bytes(hashlib.blake2b(f"{settings.noise_seed}:{account}".encode(), digest_size=8).digest(), "little")
+    return f"{settings.noise_seed}:{account}"
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    """A train round's outcome: the new weights (None if the client did not train) and metrics."""
+    """A train round's outcome: the new weights (None if the client did not train), the reply's
+    metrics, and the trainer's state to carry to the client's next round (opaque to callers)."""
 
     state_dict: dict[str, torch.Tensor] | None
     metrics: dict[str, int | float]
-    b_squared: float | None
+    trainer_state: dict[str, Any] | None
 
 
 def train_round(
@@ -217,19 +315,23 @@ def train_round(
     run_id: str,
     server_round: int,
     global_state: dict[str, torch.Tensor],
-    b_squared: float | None = None,
+    trainer_state: dict[str, Any] | None = None,
 ) -> RoundResult:
     """Run round `server_round`'s slice of `plan` if the budget affords it; record it first."""
+    check_finite(global_state)  # before any record is touched
+    if ledger.trained(client.account, run_id, server_round):
+        raise RoundRepeated(f"round {server_round} of run {run_id} was already trained by client {client.client_id}")
     events = round_events(plan, server_round)
-    affordable = bool(events) and ledger.epsilon_if(client.account, events, client.delta) <= client.epsilon
+    affordable = bool(events) and ledger.epsilon_if(client.account, events) <= client.epsilon
     base = {
         "epsilon-budget": float(client.epsilon),
         "delta": float(client.delta),
         "sigma": float(plan.sigma),
         "steps-planned": int(plan.steps),
+        "num-examples": int(client.data.num_examples),
     }
     if not affordable:
-        return RoundResult(None, _exhausted(client, ledger, base), b_squared)
+        return RoundResult(None, _exhausted(client, ledger, base), trainer_state)
 
     dev = device()
     model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
@@ -240,40 +342,44 @@ def train_round(
         client.data.train.features,
         client.data.train.labels,
         seed=client_noise_seed(settings, client.account),
-        state={"step": plan.first_step_of_round(server_round), "b_squared": b_squared},
+        state={**(trainer_state or {}), "step": plan.first_step_of_round(server_round)},
     )
     report = trainer.run_round(server_round)
     if report.steps != sum(e.count for e in events):
         raise RuntimeError(f"trainer ran {report.steps} steps, the plan's round has {sum(e.count for e in events)}")
+    if report.nonfinite_examples:  # local only: it counts records
+        logger.warning("client %s, round %d: %d sampled examples had a non-finite gradient and contributed zero",
+                       client.client_id, server_round, report.nonfinite_examples)
     try:
-        spent = ledger.record(client.account, run_id, server_round, events, delta=client.delta, budget=client.epsilon)
+        spent = ledger.record(client.account, run_id, server_round, events)
     except BudgetExceeded:  # another writer spent the budget meanwhile: this update must not leave
-        return RoundResult(None, _exhausted(client, ledger, base), b_squared)
-    metrics = {
+        return RoundResult(None, _exhausted(client, ledger, base), trainer_state)
+    metrics: dict[str, int | float] = {
         **base,
-        "num-examples": int(client.data.num_examples),
         "epsilon-spent": float(spent),
         "steps-done": int(ledger.steps_spent(client.account)),
-        "sigma": float(report.sigma_mean),
-        "clip-fraction": _finite(report.clip_fraction),
-        "train-loss": _finite(report.mean_loss),
         "budget-exhausted": 0,
         "on-gpu": int(dev.type == "cuda"),
     }
+    if settings.diagnostics:  # simulations only (open_account refuses it in a deployment)
+        metrics.update({
+            "train-loss": _finite(report.mean_loss),
+            "clip-fraction": _finite(report.clip_fraction),
+            "nonfinite-examples": int(report.nonfinite_examples),
+        })  # fmt: skip
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return RoundResult(state, metrics, trainer.state_dict()["b_squared"])
+    return RoundResult(state, metrics, trainer.state_dict())
 
 
 def _exhausted(client: LocalClient, ledger: Ledger, base: dict[str, int | float]) -> dict[str, int | float]:
-    """The zero-weight reply of a client that cannot afford its next round (same keys as a trained one)."""
+    """The reply of a client that cannot afford its next round: public values only, zero weight."""
     return {
         **base,
         "num-examples": 0,
-        "epsilon-spent": float(ledger.epsilon_spent(client.account, client.delta)),
+        "epsilon-spent": float(ledger.epsilon_spent(client.account)),
         "steps-done": int(ledger.steps_spent(client.account)),
-        "clip-fraction": 0.0,
-        "train-loss": 0.0,
         "budget-exhausted": 1,
+        "on-gpu": 0,
     }
 
 
@@ -295,9 +401,17 @@ def evaluate_model(model: nn.Module, dataset: Dataset) -> tuple[float, float]:
 
 
 def evaluate_local(client: LocalClient, settings: RunSettings, global_state: dict[str, torch.Tensor]) -> dict[str, int | float]:
-    """Local test loss and accuracy of the global model (the test split is never trained on)."""
+    """Local test loss and accuracy of the global model (simulations only).
+
+    A deployed client releases no evaluation: exact loss and accuracy on its test rows, for any
+    model the server chooses, as often as it asks, are raw functions of its records. It replies
+    with zero weight instead, and the server reports that evaluation is off.
+    """
+    if client.deployed:
+        return {"num-examples": 0, "evaluation-off": 1}
+    check_finite(global_state)
     test = client.data.test
     model = new_model(settings, test.features, test.num_classes).to(device())
     model.load_state_dict(global_state)
     loss, accuracy = evaluate_model(model, test)
-    return {"num-examples": len(test), "loss": loss, "accuracy": accuracy}
+    return {"num-examples": len(test), "loss": loss, "accuracy": accuracy, "evaluation-off": 0}

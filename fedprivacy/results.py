@@ -70,6 +70,14 @@ def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]])
     os.replace(tmp, path)
 
 
+def _weighted(pairs: list[tuple[int, float | None]]) -> float | None:
+    """Example-weighted mean of raw diagnostics; None when clients sent none (the private default)."""
+    weight = sum(n for n, _ in pairs)
+    if not weight or any(value is None for _, value in pairs):
+        return None
+    return sum(n * float(value) for n, value in pairs) / weight
+
+
 @dataclass
 class ClientRecord:
     """What the server knows about one client, from its replies."""
@@ -124,7 +132,7 @@ class RunRecorder:
             return
         rec.rounds_trained += 1
         rec.device = "gpu" if metrics["on-gpu"] else "cpu"
-        current.append((int(metrics["num-examples"]), float(metrics["train-loss"]), float(metrics["clip-fraction"])))
+        current.append((int(metrics["num-examples"]), metrics.get("train-loss"), metrics.get("clip-fraction")))
 
     def failed(self, client_id: str, reason: str) -> None:
         """A client whose reply was an error: it is dropped from later rounds, with its reason."""
@@ -140,7 +148,6 @@ class RunRecorder:
         """Close the round: append its row, rewrite the CSV files, return the row."""
         trained = self._round.pop("trained", [])
         spent = [c.epsilon_spent for c in self.clients.values() if not c.status.startswith("failed")]
-        weight = sum(n for n, _, _ in trained)
         row = {
             "round": server_round,
             "accuracy": self._round.get("accuracy"),
@@ -152,8 +159,8 @@ class RunRecorder:
             "clients_failed": sum(1 for c in self.clients.values() if c.status.startswith("failed")),
             "epsilon_spent_max": max(spent, default=0.0),
             "epsilon_spent_mean": sum(spent) / len(spent) if spent else 0.0,
-            "train_loss": sum(n * l for n, l, _ in trained) / weight if weight else None,
-            "clip_fraction": sum(n * c for n, _, c in trained) / weight if weight else None,
+            "train_loss": _weighted([(n, loss) for n, loss, _ in trained]),
+            "clip_fraction": _weighted([(n, clip) for n, _, clip in trained]),
             "elapsed_s": round(time.monotonic() - self.started, 3),
         }
         self._round = {}

@@ -9,9 +9,11 @@ of its choosing, so a relative path would silently point somewhere else. Every p
 therefore resolved one way: `~` and `$VARS` are expanded, and the result must be absolute;
 a relative path is refused with a message that says why.
 
-Deployment. A SuperNode is started with its own `--node-config "client-id=… data-path=…
-epsilon=… delta=…"`; `NodeSettings` validates that. In a simulation the node config only holds
-`partition-id` and `num-partitions`, and budgets come from the run config.
+Trust. The run config comes from whoever submits the run: in a deployment it is untrusted, like
+every server message. A deployed SuperNode's budget, data and split come from its own
+`--node-config "client-id=… data-path=… epsilon=… delta=…"` (validated by `NodeSettings`); in a
+simulation the node config only holds `partition-id` and `num-partitions`, and budgets come from
+the run config of the researcher who runs it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "results-dir": "~/fedprivacy-results",
     "ledger-path": "",
     "round-timeout": 600.0,
+    "diagnostics": False,
 }
 
 PATH_RULE = (
@@ -104,7 +107,9 @@ class RunSettings:
 
     `partitioning='auto'` is `natural` when `partition-by` names a column, else `iid`;
     `noise-seed=-1` draws DP noise from OS entropy (a seed makes noise reproducible: experiments only);
-    `epochs=0` lets the planner choose k.
+    `epochs=0` lets the planner choose k;
+    `diagnostics=true` (simulations only) makes clients also return their raw training loss and
+    clip fraction, which are NOT private: the results then say so.
     """
 
     num_server_rounds: int
@@ -133,6 +138,7 @@ class RunSettings:
     results_dir: Path
     ledger_path: Path | None
     round_timeout: float
+    diagnostics: bool
 
     def budget(self, index: int, num_clients: int) -> float:
         """Client `index`'s ε: its entry of `epsilons` when given, else the common `epsilon`."""
@@ -198,7 +204,14 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         results_dir=results_dir,
         ledger_path=resolve_path("ledger-path", rc["ledger-path"]),
         round_timeout=positive("round-timeout", rc["round-timeout"]),
+        diagnostics=_flag("diagnostics", rc["diagnostics"]),
     )
+
+
+def _flag(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(field, value, "must be true or false")
+    return value
 
 
 def _test_fraction(value: Any) -> float:
@@ -209,16 +222,20 @@ def _test_fraction(value: Any) -> float:
 
 @dataclass(frozen=True)
 class NodeSettings:
-    """A deployed SuperNode's own identity, data and budget (from `--node-config`)."""
+    """A deployed SuperNode's own identity, data, budget and split (from `--node-config`): the
+    values a client trusts. The run config cannot change any of them."""
 
     client_id: str
     data_path: Path
     epsilon: float
-    delta: float | None
+    delta: float
     ledger_path: Path | None
+    test_fraction: float
+    num_classes: int | None
 
 
-NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "ledger-path")
+NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "ledger-path", "test-fraction", "num-classes")
+NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta")
 
 
 def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
@@ -228,13 +245,13 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     unknown = sorted(set(node_config) - set(NODE_KEYS))
     if unknown:
         raise InputError(unknown[0], node_config[unknown[0]], f"not a node-config key; known keys: {', '.join(NODE_KEYS)}")
-    missing = [k for k in ("client-id", "data-path", "epsilon") if k not in node_config]
+    missing = [k for k in NODE_REQUIRED if k not in node_config]
     if missing:
         raise InputError(
             missing[0],
             None,
-            "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1\""
-            " (delta and ledger-path optional)",
+            "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1 delta=1e-6\""
+            " (its own budget: the run config cannot set it; ledger-path, test-fraction and num-classes optional)",
         )
     client_id = node_config["client-id"]
     if not isinstance(client_id, str) or not client_id.strip():
@@ -242,13 +259,15 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     data_path = resolve_path("data-path", node_config["data-path"])
     if data_path is None:
         raise InputError("data-path", node_config["data-path"], "must name the client's data file")
-    delta = node_config.get("delta")
+    num_classes = node_config.get("num-classes")
     return NodeSettings(
         client_id=client_id.strip(),
         data_path=data_path,
         epsilon=positive("epsilon", node_config["epsilon"]),
-        delta=None if delta is None else open_unit("delta", delta),
+        delta=open_unit("delta", node_config["delta"]),
         ledger_path=resolve_path("ledger-path", node_config.get("ledger-path", "")),
+        test_fraction=_test_fraction(node_config.get("test-fraction", DEFAULTS["test-fraction"])),
+        num_classes=None if num_classes is None else integer_at_least("num-classes", num_classes, 2),
     )
 
 

@@ -25,6 +25,7 @@ from fedprivacy.runconfig import RunSettings, parse_run_config
 from server.strategy import PrivacyFedAvg
 
 app = ServerApp()
+DIAGNOSTICS_NOTE = "not private: clients returned their raw training loss and clip fraction (simulation only)"
 
 
 def say(text: str) -> None:
@@ -61,7 +62,13 @@ def main(grid: Grid, context: Context) -> None:
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
-    extra = {"run_id": context.run_id, "ledger_path": str(ledger_path)}
+    extra = {
+        "run_id": context.run_id,
+        "ledger_path": str(ledger_path),
+        "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
+    }
+    if settings.diagnostics:
+        say(f"diagnostics on: {DIAGNOSTICS_NOTE}")
     try:
         _federate(grid, context, settings, recorder, ledger_path)
     except Exception as exc:

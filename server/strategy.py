@@ -5,6 +5,7 @@ What it adds to FedAvg (weighting by `num-examples` is unchanged):
 - clients that said they cannot afford a round, or whose reply was an error, are not sampled for
   training again (failed clients not for evaluation either), and their replies never reach
   aggregation, so a zero-weight reply cannot divide by zero;
+- clients that release no evaluation (deployed ones) are not asked to evaluate again;
 - every reply is handed to the `RunRecorder` (per-client privacy, per-round metrics).
 """
 
@@ -27,16 +28,15 @@ from fedprivacy.results import RunRecorder
 
 
 def aggregate_train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
-    """Example-weighted train loss and clip fraction; the largest ε spent among the replies."""
+    """The largest ε spent among the replies; with diagnostics (simulations), the example-weighted
+    raw train loss and clip fraction too."""
     metrics = [next(iter(r.metric_records.values())) for r in records]
+    aggregated = {"epsilon-spent-max": max(float(m["epsilon-spent"]) for m in metrics)}
     total = sum(float(m[weight_key]) for m in metrics) or 1.0
-    return MetricRecord(
-        {
-            "train-loss": sum(float(m[weight_key]) * float(m["train-loss"]) for m in metrics) / total,
-            "clip-fraction": sum(float(m[weight_key]) * float(m["clip-fraction"]) for m in metrics) / total,
-            "epsilon-spent-max": max(float(m["epsilon-spent"]) for m in metrics),
-        }
-    )
+    for key in ("train-loss", "clip-fraction"):
+        if all(key in m for m in metrics):
+            aggregated[key] = sum(float(m[weight_key]) * float(m[key]) for m in metrics) / total
+    return MetricRecord(aggregated)
 
 
 class PrivacyFedAvg(FedAvg):
@@ -67,6 +67,7 @@ class PrivacyFedAvg(FedAvg):
         self.wait_timeout = wait_timeout
         self.exhausted: set[int] = set()
         self.failed: set[int] = set()
+        self.evaluation_off: set[int] = set()  # deployed clients, which release no evaluation
         self.names: dict[int, str] = {}
 
     def connected_nodes(self, grid: Grid) -> list[int]:
@@ -113,7 +114,7 @@ class PrivacyFedAvg(FedAvg):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        eligible = [n for n in self.connected_nodes(grid) if n not in self.failed]
+        eligible = [n for n in self.connected_nodes(grid) if n not in self.failed | self.evaluation_off]
         nodes = self._sample(eligible, self.fraction_evaluate)
         return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.EVALUATE)
 
@@ -144,11 +145,19 @@ class PrivacyFedAvg(FedAvg):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
+        evaluated = []
         for reply in replies:
             if reply.has_error():
                 log(WARNING, "evaluation failed on client %s: %s", self._name(reply.metadata.src_node_id),
                     error_summary(reply.error.reason))
-        metrics = super().aggregate_evaluate(server_round, [r for r in replies if not r.has_error()])
+            elif reply.content["metrics"].get("evaluation-off"):
+                self.evaluation_off.add(reply.metadata.src_node_id)
+            else:
+                evaluated.append(reply)
+        if replies and len(self.evaluation_off) == len({r.metadata.src_node_id for r in replies}) and not evaluated:
+            log(INFO, "clients release no evaluation (deployed clients keep their test rows private): "
+                "federated evaluation stops")
+        metrics = super().aggregate_evaluate(server_round, evaluated) if evaluated else None
         if metrics is not None:
             self.recorder.evaluated("federated_", float(metrics["accuracy"]), float(metrics["loss"]))
         return metrics

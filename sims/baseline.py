@@ -35,7 +35,17 @@ from torch import nn
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.data.types import ClientData
-from fedprivacy.participant import client_noise_seed, device, evaluate_model, new_model, partition_kwargs, plan_from_settings, server_test_set
+from fedprivacy.participant import (
+    client_noise_seed,
+    dataset_identity,
+    device,
+    evaluate_model,
+    new_model,
+    partition_kwargs,
+    plan_from_settings,
+    server_test_set,
+    simulated_account,
+)
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.training.trainer import DPTrainer
@@ -137,7 +147,11 @@ def nonprivate_baseline(run_config: dict[str, Any], num_clients: int | None = No
 
 
 def _dp_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan]) -> LocalTrain:
-    b_squared: dict[int, float | None] = {}
+    states: dict[int, dict[str, Any]] = {}
+    dataset_id = dataset_identity(settings)
+
+    def account(client_id: str) -> str:  # the ClientApp's, so the noise seeds match
+        return simulated_account(dataset_id, client_id)
 
     def train(index: int, client: ClientData, plan: Plan, model: nn.Module, server_round: int) -> None:
         trainer = DPTrainer(
@@ -145,11 +159,11 @@ def _dp_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan])
             plan,
             client.train.features,
             client.train.labels,
-            seed=client_noise_seed(settings, f"{settings.dataset}/{client.client_id}"),
-            state={"step": plan.first_step_of_round(server_round), "b_squared": b_squared.get(index)},
+            seed=client_noise_seed(settings, account(client.client_id)),
+            state={**states.get(index, {}), "step": plan.first_step_of_round(server_round)},
         )
         trainer.run_round(server_round)
-        b_squared[index] = trainer.state_dict()["b_squared"]
+        states[index] = trainer.state_dict()
 
     return train
 

@@ -148,19 +148,21 @@ def test_each_simulated_client_plans_with_its_own_delta(simulate, run_config):
 
 def test_node_config_for_a_deployed_client(tmp_path):
     assert parse_node_config({"partition-id": 0, "num-partitions": 2}) is None
-    node = parse_node_config({"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 2})
-    assert node is not None and node.epsilon == 2.0 and node.delta is None
+    node = parse_node_config({"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 2, "delta": 1e-6})
+    assert node is not None and (node.epsilon, node.delta, node.test_fraction, node.num_classes) == (2.0, 1e-6, 0.2, None)
     with pytest.raises(InputError, match="client-id"):
-        parse_node_config({"data-path": "/x.csv", "epsilon": 1})
+        parse_node_config({"data-path": "/x.csv", "epsilon": 1, "delta": 1e-6})
     with pytest.raises(InputError, match="absolute path"):
-        parse_node_config({"client-id": "a", "data-path": "a.csv", "epsilon": 1})
+        parse_node_config({"client-id": "a", "data-path": "a.csv", "epsilon": 1, "delta": 1e-6})
+    with pytest.raises(InputError, match="delta=None: .*its own budget: the run config cannot set it"):
+        parse_node_config({"client-id": "a", "data-path": "/a.csv", "epsilon": 1})
 
 
 def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate, run_config, tmp_path, capsys):
     """Privacy composes across runs: run 2 starts from run 1's spend and stops each client
     before the round it cannot afford; it is never asked to train again."""
     ledger = tmp_path / "shared-ledger.sqlite"
-    first = {**run_config, "ledger-path": str(ledger), "rule": "proactive", "num-server-rounds": 3}
+    first = {**run_config, "ledger-path": str(ledger), "rule": "proactive", "num-server-rounds": 3, "noise-seed": -1}
     simulate(first, num_nodes=2, run_id=1)
     folder1 = run_folder(Path(first["results-dir"]))
     second = {**first, "results-dir": str(tmp_path / "results2"), "rule": "calibrated", "num-server-rounds": 4}
@@ -235,24 +237,29 @@ def deployment_nodes(tmp_path) -> list[dict[str, Any]]:
     for puma, epsilon in ((1101, 1.0), (1102, 2.0)):
         path = tmp_path / f"puma{puma}.csv"
         table[table.puma == puma].sample(400, random_state=0).to_csv(path, index=False)
-        nodes.append({"client-id": f"puma-{puma}", "data-path": str(path), "epsilon": epsilon, "ledger-path": str(tmp_path / f"ledger-{puma}.sqlite")})
+        nodes.append({"client-id": f"puma-{puma}", "data-path": str(path), "epsilon": epsilon, "delta": 1e-5,
+                      "ledger-path": str(tmp_path / f"ledger-{puma}.sqlite")})
     tiny = tmp_path / "tiny.csv"
     table.head(3).to_csv(tiny, index=False)
-    nodes.append({"client-id": "tiny", "data-path": str(tiny), "epsilon": 1.0, "ledger-path": str(tmp_path / "ledger-tiny.sqlite")})
+    nodes.append({"client-id": "tiny", "data-path": str(tiny), "epsilon": 1.0, "delta": 1e-5,
+                  "ledger-path": str(tmp_path / "ledger-tiny.sqlite")})
     return nodes
 
 
 def test_deployment_clients_without_server_data_and_a_too_small_client(in_process, run_config, deployment_nodes, capsys):
-    """Each node brings its own file and budget; the server has no data and evaluates through the
-    clients; the 3-row client fails clearly and the run goes on without it."""
-    config = {**run_config, "dataset": "pums"}
+    """Each node brings its own file and budget; the server has no data, and deployed clients
+    release no evaluation (exact metrics on their test rows are not private); the 3-row client
+    fails clearly and the run goes on without it."""
+    config = {**run_config, "dataset": "pums", "noise-seed": -1}
     grid = in_process.Grid(client_app, deployment_nodes, config)
     in_process.run_server(server_app, grid, config)
     folder = run_folder(Path(config["results-dir"]))
     out = capsys.readouterr().out
     assert "federated (the server has no data)" in out
     rounds = pd.read_csv(folder / "rounds.csv")
-    assert rounds["accuracy"].isna().all() and rounds["federated_accuracy"].notna().all()
+    assert rounds["accuracy"].isna().all() and rounds["federated_accuracy"].isna().all()
+    evaluations = [k for _, k in grid.calls if k == "evaluate"]
+    assert len(evaluations) == 2  # the two clients that trained are asked once, then never again
     assert list(rounds["clients_trained"]) == [2, 2, 2]
     clients = {r["client_id"]: r for r in read_csv(folder / "clients.csv")}
     (failed,) = [r for r in clients.values() if r["status"].startswith("failed")]
@@ -294,7 +301,7 @@ def test_a_renamed_deployed_client_keeps_the_budget_its_data_has_spent(in_proces
     renamed = {**first, "client-id": "puma-1101-renamed"}
     steps = {}
     for run, node in ((1, first), (2, renamed)):
-        config = {**run_config, "dataset": "pums", "results-dir": str(tmp_path / f"r{run}")}
+        config = {**run_config, "dataset": "pums", "results-dir": str(tmp_path / f"r{run}"), "noise-seed": -1}
         in_process.run_server(server_app, in_process.Grid(client_app, [node, deployment_nodes[1]], config, run_id=run), config)
         rows = {r["client_id"]: r for r in read_csv(run_folder(tmp_path / f"r{run}") / "clients.csv")}
         steps[run] = int(rows[node["client-id"]]["steps_done"])  # the ledger's cumulative steps

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import sqlite3
+import stat
 import threading
 
 import pytest
 
-from fedprivacy.ledger import BudgetExceeded, Ledger, round_events
+from fedprivacy.errors import InputError
+from fedprivacy.ledger import (
+    SCHEMA_VERSION,
+    Budget,
+    BudgetExceeded,
+    BudgetMismatch,
+    Ledger,
+    PartitioningMismatch,
+    RoundRepeated,
+    round_events,
+)
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon as ledger_accounting
 from fedprivacy.privacy.plan import Plan
 from independent import CERTIFICATE_REL_TOL, pld_epsilon
@@ -17,43 +29,99 @@ DELTA = 1e-5
 def test_records_compose_with_pld_and_survive_reopening(tmp_path):
     path = tmp_path / "ledger.sqlite"
     ledger = Ledger(path)
-    assert ledger.epsilon_spent("a", DELTA) == 0.0
-    first = ledger.record("a", "run1", 1, [NoiseEvent(4.0, 0.1, 10)], delta=DELTA, budget=10.0)
-    second = ledger.record("a", "run1", 2, [NoiseEvent(3.0, 0.1, 5)], delta=DELTA, budget=10.0)
+    assert ledger.epsilon_spent("a") == 0.0
+    ledger.open_account("a", 10.0, DELTA)
+    first = ledger.record("a", "run1", 1, [NoiseEvent(4.0, 0.1, 10)])
+    second = ledger.record("a", "run1", 2, [NoiseEvent(3.0, 0.1, 5)])
     assert 0 < first < second
     expected = pld_epsilon([(4.0, 0.1, 10), (3.0, 0.1, 5)], DELTA)
     assert second == pytest.approx(expected, rel=CERTIFICATE_REL_TOL)
 
     reopened = Ledger(path)  # a restarted client opens the same file
     assert reopened.steps_spent("a") == 15
-    assert reopened.epsilon_spent("a", DELTA) == pytest.approx(expected, rel=CERTIFICATE_REL_TOL)
+    assert reopened.epsilon_spent("a") == pytest.approx(expected, rel=CERTIFICATE_REL_TOL)
     assert reopened.steps_spent("b") == 0  # accounts are separate
 
 
 def test_a_spend_over_budget_is_refused_and_not_written(tmp_path):
     ledger = Ledger(tmp_path / "ledger.sqlite")
-    spent = ledger.record("a", "run1", 1, [NoiseEvent(2.0, 0.2, 20)], delta=DELTA, budget=5.0)
+    ledger.open_account("a", 5.0, DELTA)
+    spent = ledger.record("a", "run1", 1, [NoiseEvent(2.0, 0.2, 20)])
     more = [NoiseEvent(2.0, 0.2, 200)]
-    assert ledger.epsilon_if("a", more, DELTA) > 5.0
+    assert ledger.epsilon_if("a", more) > 5.0
     with pytest.raises(BudgetExceeded, match="budget 5"):
-        ledger.record("a", "run2", 1, more, delta=DELTA, budget=5.0)
+        ledger.record("a", "run2", 1, more)
     assert ledger.steps_spent("a") == 20
-    assert ledger.epsilon_spent("a", DELTA) == pytest.approx(spent)
+    assert ledger.epsilon_spent("a") == pytest.approx(spent)
+
+
+def test_the_budget_is_pinned_on_first_use_and_only_the_operator_changes_it(tmp_path):
+    """A server asking for a larger ε or δ gets a refusal; re-evaluating the history at a larger δ
+    (which would show a smaller ε and leave room to spend) is impossible."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.open_account("a", 1.0, DELTA)
+    ledger.record("a", "run1", 1, [NoiseEvent(3.0, 0.05, 100)])
+    for epsilon, delta in ((1.0, 1e-2), (2.0, DELTA), (1.0, 1e-6)):
+        with pytest.raises(BudgetMismatch, match="pinned at ε=1, δ=1e-05.*fedprivacy ledger set-budget"):
+            ledger.open_account("a", epsilon, delta)
+    assert ledger.budget("a") == Budget(1.0, DELTA)
+    assert ledger.epsilon_spent("a") == pytest.approx(pld_epsilon([(3.0, 0.05, 100)], DELTA), rel=CERTIFICATE_REL_TOL)
+    ledger.set_budget("a", 2.0, DELTA)  # the node operator's deliberate act
+    assert ledger.open_account("a", 2.0, DELTA) == Budget(2.0, DELTA)
+    with pytest.raises(KeyError, match="open_account"):
+        ledger.record("never-opened", "run1", 1, [NoiseEvent(1.0, 0.1, 1)])
+
+
+def test_a_round_is_recorded_at_most_once_per_run(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.open_account("a", 10.0, DELTA)
+    ledger.record("a", "run1", 3, [NoiseEvent(2.0, 0.1, 5)])
+    assert ledger.trained("a", "run1", 3) and not ledger.trained("a", "run1", 4) and not ledger.trained("a", "run2", 3)
+    with pytest.raises(RoundRepeated, match="round 3 of run run1"):
+        ledger.record("a", "run1", 3, [NoiseEvent(2.0, 0.1, 5)])
+    assert ledger.steps_spent("a") == 5
+    ledger.record("a", "run2", 3, [NoiseEvent(2.0, 0.1, 5)])  # another run's round 3 composes
+    assert ledger.runs("a") == {"run1", "run2"}
+
+
+def test_a_data_set_keeps_its_partitioning(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.pin_partitioning("file:abc", {"scheme": "iid", "seed": 0})
+    ledger.pin_partitioning("file:abc", {"seed": 0, "scheme": "iid"})  # same, any key order
+    ledger.pin_partitioning("file:other", {"scheme": "iid", "seed": 1})
+    with pytest.raises(PartitioningMismatch, match="fresh budgets"):
+        Ledger(tmp_path / "ledger.sqlite").pin_partitioning("file:abc", {"scheme": "iid", "seed": 1})
+
+
+def test_ledger_files_are_private_and_versioned(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    Ledger(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(InputError, match="newer fedprivacy"):
+        Ledger(path)
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(InputError, match="not a readable fedprivacy ledger"):
+        Ledger(garbage)
 
 
 def test_concurrent_writers_never_overshoot(tmp_path):
     """Two writers race for a budget that fits only some of their spends."""
     path = tmp_path / "ledger.sqlite"
-    Ledger(path)
     step = [NoiseEvent(1.5, 0.2, 10)]
     budget = ledger_accounting([NoiseEvent(1.5, 0.2, 30)], DELTA) + 1e-6  # room for exactly 3 spends (concurrency, not accounting, is under test)
+    Ledger(path).open_account("a", budget, DELTA)
     outcomes: list[str] = []
+    rounds = iter(range(1, 1000))  # each spend its own round (next() is atomic under the GIL)
 
     def writer() -> None:
         ledger = Ledger(path)
         for _ in range(3):
             try:
-                ledger.record("a", "run", 1, step, delta=DELTA, budget=budget)
+                ledger.record("a", "run", next(rounds), step)
                 outcomes.append("ok")
             except BudgetExceeded:
                 outcomes.append("refused")

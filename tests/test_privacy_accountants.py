@@ -23,7 +23,7 @@ def test_reference_values_from_the_notes():
 
 
 @pytest.mark.parametrize("rule", ["proactive", "calibrated", "adp"])
-@pytest.mark.parametrize("n, eps, delta", [(5736, 1.0, 1e-5), (2983, 0.5, 1 / 2983), (1200, 4.0, 1e-6)])
+@pytest.mark.parametrize("n, eps, delta", [(5736, 1.0, 1e-5), (2983, 0.5, 0.9 / 2983), (1200, 4.0, 1e-6)])
 def test_every_certified_epsilon_matches_independent_dp_accounting(rule, n, eps, delta):
     plan = plan_client(n, eps, delta, rule=rule, compare=False)  # every rule is accepted at these inputs
     assert sum(count for _, count in plan.noise_segments) == plan.steps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fedprivacy.errors import InputError, PlanRefused
@@ -18,14 +18,24 @@ from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 
 def test_default_proactive_plan_uses_smallest_k_and_t():
-    plan = plan_client(5736, 2.0, 1 / 5736)
+    delta = 0.5 / 5736
+    plan = plan_client(5736, 2.0, delta)
     assert plan.rule == "proactive"
-    assert plan.sigma == pytest.approx(math.sqrt(2 * (2 + math.log(5736)) / 2))
+    assert plan.sigma == pytest.approx(math.sqrt(2 * (2 + math.log(1 / delta)) / 2))
     assert (plan.steps, plan.epochs) == (25, pytest.approx(5.0))
     assert plan.expected_batch_size == pytest.approx(5736 * 0.2)
-    assert plan.epsilon_pld == pytest.approx(1.019, abs=2e-3)  # notes/privacy.md §2 table
-    assert plan.epsilon_rdp == pytest.approx(1.163, abs=2e-3)
+    assert plan.epsilon_pld == pytest.approx(pld_epsilon([(plan.sigma, 0.2, 25)], delta), rel=CERTIFICATE_REL_TOL)
     assert {c.name for c in plan.conditions} >= {"epsilon_regime", "delta_vs_n", "steps_lower_bound", "epochs_vs_log_n", "certified"}
+
+
+@pytest.mark.parametrize("rule", ["proactive", "calibrated", "adp"])
+@pytest.mark.parametrize("n", [2, 5736, 10**6])
+def test_every_rule_refuses_a_delta_of_one_over_n_or_more(rule, n):
+    """δ ≥ 1/N is met by a mechanism that publishes one random record outright."""
+    for delta in {1 / n, min(2 / n, 0.9), 0.5}:
+        with pytest.raises(InputError, match=r"must be below 1/N = .* allows releasing a record outright") as info:
+            plan_client(n, 1.0, delta, rule=rule)
+        assert info.value.field == "delta"
 
 
 def test_sigma_by_rule_holds_every_rule():
@@ -121,6 +131,7 @@ def test_calculator_ranks_feasible_plans_at_equal_epochs():
 )
 def test_every_accepted_plan_is_within_budget(n, eps, delta, rule, epochs):
     """Within budget by dp-accounting itself, not only by the planner's own certificate."""
+    assume(delta * n < 1)  # δ ≥ 1/N is refused (tested above)
     try:
         plan = plan_client(n, eps, delta, rule=rule, epochs=epochs, compare=False)
     except PlanRefused:

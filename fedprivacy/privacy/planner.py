@@ -26,6 +26,17 @@ from fedprivacy.privacy.proactive import proactive_conditions, proactive_sigma, 
 ADP_DEFAULT_LR_PARAMS = {"a": 20.0, "c": 1.0}  # η_t = η/sqrt(20 + t), the paper's CIFAR-10 schedule
 
 
+def below_one_over_n(delta: float, n: int) -> float:
+    """δ in (0, 1/N): a δ ≥ 1/N is met by releasing one record in the clear (Dwork & Roth §2.3)."""
+    delta = errors.open_unit("delta", delta)
+    if delta * n >= 1.0:
+        raise InputError(
+            "delta", delta,
+            f"must be below 1/N = {1.0 / n:.3g} for N = {n}: a δ ≥ 1/N allows releasing a record outright",
+        )
+    return delta
+
+
 def resolve_schedule(
     n: int,
     epsilon: float,
@@ -121,7 +132,7 @@ def plan_client(
     """Plan, certify and return one client's DP-SGD parameters (see the module docstring)."""
     n = errors.integer_at_least("n", n, 2)
     epsilon = errors.positive("epsilon", epsilon)
-    delta = errors.open_unit("delta", delta)
+    delta = below_one_over_n(delta, n)
     clip_norm = errors.positive("clip-norm", clip_norm)
     rounds = errors.integer_at_least("rounds", rounds, 1)
     learning_rate = errors.positive("learning-rate", learning_rate)

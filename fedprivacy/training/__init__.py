@@ -7,22 +7,25 @@ from fedprivacy.training.clipping import (
     UnsupportedLayerError,
     check_supported,
 )
-from fedprivacy.training.rng import SeededRunWarning, StepRandomness
+from fedprivacy.training.rng import SeededRunWarning, StepRandomness, StepStream
 from fedprivacy.training.schedule import StepSize
 from fedprivacy.training.step import dp_step, release, sgd_update
-from fedprivacy.training.trainer import DPTrainer, PlanExhausted, TrainReport, poisson_sample
+from fedprivacy.training.trainer import DPTrainer, NonFiniteModel, PlanExhausted, TrainReport, check_finite, poisson_sample
 
 __all__ = [
     "SUPPORTED_LAYERS",
     "ClippedBatch",
     "DPTrainer",
+    "NonFiniteModel",
     "PerExampleClipper",
     "PlanExhausted",
     "SeededRunWarning",
     "StepRandomness",
+    "StepStream",
     "StepSize",
     "TrainReport",
     "UnsupportedLayerError",
+    "check_finite",
     "check_supported",
     "dp_step",
     "poisson_sample",

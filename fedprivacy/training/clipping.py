@@ -10,6 +10,12 @@ gradients) give, per layer,
   - the clipped sum Σᵢ wᵢ·DᵢᵀAᵢ = (w⊙D)ᵀA as one matrix product, wᵢ = C / max(‖gᵢ‖, C).
 This is exact (no approximation) for any model whose trainable parameters all live in Linear or
 Conv2d layers and whose layers never mix examples; anything else is refused by name.
+
+An example whose gradient norm is not finite (an overflow, a NaN: a diverging run, or a model
+crafted so that one record overflows) contributes exactly zero, and its rows are zeroed before the
+sums are formed, since 0·inf would otherwise turn the whole clipped sum into NaN. Each example's
+contribution is then still a function of that example alone with norm ≤ C, which is all the
+accountant assumes. How many were dropped is counted for the client's own diagnostics only.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ class ClippedBatch:
     """What one batch gives the DP step: clipped gradient sums and statistics (on device)."""
 
     grad_sums: list[Tensor]  # Σᵢ clip(gᵢ), aligned with PerExampleClipper.parameters
-    sq_norms: Tensor  # per-example squared gradient norms before clipping, shape (B,)
-    loss_sum: Tensor  # Σᵢ loss_i (scalar)
+    sq_norms: Tensor  # per-example squared gradient norms before clipping, shape (B,); 0 where dropped
+    loss_sum: Tensor  # Σᵢ loss_i over the examples kept (scalar)
     clip_norm: float
+    nonfinite: int = 0  # examples dropped because their gradient norm was not finite
 
     @property
     def norms(self) -> Tensor:
@@ -133,6 +140,25 @@ def _conv_terms(module: nn.Conv2d, x: Tensor, d: Tensor) -> Terms:
     return sq.reshape(batch, groups).sum(1), a, d, per_example
 
 
+def _all_finite(tensors: list[Tensor]) -> bool:
+    return bool(torch.stack([t.isfinite().all() for t in tensors]).all())
+
+
+def _drop_rows(
+    layer: nn.Module, keep: Tensor, a: Tensor, d: Tensor, per_example: Tensor | None
+) -> tuple[nn.Module, Tensor, Tensor, Tensor | None]:
+    """Zero the A and D rows (and per-example gradients) of the examples not kept.
+
+    Rows are per example, or per (example, group) for a grouped convolution (B·G rows).
+    """
+    rows = keep.repeat_interleave(a.shape[0] // keep.shape[0])
+
+    def zeroed(t: Tensor) -> Tensor:
+        return torch.where(rows.view(-1, *(1,) * (t.dim() - 1)), t, 0.0)
+
+    return layer, zeroed(a), zeroed(d), None if per_example is None else zeroed(per_example)
+
+
 class PerExampleClipper:
     """Computes clipped per-example gradient sums for a model, by forward hooks on its layers.
 
@@ -164,14 +190,36 @@ class PerExampleClipper:
 
     def clipped_sum(self, inputs: Tensor, targets: Tensor, clip_norm: float) -> ClippedBatch:
         """Σᵢ clip_C(∇loss_i) over the batch, with each example's gradient clipped over ALL
-        trainable parameters together; cross-entropy loss on the model's logits."""
+        trainable parameters together; cross-entropy loss on the model's logits.
+
+        Examples whose gradient norm is not finite contribute zero. Should the batched sums still
+        be non-finite (one example's finite norm built from terms that overflow when summed), the
+        batch is redone one example at a time, so that only the offending examples are dropped.
+        """
+        batch = self._batched_clipped_sum(inputs, targets, clip_norm)
+        if _all_finite(batch.grad_sums):
+            return batch
+        if inputs.shape[0] == 1:
+            zeros = [torch.zeros_like(g) for g in batch.grad_sums]
+            return ClippedBatch(zeros, torch.zeros_like(batch.sq_norms), torch.zeros_like(batch.loss_sum), clip_norm, 1)
+        singles = [self.clipped_sum(inputs[i : i + 1], targets[i : i + 1], clip_norm) for i in range(inputs.shape[0])]
+        return ClippedBatch(
+            [torch.stack(parts).sum(0) for parts in zip(*(b.grad_sums for b in singles), strict=True)],
+            torch.cat([b.sq_norms for b in singles]),
+            torch.stack([b.loss_sum for b in singles]).sum(),
+            clip_norm,
+            sum(b.nonfinite for b in singles),
+        )
+
+    def _batched_clipped_sum(self, inputs: Tensor, targets: Tensor, clip_norm: float) -> ClippedBatch:
         self._records.clear()
         self._recording = True
         try:
             logits = self.model(inputs)
         finally:
             self._recording = False
-        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        losses = F.cross_entropy(logits, targets, reduction="none")
+        loss_sum = losses.sum()
         outputs = []
         for layer in self.layers:
             if layer not in self._records:
@@ -202,6 +250,12 @@ class PerExampleClipper:
             terms.append((layer, a, d, per_example))
         self._records.clear()
         assert sq_norms is not None  # at least one layer (checked in __init__)
+        finite = torch.isfinite(sq_norms)
+        nonfinite = int(finite.numel() - finite.sum())
+        if nonfinite:
+            terms = [_drop_rows(layer, finite, a, d, per_example) for layer, a, d, per_example in terms]
+            sq_norms = torch.where(finite, sq_norms, 0.0)
+            losses = torch.where(finite, losses, 0.0)
 
         # wᵢ = C / max(‖gᵢ‖, C): 1 below C, C/‖gᵢ‖ above.
         weights = sq_norms.clamp(min=clip_norm**2).rsqrt_().mul_(clip_norm)
@@ -234,4 +288,4 @@ class PerExampleClipper:
                     grad_sums.append(wd.reshape(-1, wd.shape[-1]).sum(0))
                 else:
                     grad_sums.append(wd.reshape(-1, groups, *wd.shape[1:]).sum((0, 2)).reshape(-1))
-        return ClippedBatch(grad_sums, sq_norms, loss_sum.detach(), clip_norm)
+        return ClippedBatch(grad_sums, sq_norms, losses.detach().sum(), clip_norm, nonfinite)

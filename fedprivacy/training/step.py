@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fedprivacy.training.clipping import ClippedBatch, PerExampleClipper
+from fedprivacy.training.rng import StepStream
 
 
 def release(
@@ -20,12 +21,10 @@ def release(
     sigma: float,
     clip_norm: float,
     expected_batch: float,
-    generator: torch.Generator,
+    stream: StepStream,
 ) -> list[Tensor]:
     """The noisy averaged gradient (Σ clipped + N(0, σ²C²I)) / (qN), in place on `grad_sums`."""
-    noise = [
-        torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype) for g in grad_sums
-    ]
+    noise = stream.normal_like(grad_sums)
     # torch._foreach_*: one call per list instead of one per tensor (what torch.optim uses).
     torch._foreach_add_(grad_sums, noise, alpha=sigma * clip_norm)
     torch._foreach_div_(grad_sums, expected_batch)
@@ -46,7 +45,7 @@ def dp_step(
     sigma: float,
     clip_norm: float,
     expected_batch: float,
-    generator: torch.Generator,
+    stream: StepStream,
     learning_rate: Callable[[list[Tensor]], float],
 ) -> ClippedBatch | None:
     """One noisy step on an already sampled batch; an empty batch still adds noise and steps.
@@ -60,6 +59,6 @@ def dp_step(
     else:
         batch = clipper.clipped_sum(inputs, targets, clip_norm)
         grads = batch.grad_sums
-    grads = release(grads, sigma, clip_norm, expected_batch, generator)
+    grads = release(grads, sigma, clip_norm, expected_batch, stream)
     sgd_update(clipper.parameters, grads, learning_rate(grads))
     return batch

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fedprivacy.errors import ClientRefusal
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training.clipping import PerExampleClipper
-from fedprivacy.training.rng import StepRandomness
+from fedprivacy.training.rng import StepRandomness, StepStream
 from fedprivacy.training.schedule import StepSize
 from fedprivacy.training.step import dp_step
 
@@ -37,6 +38,7 @@ class TrainReport:
     empty_steps: int
     mean_loss: float  # mean cross-entropy of sampled examples, before each step's update; nan if none
     clip_fraction: float  # sampled examples whose gradient norm exceeded C; nan if none
+    nonfinite_examples: int  # sampled examples dropped for a non-finite gradient (contributed zero)
     noisy_steps: int  # steps that added Gaussian noise (all of them; reported for the ledger)
     sigma_mean: float  # mean noise multiplier σ_t over the slice
     noise_std_on_mean: float  # mean σ_t·C/(qN): noise std per coordinate of the averaged gradient
@@ -47,9 +49,21 @@ class TrainReport:
         return asdict(self)
 
 
-def poisson_sample(n: int, q: float, generator: torch.Generator, device: torch.device) -> Tensor:
-    """Indices of the records kept, each independently with probability q."""
-    return torch.nonzero(torch.rand(n, generator=generator, device=device) < q).flatten()
+def poisson_sample(n: int, q: float, stream: StepStream, device: torch.device | str = "cpu") -> Tensor:
+    """Indices of the records kept, each independently with probability ≤ q (see rng.py)."""
+    return stream.poisson_sample(n, q, device)
+
+
+class NonFiniteModel(ClientRefusal):
+    """A model with a NaN or infinite weight: refused before any record is touched."""
+
+
+def check_finite(state: dict[str, Tensor] | nn.Module) -> None:
+    """Refuse weights that are not all finite (a crafted or diverged global model)."""
+    tensors = state.state_dict() if isinstance(state, nn.Module) else state
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteModel(f"model weight {name!r} is not finite (NaN or ±inf): refused before training")
 
 
 class DPTrainer:
@@ -62,9 +76,10 @@ class DPTrainer:
         features: Tensor | np.ndarray,
         labels: Tensor | np.ndarray,
         *,
-        seed: int | None = None,
+        seed: int | bytes | None = None,
         state: dict[str, Any] | None = None,
     ) -> None:
+        check_finite(model)
         self.model = model
         self.plan = plan
         self.clipper = PerExampleClipper(model)
@@ -77,7 +92,7 @@ class DPTrainer:
                 f"features/labels have {len(self.features)}/{len(self.labels)} rows but the plan "
                 f"was certified for n={plan.n}: sampling rate and noise would not match"
             )
-        self.randomness = StepRandomness(self.device, seed)
+        self.randomness = StepRandomness(seed)
         self.step = 0
         self.step_size = StepSize(plan)
         if state is not None:
@@ -131,7 +146,7 @@ class DPTrainer:
         first = self.step
         loss_sum = torch.zeros((), device=self.device)
         clipped = torch.zeros((), dtype=torch.long, device=self.device)
-        examples = empty = 0
+        examples = empty = nonfinite = 0
         sigmas: list[float] = []
         lr_used = math.nan
 
@@ -143,8 +158,8 @@ class DPTrainer:
         self.model.train()
         for _ in range(count):
             sigma = plan.noise_multiplier(self.step)
-            generator = self.randomness.for_step(self.step)
-            index = poisson_sample(n, q, generator, self.device)
+            stream = self.randomness.for_step(self.step)
+            index = poisson_sample(n, q, stream, self.device)
             batch = dp_step(
                 self.clipper,
                 self.features[index],
@@ -152,7 +167,7 @@ class DPTrainer:
                 sigma=sigma,
                 clip_norm=clip,
                 expected_batch=expected,
-                generator=generator,
+                stream=stream,
                 learning_rate=learning_rate,
             )
             if batch is None:
@@ -161,6 +176,7 @@ class DPTrainer:
                 examples += len(index)
                 loss_sum += batch.loss_sum
                 clipped += batch.clipped
+                nonfinite += batch.nonfinite
             sigmas.append(sigma)
             self.step += 1
 
@@ -172,6 +188,7 @@ class DPTrainer:
             empty_steps=empty,
             mean_loss=float(loss_sum) / examples if examples else math.nan,
             clip_fraction=int(clipped) / examples if examples else math.nan,
+            nonfinite_examples=nonfinite,
             noisy_steps=count,
             sigma_mean=sigma_mean,
             noise_std_on_mean=sigma_mean * clip / expected,
