@@ -5,8 +5,12 @@ Honest comparison, same work per step for every implementation:
   - a FIXED-size batch for every implementation (Poisson sampling is left out of all of them:
     it is data indexing, identical work for each, and variable sizes would only add noise);
   - the DP implementations each clip per example, add Gaussian noise to the sum and take the
-    optimizer step; ours includes per-step reseeding of its generator from OS entropy, exactly
-    as the trainer runs it (`fedprivacy.training.step.dp_step`);
+    optimizer step; ours is the trainer's `fedprivacy.training.step.dp_step` with its noise drawn
+    as the trainer draws it: a ChaCha20 stream per step under a fresh OS key, the `--inner` steps
+    of a timed repeat in one pass (the trainer draws a round's steps in one pass);
+  - `fedprivacy-torchrng` is the same step with the noise source it replaced (torch's generator
+    reseeded from 64 bits of OS entropy every step, which keeps only 32 of them on the CPU): the
+    ratio of the two is what cryptographically strong noise costs;
   - the non-private step is zero_grad + forward + mean cross-entropy + backward + torch SGD step.
 Repeats are interleaved (round-robin over implementations) so load from other processes on the
 shared machine hits all of them alike; we report the median over repeats after warm-up. With
@@ -22,6 +26,7 @@ import argparse
 import copy
 import json
 import statistics
+import secrets
 import time
 import warnings
 from collections.abc import Callable
@@ -43,7 +48,7 @@ BATCHES = (64, 256)
 SIGMA, CLIP, LR = 1.0, 1.0, 0.05
 
 
-def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: int) -> Callable[[], None]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step() -> None:
@@ -54,28 +59,55 @@ def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Calla
     return step
 
 
-def fedprivacy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    clipper = PerExampleClipper(model)
-    randomness = StepRandomness(x.device)  # unseeded: fresh OS entropy every step
-    counter = iter(range(10**9))
+def os_entropy_normals(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
+    """Our noise, as the trainer draws it: `block` steps per pass, a fresh OS key per step."""
+    randomness, step, draws = StepRandomness(), 0, None
 
-    def step() -> None:
-        dp_step(
-            clipper,
-            x,
-            y,
-            sigma=SIGMA,
-            clip_norm=CLIP,
-            expected_batch=float(len(x)),
-            generator=randomness.for_step(next(counter)),
-            learning_rate=lambda grads: LR,
-        )
+    def next_normals() -> torch.Tensor:
+        nonlocal step, draws
+        if draws is None or step >= draws.first_step + len(draws.noise):
+            draws = randomness.draws(step, block, 0, 1.0, count, device=device)
+        step += 1
+        return draws.normals(step - 1)
 
-    return step
+    return next_normals
 
 
-def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], Callable[[], None]]:
-    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def torch_generator_normals(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
+    """The replaced noise source: torch's generator reseeded from 64 bits of OS entropy every step."""
+    generator = torch.Generator(device=device)
+
+    def next_normals() -> torch.Tensor:
+        generator.manual_seed(secrets.randbits(64))
+        return torch.randn(count, generator=generator, device=device)
+
+    return next_normals
+
+
+def dp_step_with(normals: Callable[[int, torch.device, int], Callable[[], torch.Tensor]]):
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: int) -> Callable[[], None]:
+        clipper = PerExampleClipper(model)
+        next_normals = normals(sum(p.numel() for p in clipper.parameters), x.device, block)
+
+        def step() -> None:
+            dp_step(
+                clipper,
+                x,
+                y,
+                sigma=SIGMA,
+                clip_norm=CLIP,
+                expected_batch=float(len(x)),
+                normals=next_normals(),
+                learning_rate=lambda grads: LR,
+            )
+
+        return step
+
+    return build
+
+
+def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor, int], Callable[[], None]]:
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: int) -> Callable[[], None]:
         from opacus import PrivacyEngine
 
         # A loader of exactly one batch: sample rate 1, so Opacus divides by len(x) like ours.
@@ -106,7 +138,8 @@ def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], 
 
 IMPLS = {
     "nonprivate": nonprivate_step,
-    "fedprivacy": fedprivacy_step,
+    "fedprivacy": dp_step_with(os_entropy_normals),
+    "fedprivacy-torchrng": dp_step_with(torch_generator_normals),
     "opacus-hooks": opacus_step("hooks"),
     "opacus-ghost": opacus_step("ghost"),
 }
@@ -126,7 +159,7 @@ def measure(repeats: int, inner: int, device: torch.device) -> list[dict[str, ob
             base = build_model(name, features, classes).to(device)
             x = torch.randn(batch, *shape, device=device)
             y = torch.randint(0, classes, (batch,), device=device)
-            steps = {impl: make(copy.deepcopy(base), x, y) for impl, make in IMPLS.items()}
+            steps = {impl: make(copy.deepcopy(base), x, y, inner) for impl, make in IMPLS.items()}
             times: dict[str, list[float]] = {impl: [] for impl in steps}
             for step in steps.values():  # warm-up
                 for _ in range(inner):
@@ -140,6 +173,7 @@ def measure(repeats: int, inner: int, device: torch.device) -> list[dict[str, ob
                     synchronise(device)
                     times[impl].append((time.perf_counter() - start) / inner * 1e3)
             base_ms = statistics.median(times["nonprivate"])
+            replaced_ms = statistics.median(times["fedprivacy-torchrng"])
             for impl, values in times.items():
                 ms = statistics.median(values)
                 rows.append(
@@ -149,17 +183,18 @@ def measure(repeats: int, inner: int, device: torch.device) -> list[dict[str, ob
                         "impl": impl,
                         "ms_per_step": round(ms, 4),
                         "ratio_vs_nonprivate": round(ms / base_ms, 3),
+                        "ratio_vs_torchrng": round(ms / replaced_ms, 3),
                     }
                 )
     return rows
 
 
 def print_table(rows: list[dict[str, object]]) -> None:
-    print(f"{'model':<8}{'batch':>6}  {'impl':<14}{'ms/step':>10}{'× non-private':>15}")
+    print(f"{'model':<8}{'batch':>6}  {'impl':<21}{'ms/step':>10}{'× non-private':>15}{'× torch-rng DP step':>21}")
     for r in rows:
         print(
-            f"{r['model']:<8}{r['batch']:>6}  {r['impl']:<14}"
-            f"{r['ms_per_step']:>10.3f}{r['ratio_vs_nonprivate']:>15.2f}"
+            f"{r['model']:<8}{r['batch']:>6}  {r['impl']:<21}"
+            f"{r['ms_per_step']:>10.3f}{r['ratio_vs_nonprivate']:>15.2f}{r['ratio_vs_torchrng']:>21.3f}"
         )
 
 

@@ -139,9 +139,15 @@ def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: Run
         timeout=settings.round_timeout,
         evaluate_fn=end_of_round,
     )
+    recorder.write_figure()
+    if not any(c.rounds_trained for c in recorder.clients.values()):
+        # An untrained model.pt would pass for a result: no model, and the run fails saying why.
+        failed = sum(c.status.startswith("failed") for c in recorder.clients.values())
+        exhausted = sum(c.exhausted_round is not None for c in recorder.clients.values())
+        raise RuntimeError(f"no client trained in any round ({failed} failed, {exhausted} out of budget): "
+                           "no model was saved; see clients.csv")
     recorder.write_plans()
     recorder.save_model((result.arrays or initial).to_torch_state_dict())
-    recorder.write_figure()
 
 
 def _fmt(value: float | None) -> str:

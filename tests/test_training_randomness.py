@@ -9,6 +9,7 @@ from itertools import combinations
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from fedprivacy.training.rng import UNIFORM_BITS, SeededRunWarning, StepRandomness, sampling_threshold
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWa
 
 
 def noise(seed, step: int = 0, count: int = 64) -> np.ndarray:
-    return StepRandomness(seed).for_step(step).gaussians(count)
+    return StepRandomness(seed).draws(step, 1, 0, 0.5, count, dtype=torch.float64).noise[0].numpy()
 
 
 def test_any_change_of_the_seed_material_changes_the_noise():
@@ -28,11 +29,13 @@ def test_any_change_of_the_seed_material_changes_the_noise():
         assert not np.any(da == db), (a, b)  # unrelated streams: not even one coordinate equal
 
 
-def test_steps_have_their_own_noise_and_seeded_steps_replay_in_any_order():
-    r = StepRandomness(7)
-    later_first = r.for_step(5).gaussians(100)
-    assert np.array_equal(StepRandomness(7).for_step(5).gaussians(100), later_first)
-    assert not np.any(StepRandomness(7).for_step(4).gaussians(100) == later_first)
+def test_steps_have_their_own_draws_and_seeded_steps_replay_in_any_split():
+    together = StepRandomness(7).draws(3, 4, 50, 0.3, 100)  # steps 3, 4, 5, 6 in one pass
+    for step in range(3, 7):
+        alone = StepRandomness(7).draws(step, 1, 50, 0.3, 100)
+        assert torch.equal(alone.noise[0], together.normals(step))
+        assert torch.equal(alone.sample(step), together.sample(step))
+    assert not torch.any(together.normals(3) == together.normals(4))
 
 
 def test_unseeded_streams_come_from_the_os_and_never_repeat():
@@ -40,11 +43,13 @@ def test_unseeded_streams_come_from_the_os_and_never_repeat():
         warnings.simplefilter("error", SeededRunWarning)  # no warning without a seed
         r = StepRandomness()
     assert not r.seeded
-    assert not np.any(r.for_step(0).gaussians(1000) == r.for_step(0).gaussians(1000))
+    first, second = (r.draws(0, 1, 0, 0.5, 1000).noise[0] for _ in range(2))
+    assert not torch.any(first == second)
 
 
-def test_the_noise_is_standard_normal():
-    draws = StepRandomness(11).for_step(0).gaussians(200_001)  # odd: the last Box–Muller pair is cut
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_noise_is_standard_normal(dtype):
+    draws = StepRandomness(11).draws(0, 1, 0, 0.5, 200_001, dtype=dtype).noise[0].double().numpy()  # odd: a pair is cut
     assert draws.shape == (200_001,)
     assert stats.kstest(draws, "norm").pvalue > 1e-3
     assert abs(draws.mean()) < 5 / math.sqrt(len(draws))
@@ -67,8 +72,8 @@ def test_a_float32_comparison_would_have_sampled_above_q():
 
 def test_poisson_sample_sizes_are_binomial():
     n, q, reps = 20_000, 0.02, 30
-    r = StepRandomness(3)
-    sizes = np.array([len(r.for_step(step).poisson_sample(n, q)) for step in range(reps)])
+    draws = StepRandomness(3).draws(0, reps, n, q, 10)
+    sizes = np.array([len(draws.sample(step)) for step in range(reps)])
     trials = n * reps
     assert abs(sizes.sum() - q * trials) < 5 * math.sqrt(trials * q * (1 - q))
     assert len(set(sizes.tolist())) > 1

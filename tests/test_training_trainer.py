@@ -18,7 +18,6 @@ from fedprivacy.training import (
     PlanExhausted,
     SeededRunWarning,
     StepRandomness,
-    poisson_sample,
     release,
 )
 
@@ -131,7 +130,8 @@ def test_empty_batches_are_noisy_steps(compute_device: torch.device) -> None:
 def test_release_adds_noise_of_std_sigma_c_to_the_sum(compute_device: torch.device) -> None:
     sigma, clip, coords = 1.3, 0.7, 40_000
     clean = torch.randn(coords, generator=torch.Generator().manual_seed(5)).to(compute_device)
-    released = release([clean.clone()], sigma, clip, expected_batch=1.0, stream=StepRandomness(11).for_step(0))[0]
+    normals = StepRandomness(11).draws(0, 1, 0, 0.5, coords, device=compute_device).noise[0]
+    released = release([clean.clone()], sigma, clip, expected_batch=1.0, normals=normals)[0]
     assert released.device.type == compute_device.type
     noise = released - clean
     # Sample std of n normals has relative s.e. 1/sqrt(2n) = 0.35%; allow 5 s.e.
@@ -167,7 +167,7 @@ def test_average_divides_by_the_expected_batch_not_the_realised_one(compute_devi
     """σ = 0: the released gradient is exactly the clipped sum of the sampled records / (qN)."""
     plan = make_plan(n=40, q=0.3, steps=1, sigma=0.0, clip=0.5, lr=1.0)
     t = trainer(plan, seed=21, device=compute_device)
-    index = poisson_sample(40, 0.3, StepRandomness(21).for_step(0), compute_device)
+    index = StepRandomness(21).draws(0, 1, 40, 0.3, 1154, device=compute_device).sample(0)
     assert 0 < len(index) != 12  # realised size differs from qN = 12
     clean = torch.zeros_like(flat(t.model))
     for i in index.tolist():
@@ -181,8 +181,8 @@ def test_average_divides_by_the_expected_batch_not_the_realised_one(compute_devi
 
 def test_poisson_sampling_rate_matches_q(compute_device: torch.device) -> None:
     n, q, reps = 10_000, 0.03, 20
-    randomness = StepRandomness(4)
-    sizes = [len(poisson_sample(n, q, randomness.for_step(step), compute_device)) for step in range(reps)]
+    draws = StepRandomness(4).draws(0, reps, n, q, 1, device=compute_device)
+    sizes = [len(draws.sample(step)) for step in range(reps)]
     total, trials = sum(sizes), n * reps
     assert abs(total - q * trials) < 5 * math.sqrt(trials * q * (1 - q))  # binomial, 5 s.d.
     assert len(set(sizes)) > 1  # variable batch sizes

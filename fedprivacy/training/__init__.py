@@ -7,10 +7,10 @@ from fedprivacy.training.clipping import (
     UnsupportedLayerError,
     check_supported,
 )
-from fedprivacy.training.rng import SeededRunWarning, StepRandomness, StepStream
+from fedprivacy.training.rng import SeededRunWarning, StepDraws, StepRandomness
 from fedprivacy.training.schedule import StepSize
 from fedprivacy.training.step import dp_step, release, sgd_update
-from fedprivacy.training.trainer import DPTrainer, NonFiniteModel, PlanExhausted, TrainReport, check_finite, poisson_sample
+from fedprivacy.training.trainer import DPTrainer, NonFiniteModel, PlanExhausted, TrainReport, check_finite
 
 __all__ = [
     "SUPPORTED_LAYERS",
@@ -21,14 +21,13 @@ __all__ = [
     "PlanExhausted",
     "SeededRunWarning",
     "StepRandomness",
-    "StepStream",
+    "StepDraws",
     "StepSize",
     "TrainReport",
     "UnsupportedLayerError",
     "check_finite",
     "check_supported",
     "dp_step",
-    "poisson_sample",
     "release",
     "sgd_update",
 ]

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from fedprivacy.training.clipping import ClippedBatch, PerExampleClipper
-from fedprivacy.training.rng import StepStream
 
 
 def release(
@@ -21,10 +20,13 @@ def release(
     sigma: float,
     clip_norm: float,
     expected_batch: float,
-    stream: StepStream,
+    normals: Tensor,
 ) -> list[Tensor]:
-    """The noisy averaged gradient (Σ clipped + N(0, σ²C²I)) / (qN), in place on `grad_sums`."""
-    noise = stream.normal_like(grad_sums)
+    """The noisy averaged gradient (Σ clipped + N(0, σ²C²I)) / (qN), in place on `grad_sums`.
+
+    `normals` holds one standard normal per coordinate, in parameter order (see rng.py).
+    """
+    noise = [chunk.view_as(g) for chunk, g in zip(normals.split([g.numel() for g in grad_sums]), grad_sums, strict=True)]
     # torch._foreach_*: one call per list instead of one per tensor (what torch.optim uses).
     torch._foreach_add_(grad_sums, noise, alpha=sigma * clip_norm)
     torch._foreach_div_(grad_sums, expected_batch)
@@ -45,7 +47,7 @@ def dp_step(
     sigma: float,
     clip_norm: float,
     expected_batch: float,
-    stream: StepStream,
+    normals: Tensor,
     learning_rate: Callable[[list[Tensor]], float],
 ) -> ClippedBatch | None:
     """One noisy step on an already sampled batch; an empty batch still adds noise and steps.
@@ -59,6 +61,6 @@ def dp_step(
     else:
         batch = clipper.clipped_sum(inputs, targets, clip_norm)
         grads = batch.grad_sums
-    grads = release(grads, sigma, clip_norm, expected_batch, stream)
+    grads = release(grads, sigma, clip_norm, expected_batch, normals)
     sgd_update(clipper.parameters, grads, learning_rate(grads))
     return batch

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from fedprivacy.errors import ClientRefusal
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training.clipping import PerExampleClipper
-from fedprivacy.training.rng import StepRandomness, StepStream
+from fedprivacy.training.rng import StepDraws, StepRandomness
 from fedprivacy.training.schedule import StepSize
 from fedprivacy.training.step import dp_step
 
@@ -47,11 +47,6 @@ class TrainReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def poisson_sample(n: int, q: float, stream: StepStream, device: torch.device | str = "cpu") -> Tensor:
-    """Indices of the records kept, each independently with probability ≤ q (see rng.py)."""
-    return stream.poisson_sample(n, q, device)
 
 
 class NonFiniteModel(ClientRefusal):
@@ -110,6 +105,15 @@ class DPTrainer:
         self.step = step
         self.step_size = StepSize(self.plan, state.get("b_squared"))
 
+    def _draws(self, steps_wanted: int) -> StepDraws:
+        """Samples and noise for the next steps, drawn together (at most a chunk's worth)."""
+        noise_count = sum(p.numel() for p in self.clipper.parameters)
+        steps = min(steps_wanted, self.randomness.chunk_steps(self.plan.n, noise_count))
+        return self.randomness.draws(
+            self.step, steps, self.plan.n, self.plan.sampling_rate, noise_count,
+            dtype=self.clipper.parameters[0].dtype, device=self.device,
+        )  # fmt: skip
+
     @property
     def steps_left(self) -> int:
         return self.plan.steps - self.step
@@ -156,10 +160,12 @@ class DPTrainer:
             return lr_used
 
         self.model.train()
+        draws: StepDraws | None = None
         for _ in range(count):
             sigma = plan.noise_multiplier(self.step)
-            stream = self.randomness.for_step(self.step)
-            index = poisson_sample(n, q, stream, self.device)
+            if draws is None or self.step >= draws.first_step + len(draws.noise):
+                draws = self._draws(first + count - self.step)
+            index = draws.sample(self.step)
             batch = dp_step(
                 self.clipper,
                 self.features[index],
@@ -167,7 +173,7 @@ class DPTrainer:
                 sigma=sigma,
                 clip_norm=clip,
                 expected_batch=expected,
-                stream=stream,
+                normals=draws.normals(self.step),
                 learning_rate=learning_rate,
             )
             if batch is None:

@@ -1,0 +1,169 @@
+"""The empirical privacy audit (sims/audit.py; figures: benchmarks/privacy_audit.py).
+
+The release itself: noise of std σC on every parameter, a canary membership attack whose
+Clopper–Pearson lower bound on ε stays below the certificate, a negative control that catches a
+trainer whose noise was divided by 3, and a crafted model that must not make releases non-finite.
+Around it: every key of every reply the ClientApp actually sends under an adversarial run config,
+compared between neighbouring data sets (one record replaced), must be the same.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from clients.app import app as client_app
+from fedprivacy.participant import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS
+from independent import CERTIFICATE_REL_TOL, pld_epsilon
+from server.app import app as server_app
+from sims import audit
+
+PUMS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
+TRIALS = 4000  # per side: ~4 s each; the negative control then clears the certificate by ~1
+
+
+@pytest.fixture(scope="module")
+def plan():
+    plan = audit.one_step_plan(3.0, 1e-5, 10)
+    # the certificate of a one-step, full-batch plan is the Gaussian mechanism's ε: check it independently
+    assert plan.epsilon_pld == pytest.approx(pld_epsilon([(plan.sigma, 1.0, 1)], 1e-5), rel=CERTIFICATE_REL_TOL)
+    return plan
+
+
+def test_noise_has_std_sigma_c_on_every_parameter(plan):
+    noise = audit.noise_per_coordinate(plan, 800)  # 800 releases × 10 coordinates
+    sigma_c = plan.sigma * plan.clip_norm
+    tolerance = 5 / math.sqrt(2 * noise.shape[0])  # 5 standard errors of a sample std
+    assert noise.shape[1] == 10
+    assert np.all(np.abs(noise.std(axis=0) / sigma_c - 1) < tolerance)
+    assert np.all(np.abs(noise.mean(axis=0)) < 5 * sigma_c / math.sqrt(noise.shape[0]))
+
+
+def test_canary_lower_bound_stays_below_the_certificate(plan):
+    bound = audit.audit_canary(plan, TRIALS)
+    assert bound.epsilon_lower_bound <= plan.epsilon_pld
+    assert bound.epsilon_lower_bound > 0.5  # the attack has teeth: it is not trivially below
+
+
+def test_the_audit_catches_a_trainer_whose_noise_was_divided_by_three(plan):
+    broken = audit.weakened(plan, 3.0)
+    assert broken.epsilon_pld == plan.epsilon_pld  # it claims the same certificate
+    assert audit.audit_canary(broken, TRIALS).epsilon_lower_bound > plan.epsilon_pld
+
+
+def test_a_crafted_model_never_makes_a_release_non_finite(plan):
+    """Before the fix, the overflowing canary made every release with it NaN (q = 1 here)."""
+    assert audit.nonfinite_release_rates(plan, 200) == (0.0, 0.0)
+
+
+# ----- what the ClientApp actually sends -----
+ADVERSARIAL = {
+    "dataset": "pums",
+    "epsilon": 100.0,  # a server that would raise the budget ...
+    "delta": 0.4,  # ... and δ
+    "test-fraction": 0.9,  # a server that would choose the split
+    "seed": 3,
+    "fraction-evaluate": 1.0,  # and ask for evaluations every round
+    "num-server-rounds": 2,
+    "rule": "calibrated",
+    "noise-seed": -1,
+}
+
+
+@pytest.fixture
+def neighbours(tmp_path) -> dict[str, Path]:
+    """Two PUMA data files that differ in one record (replace-one: N is the same, and public)."""
+    if not PUMS.is_file():
+        pytest.skip(f"PUMS file missing: {PUMS}")
+    table = pd.read_csv(PUMS)
+    base = table[table.puma == 1101].sample(300, random_state=1)
+    other = base.copy()
+    other.iloc[0] = table[table.puma == 1102].iloc[0]
+    files = {"D": tmp_path / "d.csv", "D'": tmp_path / "d-prime.csv"}
+    base.to_csv(files["D"], index=False)
+    other.to_csv(files["D'"], index=False)
+    return files
+
+
+def replies(in_process, tmp_path: Path, data: Path, run_config: dict[str, Any], name: str) -> list[tuple[str, Any]]:
+    """Run the real ServerApp against one deployed client (plus a second one); return every
+    reply of the first, as (message type, its non-weight content or its error text)."""
+    seen: list[tuple[str, Any]] = []
+
+    def recording(message, context):
+        audited = context.node_config.get("client-id") == "audited"
+        try:
+            reply = client_app(message, context)
+        except Exception as error:  # the grid turns it into an error reply carrying this text
+            if audited:
+                seen.append((message.metadata.message_type, ("error", f"{type(error).__name__}: {error}")))
+            raise
+        if audited:
+            content = {key: sorted(record) if key == "arrays" else dict(record) for key, record in reply.content.items()}
+            seen.append((message.metadata.message_type, content))
+        return reply
+
+    nodes = [
+        {"client-id": "audited", "data-path": str(data), "epsilon": 1.0, "delta": 1e-5,
+         "ledger-path": str(tmp_path / f"{name}-audited.sqlite")},
+        {"client-id": "other", "data-path": str(data), "epsilon": 2.0, "delta": 1e-5,
+         "ledger-path": str(tmp_path / f"{name}-other.sqlite")},
+    ]  # fmt: skip
+    config = {**in_process.defaults(), **run_config, "results-dir": str(tmp_path / f"results-{name}")}
+    grid = in_process.Grid(recording, nodes, config)
+    try:
+        in_process.run_server(server_app, grid, config)
+    except RuntimeError:
+        pass  # a run in which no client can train fails; its replies are what is audited
+    return seen
+
+
+def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_data(in_process, tmp_path, neighbours):
+    runs = {name: replies(in_process, tmp_path, path, ADVERSARIAL, name.replace("'", "p")) for name, path in neighbours.items()}
+    assert runs["D"] == runs["D'"]  # nothing but the (noised) weights depends on the replaced record
+    kinds = [kind for kind, _ in runs["D"]]
+    assert kinds.count("train") == 2 and kinds.count("evaluate") == 1  # evaluation is declined once, then not asked
+    for kind, content in runs["D"]:
+        assert not (isinstance(content, tuple) and content[0] == "error"), content
+        if kind == "train":
+            assert set(content) == {"metrics", "client", "arrays"}
+            assert set(content["metrics"]) == set(PUBLIC_REPLY_KEYS)
+            assert not set(content["metrics"]) & set(DIAGNOSTIC_KEYS)
+            assert (content["metrics"]["epsilon-budget"], content["metrics"]["delta"]) == (1.0, 1e-5)  # the node's
+            assert set(content["client"]) == {"client-id", "plan"}
+        elif kind == "evaluate":
+            assert content == {"metrics": {"num-examples": 0, "evaluation-off": 1}}
+        else:
+            assert kind == "query" and set(content) == {"arrays"}
+
+
+@pytest.mark.parametrize(
+    ("override", "refusal"),
+    [
+        ({"noise-seed": 5}, "noise-seed=5: a deployed client draws its noise from OS entropy"),
+        ({"diagnostics": True}, "diagnostics=true: raw training statistics are not private"),
+    ],
+)
+def test_a_deployed_client_refuses_seeds_and_diagnostics_with_the_same_public_words(in_process, tmp_path, neighbours, override, refusal):
+    runs = {name: replies(in_process, tmp_path, path, {**ADVERSARIAL, **override}, name.replace("'", "p"))
+            for name, path in neighbours.items()}  # fmt: skip
+    assert runs["D"] == runs["D'"]
+    trains = [content for kind, content in runs["D"] if kind == "train"]
+    assert trains and all(c[0] == "error" and refusal in c[1] for c in trains)
+
+
+def test_a_data_error_reaches_the_server_without_quoting_the_record(in_process, tmp_path, neighbours):
+    table = pd.read_csv(neighbours["D"])
+    table["sex"] = table["sex"].astype(object)
+    table.iloc[17, table.columns.get_loc("sex")] = "secret-value"
+    bad = tmp_path / "bad.csv"
+    table.to_csv(bad, index=False)
+    seen = replies(in_process, tmp_path, bad, ADVERSARIAL, "bad")
+    errors = [content[1] for _, content in seen if isinstance(content, tuple)]
+    assert errors and all("secret-value" not in e and "row" not in e for e in errors)
+    assert all("failed with InputError; its message stays in the SuperNode's log" in e for e in errors)
