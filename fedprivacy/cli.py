@@ -19,8 +19,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fedprivacy.errors import InputError, PlanRefused
+from fedprivacy.ledger_cli import app as ledger_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app.add_typer(ledger_app, name="ledger")
 T = TypeVar("T")
 
 RULE_HELP = "proactive (σ from the proactive rule), calibrated (smallest σ PLD certifies), adp (ADP-SGD schedule)"

@@ -95,6 +95,23 @@ class Budget:
     delta: float
 
 
+@dataclass(frozen=True)
+class AccountSummary:
+    """One account as a node operator sees it."""
+
+    account: str
+    epsilon: float
+    delta: float
+    steps: int
+    epsilon_spent: float
+    runs: int
+    last_spend: str | None
+
+    @property
+    def epsilon_left(self) -> float:
+        return max(0.0, self.epsilon - self.epsilon_spent)
+
+
 def round_events(plan: Plan, server_round: int) -> list[NoiseEvent]:
     """The noise events of one round's slice of `plan`, consecutive equal σ merged."""
     first = plan.first_step_of_round(server_round)
@@ -284,6 +301,23 @@ class Ledger:
                 ],
             )
         return epsilon
+
+    # ----- the operator's view -----
+    def accounts(self) -> list[AccountSummary]:
+        """Every account: its pinned budget and what it has spent (ε at its pinned δ)."""
+        with self._connect() as db:
+            rows = db.execute("SELECT account, epsilon, delta FROM accounts ORDER BY account").fetchall()
+            summaries = []
+            for account, epsilon, delta in rows:
+                events = self._events(db, account)
+                runs, last = db.execute(
+                    "SELECT COUNT(DISTINCT run_id), MAX(recorded_at) FROM spends WHERE account = ?", (account,)
+                ).fetchone()
+                summaries.append(AccountSummary(
+                    account=account, epsilon=float(epsilon), delta=float(delta), steps=sum(e.count for e in events),
+                    epsilon_spent=composed_epsilon(events, float(delta)), runs=int(runs), last_spend=last,
+                ))  # fmt: skip
+        return summaries
 
     # ----- plans -----
     def save_plan(self, account: str, run_id: str, plan: Plan) -> None:

@@ -1,0 +1,77 @@
+"""`fedprivacy ledger`: a node operator's view of a privacy ledger, and the one way to change a budget.
+
+Budgets belong to the data owner: the ClientApp pins an account's (ε, δ) on first use and never
+changes it. Raising (or lowering) a budget is a deliberate, local act, done here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fedprivacy import errors
+from fedprivacy.errors import InputError
+
+app = typer.Typer(no_args_is_help=True, help=__doc__)
+
+
+def _open(path: Path):
+    from fedprivacy.ledger import Ledger
+
+    if not path.is_file():
+        raise InputError("ledger", str(path), "no such file: pass the ledger-path of a SuperNode or run")
+    return Ledger(path)
+
+
+@app.command()
+def show(
+    path: Path = typer.Argument(..., help="the ledger file (a node's ledger-path)"),
+    as_json: bool = typer.Option(False, "--json", help="print the accounts as one JSON list"),
+) -> None:
+    """Each account's budget, δ, steps, ε spent, ε left and runs."""
+    from fedprivacy.cli import _guarded as guarded
+
+    accounts = guarded(lambda: _open(path).accounts())
+    if as_json:
+        sys.stdout.write(json.dumps([{**asdict(a), "epsilon_left": a.epsilon_left} for a in accounts]) + "\n")
+        return
+    table = Table(title=f"{len(accounts)} account(s) in {path}")
+    for column in ("account", "ε budget", "δ", "steps", "ε spent", "ε left", "runs", "last spend (UTC)"):
+        table.add_column(column, justify="left" if column == "account" else "right")
+    for a in accounts:
+        table.add_row(a.account, f"{a.epsilon:g}", f"{a.delta:.3g}", str(a.steps), f"{a.epsilon_spent:.4f}",
+                      f"{a.epsilon_left:.4f}", str(a.runs), (a.last_spend or "")[:19])  # fmt: skip
+    Console().print(table)
+
+
+@app.command("set-budget")
+def set_budget(
+    path: Path = typer.Argument(..., help="the ledger file"),
+    account: str = typer.Argument(..., help="the account, as `fedprivacy ledger show` lists it"),
+    epsilon: float = typer.Option(..., "--epsilon", help="the new ε budget (finite, > 0)"),
+    delta: float = typer.Option(..., "--delta", help="the new δ in (0, 1); keep it below 1/N of the data"),
+    yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
+) -> None:
+    """Change an account's (ε, δ): the data owner's decision, never the server's."""
+    from fedprivacy.cli import _guarded as guarded
+
+    def change() -> None:
+        errors.positive("epsilon", epsilon)
+        errors.open_unit("delta", delta)
+        ledger = _open(path)
+        old = ledger.budget(account)
+        if old is None:
+            raise InputError("account", account, f"no such account in {path}; see: fedprivacy ledger show {path}")
+        prompt = f"change {account} from ε={old.epsilon:g}, δ={old.delta:g} to ε={epsilon:g}, δ={delta:g}?"
+        if not yes and not typer.confirm(prompt):
+            raise typer.Exit(code=1)
+        ledger.set_budget(account, epsilon, delta)
+        typer.echo(f"{account}: ε={epsilon:g}, δ={delta:g} (was ε={old.epsilon:g}, δ={old.delta:g})")
+
+    guarded(change)
