@@ -17,7 +17,7 @@ shared machine hits all of them alike; we report the median over repeats after w
 `--device cuda` everything (models, batches, our noise generator) lives on the GPU and each timed
 repeat ends with a device synchronisation, so queued kernels are counted.
 
-Usage: python benchmarks/step_overhead.py [--device cpu|cuda] [--repeats 31] [--inner 10] [--json PATH]
+Usage: python benchmarks/step_overhead.py [--device cpu|cuda] [--threads 2] [--repeats 31] [--inner 10] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedprivacy.models import build_model
-from fedprivacy.training import PerExampleClipper, StepRandomness, dp_step
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.training import DPTrainer, PerExampleClipper, StepDraws, StepRandomness, dp_step
 
 CASES = [  # (model, num_features, num_classes, input shape)
     ("logreg", 15, 2, (15,)),
@@ -198,25 +199,78 @@ def print_table(rows: list[dict[str, object]]) -> None:
         )
 
 
+class TorchGeneratorRandomness(StepRandomness):
+    """The replaced source behind the trainer's own interface: per step, torch's generator reseeded
+    from 64 bits of OS entropy, `torch.rand < q` for the sample and `torch.randn` for the noise."""
+
+    def draws(self, first_step, steps, n, q, noise_count, *, dtype=torch.float32, device="cpu") -> StepDraws:
+        generator = torch.Generator(device=device)
+        keep, noise = [], []
+        for _ in range(steps):
+            generator.manual_seed(secrets.randbits(64))
+            keep.append(torch.rand(n, generator=generator, device=device) < q)
+            noise.append(torch.randn(noise_count, generator=generator, device=device, dtype=dtype))
+        return StepDraws(first_step, torch.stack(keep), torch.stack(noise))
+
+
+def measure_rounds(repeats: int, steps: int, device: torch.device) -> list[dict[str, object]]:
+    """A round of `steps` steps through `DPTrainer` (sampling, clipping, noise, update), with our
+    noise and with the replaced generator, interleaved: what strong noise costs a client's round."""
+    rows = []
+    for name, n in (("logreg", 1000), ("mlp", 1000)):
+        plan = Plan(client_id="bench", rule="calibrated", n=n, epsilon=1.0, delta=1e-5, clip_norm=CLIP, sigma=SIGMA,
+                    sampling_rate=64 / n, steps=steps, rounds=1, noise_segments=((SIGMA, steps),), epsilon_pld=1.0,
+                    epsilon_rdp=1.0, learning_rate=LR)  # fmt: skip
+        torch.manual_seed(0)
+        x, y = torch.randn(n, 15, device=device), torch.randint(0, 2, (n,), device=device)
+        trainers = {}
+        for label, randomness in (("fedprivacy", StepRandomness()), ("fedprivacy-torchrng", TorchGeneratorRandomness())):
+            torch.manual_seed(0)
+            trainer = DPTrainer(build_model(name, 15, 2).to(device), plan, x, y)
+            trainer.randomness = randomness
+            trainers[label] = trainer
+        times: dict[str, list[float]] = {label: [] for label in trainers}
+        for repeat in range(repeats + 3):  # the first 3: warm-up
+            for label, trainer in trainers.items():
+                trainer.load_state_dict({"step": 0})
+                start = time.perf_counter()
+                trainer.run_steps(steps)
+                synchronise(device)
+                if repeat >= 3:
+                    times[label].append((time.perf_counter() - start) / steps * 1e3)
+        replaced = statistics.median(times["fedprivacy-torchrng"])
+        for label, values in times.items():
+            ms = statistics.median(values)
+            rows.append({"model": name, "round_steps": steps, "impl": label, "ms_per_step": round(ms, 4),
+                         "ratio_vs_torchrng": round(ms / replaced, 3)})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=31, help="interleaved timed repeats")
     parser.add_argument("--inner", type=int, default=10, help="steps per timed repeat")
     parser.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where models and batches live")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (1 on a busy machine)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver?)")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # Opacus warns about secure_mode and the accountant
     device = torch.device(args.device)
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}")
     rows = measure(args.repeats, args.inner, device)
     print_table(rows)
+    rounds = measure_rounds(args.repeats, args.inner, device)
+    print(f"\nA client's round of {args.inner} steps through DPTrainer (N = 1000, expected batch 64):")
+    print(f"{'model':<8}  {'impl':<21}{'ms/step':>10}{'× torch-rng round':>19}")
+    for r in rounds:
+        print(f"{r['model']:<8}  {r['impl']:<21}{r['ms_per_step']:>10.3f}{r['ratio_vs_torchrng']:>19.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"steps": rows, "rounds": rounds}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -86,15 +86,16 @@ def test_sums_that_overflow_after_the_norms_are_redone_example_by_example(monkey
     clipper = PerExampleClipper(build_model("mlp", 15, 2))
     x, y = torch.randn(6, 15), torch.randint(0, 2, (6,))
     clean = clipper.clipped_sum(x, y, CLIP)
-    batched = clipping_module.PerExampleClipper._batched_clipped_sum
+    offender = float(clean.sq_norms[4])
+    weighted = clipping_module.PerExampleClipper._weighted_sums
 
-    def overflowing(self, inputs, targets, clip_norm):
-        result = batched(self, inputs, targets, clip_norm)
-        if inputs.shape[0] > 1 or bool((inputs == x[4]).all()):  # the batch, and example 4 alone
-            result.grad_sums[0] = result.grad_sums[0] + math.inf
-        return result
+    def overflowing(terms, sq_norms, clip_norm):
+        sums = weighted(terms, sq_norms, clip_norm)
+        if sq_norms.shape[0] > 1 or float(sq_norms[0]) == offender:  # the batch, and example 4 alone
+            sums[0] = sums[0] + math.inf
+        return sums
 
-    monkeypatch.setattr(clipping_module.PerExampleClipper, "_batched_clipped_sum", overflowing)
+    monkeypatch.setattr(clipping_module.PerExampleClipper, "_weighted_sums", staticmethod(overflowing))
     redone = clipper.clipped_sum(x, y, CLIP)
     monkeypatch.undo()
     keep = [0, 1, 2, 3, 5]

@@ -20,6 +20,7 @@ accountant assumes. How many were dropped is counted for the client's own diagno
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +142,9 @@ def _conv_terms(module: nn.Conv2d, x: Tensor, d: Tensor) -> Terms:
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:
-    return bool(torch.stack([t.isfinite().all() for t in tensors]).all())
+    """One check for a list: NaN and ±inf reach the sum of their norms (so does an overflowing
+    norm, which only sends a finite batch down the slower, still exact, path)."""
+    return math.isfinite(float(torch.stack(torch._foreach_norm(tensors)).sum()))
 
 
 def _drop_rows(
@@ -192,16 +195,27 @@ class PerExampleClipper:
         """Σᵢ clip_C(∇loss_i) over the batch, with each example's gradient clipped over ALL
         trainable parameters together; cross-entropy loss on the model's logits.
 
-        Examples whose gradient norm is not finite contribute zero. Should the batched sums still
-        be non-finite (one example's finite norm built from terms that overflow when summed), the
-        batch is redone one example at a time, so that only the offending examples are dropped.
+        Examples whose gradient norm is not finite contribute zero. The common case pays one
+        check (the sums and the norms' total are finite); otherwise the batch is redone without
+        those examples, and, should its sums still overflow (finite norms built from terms that
+        overflow when summed), one example at a time, so that only the offenders are dropped.
         """
-        batch = self._batched_clipped_sum(inputs, targets, clip_norm)
-        if _all_finite(batch.grad_sums):
-            return batch
+        terms, sq_norms, losses = self._terms(inputs, targets)
+        grad_sums = self._weighted_sums(terms, sq_norms, clip_norm)
+        if _all_finite([sq_norms.sum(), *grad_sums]):
+            return ClippedBatch(grad_sums, sq_norms, losses.detach().sum(), clip_norm)
+        finite = torch.isfinite(sq_norms)
+        nonfinite = int(finite.numel() - finite.sum())
+        if nonfinite:
+            terms = [_drop_rows(layer, finite, a, d, per_example) for layer, a, d, per_example in terms]
+            sq_norms = torch.where(finite, sq_norms, 0.0)
+            losses = torch.where(finite, losses, 0.0)
+            grad_sums = self._weighted_sums(terms, sq_norms, clip_norm)
+        if _all_finite(grad_sums):
+            return ClippedBatch(grad_sums, sq_norms, losses.detach().sum(), clip_norm, nonfinite)
         if inputs.shape[0] == 1:
-            zeros = [torch.zeros_like(g) for g in batch.grad_sums]
-            return ClippedBatch(zeros, torch.zeros_like(batch.sq_norms), torch.zeros_like(batch.loss_sum), clip_norm, 1)
+            zeros = [torch.zeros_like(g) for g in grad_sums]
+            return ClippedBatch(zeros, torch.zeros_like(sq_norms), torch.zeros((), device=sq_norms.device), clip_norm, 1)
         singles = [self.clipped_sum(inputs[i : i + 1], targets[i : i + 1], clip_norm) for i in range(inputs.shape[0])]
         return ClippedBatch(
             [torch.stack(parts).sum(0) for parts in zip(*(b.grad_sums for b in singles), strict=True)],
@@ -211,7 +225,9 @@ class PerExampleClipper:
             sum(b.nonfinite for b in singles),
         )
 
-    def _batched_clipped_sum(self, inputs: Tensor, targets: Tensor, clip_norm: float) -> ClippedBatch:
+    def _terms(self, inputs: Tensor, targets: Tensor) -> tuple[list[tuple[nn.Module, Tensor, Tensor, Tensor | None]], Tensor, Tensor]:
+        """One forward and one backward pass: each layer's (A, D, per-example gradients or None),
+        the per-example squared norms and the per-example losses."""
         self._records.clear()
         self._recording = True
         try:
@@ -250,14 +266,11 @@ class PerExampleClipper:
             terms.append((layer, a, d, per_example))
         self._records.clear()
         assert sq_norms is not None  # at least one layer (checked in __init__)
-        finite = torch.isfinite(sq_norms)
-        nonfinite = int(finite.numel() - finite.sum())
-        if nonfinite:
-            terms = [_drop_rows(layer, finite, a, d, per_example) for layer, a, d, per_example in terms]
-            sq_norms = torch.where(finite, sq_norms, 0.0)
-            losses = torch.where(finite, losses, 0.0)
+        return terms, sq_norms, losses
 
-        # wᵢ = C / max(‖gᵢ‖, C): 1 below C, C/‖gᵢ‖ above.
+    @staticmethod
+    def _weighted_sums(terms: list[tuple[nn.Module, Tensor, Tensor, Tensor | None]], sq_norms: Tensor, clip_norm: float) -> list[Tensor]:
+        """Σᵢ wᵢ·gᵢ per parameter, wᵢ = C / max(‖gᵢ‖, C): 1 below C, C/‖gᵢ‖ above."""
         weights = sq_norms.clamp(min=clip_norm**2).rsqrt_().mul_(clip_norm)
         grad_sums: list[Tensor] = []
         for layer, a, d, per_example in terms:
@@ -288,4 +301,4 @@ class PerExampleClipper:
                     grad_sums.append(wd.reshape(-1, wd.shape[-1]).sum(0))
                 else:
                     grad_sums.append(wd.reshape(-1, groups, *wd.shape[1:]).sum((0, 2)).reshape(-1))
-        return ClippedBatch(grad_sums, sq_norms, losses.detach().sum(), clip_norm, nonfinite)
+        return grad_sums

@@ -1,20 +1,22 @@
 """Randomness for DP steps: a cryptographically strong byte stream per step, turned into the
 Poisson sample and the Gaussian noise.
 
-Each local step t has its own ChaCha20 keystream (the `cryptography` package), nonce = t:
+The bytes are a ChaCha20 keystream (the `cryptography` package):
 - **production (no seed)**: under a fresh 256-bit key from the operating system's CSPRNG
-  (`os.urandom`) for every step. Nothing about one step's noise can be learnt from another's, and
-  nothing can be replayed: there is no seed to recover. (Expanding a 32-byte OS key with ChaCha20
-  runs at about 6 GB/s here; reading every byte from the OS runs at about 0.5 GB/s.)
-- **experiments (a seed)**: under a 256-bit key derived by BLAKE2b from the *whole* seed
-  material. Any change of the seed material gives an unrelated key; the same seed gives the same
-  noise whatever the split of the steps into rounds or resumptions.
+  (`os.urandom`) for every batch of steps drawn together. Nothing about one batch's noise can be
+  learnt from another's, and nothing can be replayed: there is no seed to recover. (Expanding a
+  32-byte OS key with ChaCha20 runs at about 6 GB/s here; reading every byte from the OS runs at
+  about 0.5 GB/s.)
+- **experiments (a seed)**: each step t has its own keystream (nonce = t) under a 256-bit key
+  derived by BLAKE2b from the *whole* seed material. Any change of the seed material gives an
+  unrelated key; the same seed gives the same noise whatever the split of the steps into rounds
+  or resumptions.
 Either way the security level is that of ChaCha20 (a 256-bit key; ≥ 128 bits against any known
 attack), not the 32 or 64 bits of a seeded PRNG such as torch's CPU generator, whose state can be
 searched.
 
-Step t's stream is read in a fixed layout: 8 bytes per record for its Poisson draw, then 16 bytes
-per pair of Gaussians. The draws are computed on the CPU, for many steps at once (one vectorised
+Each step's bytes are read in a fixed layout: 8 bytes per record for its Poisson draw, then 16
+bytes per pair of Gaussians. The draws are computed on the CPU, for many steps at once (one vectorised
 pass instead of ~15 small operations per step), and copied to the model's device:
 - uniforms are 53-bit integers u (the top bits of 64-bit words);
 - Poisson sampling keeps record i iff uᵢ < ⌊q·2⁵³⌋, so the realised rate is ⌊q·2⁵³⌋/2⁵³ ≤ q
@@ -93,6 +95,12 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64) -> np.ndarray:
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
+def _keystream(key: bytes, step: int, size: int) -> bytes:
+    """`size` bytes of ChaCha20 under `key`, nonce = the step (after a 32-bit block counter)."""
+    nonce = bytes(4) + int(step).to_bytes(8, "little") + bytes(4)
+    return Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(size))
+
+
 @dataclass(frozen=True)
 class StepDraws:
     """The Poisson samples and noise of consecutive steps, ready for the trainer."""
@@ -127,11 +135,16 @@ class StepRandomness:
     def seeded(self) -> bool:
         return self._key is not None
 
-    def stream_bytes(self, step: int, size: int) -> bytes:
-        """The first `size` bytes of step `step`'s ChaCha20 keystream."""
-        key = os.urandom(32) if self._key is None else self._key
-        nonce = bytes(4) + int(step).to_bytes(8, "little") + bytes(4)  # 32-bit block counter, then the step
-        return Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(size))
+    def stream_bytes(self, first_step: int, steps: int, size: int) -> bytes:
+        """`size` bytes for each of `steps` consecutive steps, concatenated.
+
+        Seeded: the first `size` bytes of each step's own keystream (nonce = step), so any split
+        of the steps gives the same bytes. Unseeded: one keystream under a fresh OS key for the
+        whole block, which is as unpredictable and saves a cipher per step.
+        """
+        if self._key is None:
+            return _keystream(os.urandom(32), 0, steps * size)
+        return b"".join(_keystream(self._key, first_step + i, size) for i in range(steps))
 
     def draws(
         self,
@@ -148,8 +161,7 @@ class StepRandomness:
         consecutive steps, from each step's own stream."""
         pairs = (noise_count + 1) // 2
         width = n + 2 * pairs  # 64-bit words per step
-        words = uniform53(b"".join(self.stream_bytes(first_step + i, 8 * width) for i in range(steps)))
-        words = words.reshape(steps, width)
+        words = uniform53(self.stream_bytes(first_step, steps, 8 * width)).reshape(steps, width)
         keep = torch.from_numpy(words[:, :n] < np.uint64(sampling_threshold(q)))
         noise = torch.from_numpy(box_muller(words[:, n:], _NUMPY_DTYPES.get(dtype, np.float64))[:, :noise_count]).to(dtype)
         return StepDraws(first_step, keep.to(device), noise.to(device))
