@@ -27,14 +27,8 @@ from fedprivacy.privacy.sheets import write_sheets
 DEFAULT_PUMS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
 
 
-def clear_caches() -> None:
-    for cached in (accountants._pld_epsilon_cached, accountants._rdp_epsilon_cached,
-                   accountants._calibrate_pld_cached, accountants._calibrate_rdp_cached):
-        cached.cache_clear()
-
-
 def timed(action) -> float:
-    clear_caches()
+    accountants.clear_caches()
     start = time.perf_counter()
     action()
     return time.perf_counter() - start

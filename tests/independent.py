@@ -1,7 +1,7 @@
 """ε computed straight from dp-accounting's accountants, independently of fedprivacy's code.
 
 The project's certificate builds the same PLD as `PLDAccountant` (same 1e-4 loss grid, pessimistic
-connect-the-dots) but lets the noise-mass truncation follow δ and T instead of dp-accounting's
+connect-the-dots) but lets the noise-mass truncation follow δ instead of dp-accounting's
 fixed e^-50 (`fedprivacy.privacy.accountants.log_truncation_bound`), and evaluates δ(ε) on the
 grid in one numpy expression (`fedprivacy.privacy.gaussian_pld`, equal to dp-accounting's values to
 1 ulp). Both results are valid upper bounds; they differ by where the truncated grid's points
