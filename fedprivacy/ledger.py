@@ -132,6 +132,18 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+_SQL_VARIABLES = 900  # below SQLite's oldest limit on bound parameters per statement (999)
+
+
+def _chunks(items: list[str]) -> Iterator[list[str]]:
+    for start in range(0, len(items), _SQL_VARIABLES):
+        yield items[start : start + _SQL_VARIABLES]
+
+
+def _marks(chunk: list[str]) -> str:
+    return ", ".join("?" * len(chunk))
+
+
 class Ledger:
     """One SQLite file holding the spends of any number of accounts."""
 
@@ -190,19 +202,34 @@ class Ledger:
 
     def open_account(self, account: str, epsilon: float, delta: float) -> Budget:
         """Pin (ε, δ) for a new account, or check that an existing account was pinned at them."""
+        outcome = self.open_accounts({account: Budget(float(epsilon), float(delta))})[account]
+        if isinstance(outcome, BudgetMismatch):
+            raise outcome
+        return outcome
+
+    def open_accounts(self, budgets: dict[str, Budget]) -> dict[str, Budget | BudgetMismatch]:
+        """`open_account` for many accounts in one transaction; a mismatch is returned, not raised."""
+        outcomes: dict[str, Budget | BudgetMismatch] = {}
         with self._transaction() as db:
-            pinned = self._budget(db, account)
-            if pinned is None:
-                db.execute("INSERT INTO accounts (account, epsilon, delta, pinned_at) VALUES (?, ?, ?, ?)",
-                           (account, float(epsilon), float(delta), _now()))
-                return Budget(float(epsilon), float(delta))
-        if (pinned.epsilon, pinned.delta) != (float(epsilon), float(delta)):
-            raise BudgetMismatch(
-                f"ledger account {account!r} is pinned at ε={pinned.epsilon:g}, δ={pinned.delta:g}; this client "
-                f"was asked to train at ε={epsilon:g}, δ={delta:g}. A budget changes only by the node operator's "
-                f"own act: fedprivacy ledger set-budget {self.path} {account} --epsilon E --delta D"
+            pinned = self._budgets(db, list(budgets))
+            fresh = [(a, b.epsilon, b.delta, _now()) for a, b in budgets.items() if a not in pinned]
+            db.executemany("INSERT INTO accounts (account, epsilon, delta, pinned_at) VALUES (?, ?, ?, ?)", fresh)
+        for account, asked in budgets.items():
+            have = pinned.get(account, asked)
+            outcomes[account] = have if have == asked else BudgetMismatch(
+                f"ledger account {account!r} is pinned at ε={have.epsilon:g}, δ={have.delta:g}; this client "
+                f"was asked to train at ε={asked.epsilon:g}, δ={asked.delta:g}. A budget changes only by the node "
+                f"operator's own act: fedprivacy ledger set-budget {self.path} {account} --epsilon E --delta D"
             )
-        return pinned
+        return outcomes
+
+    @staticmethod
+    def _budgets(db: sqlite3.Connection, accounts: list[str]) -> dict[str, Budget]:
+        found: dict[str, Budget] = {}
+        for chunk in _chunks(accounts):
+            rows = db.execute(f"SELECT account, epsilon, delta FROM accounts WHERE account IN ({_marks(chunk)})", chunk)
+            found.update({a: Budget(float(e), float(d)) for a, e, d in rows})
+        return found
 
     def set_budget(self, account: str, epsilon: float, delta: float) -> Budget:
         """The node operator changes an account's budget (the ClientApp never calls this)."""
@@ -231,17 +258,9 @@ class Ledger:
             )
 
     # ----- spends -----
-    @staticmethod
-    def _events(db: sqlite3.Connection, account: str) -> list[NoiseEvent]:
-        rows = db.execute(
-            "SELECT sigma, sampling_rate, steps FROM spends WHERE account = ? ORDER BY id", (account,)
-        ).fetchall()
-        return [NoiseEvent(sigma=s, sampling_rate=q, count=int(c)) for s, q, c in rows]
-
     def events(self, account: str) -> list[NoiseEvent]:
         """Every noise event recorded for `account`, oldest first."""
-        with self._connect() as db:
-            return self._events(db, account)
+        return self.histories([account]).get(account, [])
 
     def steps_spent(self, account: str) -> int:
         return sum(e.count for e in self.events(account))
@@ -264,10 +283,7 @@ class Ledger:
     def trained(self, account: str, run_id: str, server_round: int) -> bool:
         """Whether `account` already released an update for this (run, round)."""
         with self._connect() as db:
-            return db.execute(
-                "SELECT 1 FROM spends WHERE account = ? AND run_id = ? AND server_round = ? LIMIT 1",
-                (account, run_id, server_round),
-            ).fetchone() is not None
+            return account in self._rounds_recorded(db, [account], run_id, server_round)
 
     def runs(self, account: str) -> set[str]:
         """The runs that spent from `account`."""
@@ -280,36 +296,84 @@ class Ledger:
         Raises `RoundRepeated` if this (run, round) was already recorded and `BudgetExceeded` if the
         new ε would exceed the budget; either way nothing is written.
         """
-        new_events = [e for e in new_events if e.count > 0]
+        outcome = self.record_round(run_id, server_round, {account: new_events})[account]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def record_round(
+        self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]
+    ) -> dict[str, float | RoundRepeated | BudgetExceeded]:
+        """`record` for every account of a round, in one transaction: each account gets its new ε,
+        or the refusal that kept its spend out (the others are written regardless)."""
+        outcomes: dict[str, float | RoundRepeated | BudgetExceeded] = {}
+        rows = []
+        now = _now()
         with self._transaction() as db:
-            budget = self._budget(db, account)
-            if budget is None:
-                raise KeyError(f"ledger account {account!r} has no pinned budget: open_account first")
-            if db.execute("SELECT 1 FROM spends WHERE account = ? AND run_id = ? AND server_round = ? LIMIT 1",
-                          (account, run_id, server_round)).fetchone():
-                raise RoundRepeated(f"round {server_round} of run {run_id} was already trained by this client")
-            epsilon = composed_epsilon([*self._events(db, account), *new_events], budget.delta)
-            if epsilon > budget.epsilon:
-                raise BudgetExceeded(f"account {account!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
-            now = _now()
+            accounts = list(spends)
+            budgets = self._budgets(db, accounts)
+            missing = [a for a in accounts if a not in budgets]
+            if missing:
+                raise KeyError(f"ledger account {missing[0]!r} has no pinned budget: open_account first")
+            histories = self._histories(db, accounts)
+            repeated = self._rounds_recorded(db, accounts, run_id, server_round)
+            for account, new_events in spends.items():
+                new_events = [e for e in new_events if e.count > 0]
+                budget = budgets[account]
+                if account in repeated:
+                    outcomes[account] = RoundRepeated(f"round {server_round} of run {run_id} was already trained by this client")
+                    continue
+                epsilon = composed_epsilon([*histories.get(account, []), *new_events], budget.delta)
+                if epsilon > budget.epsilon:
+                    outcomes[account] = BudgetExceeded(f"account {account!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
+                    continue
+                outcomes[account] = epsilon
+                rows += [(account, run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now)
+                         for e in new_events]  # fmt: skip
             db.executemany(
                 "INSERT INTO spends (account, run_id, server_round, sigma, sampling_rate, steps,"
                 " epsilon_after, delta, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (account, run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now)
-                    for e in new_events
-                ],
+                rows,
             )
-        return epsilon
+        return outcomes
+
+    def histories(self, accounts: list[str]) -> dict[str, list[NoiseEvent]]:
+        """Every recorded event of each account, oldest first (one query for all of them)."""
+        with self._connect() as db:
+            return self._histories(db, accounts)
+
+    @staticmethod
+    def _histories(db: sqlite3.Connection, accounts: list[str]) -> dict[str, list[NoiseEvent]]:
+        found: dict[str, list[NoiseEvent]] = {}
+        for chunk in _chunks(accounts):
+            rows = db.execute(
+                f"SELECT account, sigma, sampling_rate, steps FROM spends WHERE account IN ({_marks(chunk)}) ORDER BY id",
+                chunk,
+            )
+            for account, sigma, q, count in rows:
+                found.setdefault(account, []).append(NoiseEvent(sigma=sigma, sampling_rate=q, count=int(count)))
+        return found
+
+    @staticmethod
+    def _rounds_recorded(db: sqlite3.Connection, accounts: list[str], run_id: str, server_round: int) -> set[str]:
+        found: set[str] = set()
+        for chunk in _chunks(accounts):
+            rows = db.execute(
+                f"SELECT DISTINCT account FROM spends WHERE run_id = ? AND server_round = ? AND account IN ({_marks(chunk)})",
+                [run_id, server_round, *chunk],
+            )
+            found.update(r[0] for r in rows)
+        return found
 
     # ----- the operator's view -----
     def accounts(self) -> list[AccountSummary]:
         """Every account: its pinned budget and what it has spent (ε at its pinned δ)."""
         with self._connect() as db:
             rows = db.execute("SELECT account, epsilon, delta FROM accounts ORDER BY account").fetchall()
+            histories = self._histories(db, [row[0] for row in rows])
             summaries = []
             for account, epsilon, delta in rows:
-                events = self._events(db, account)
+                events = histories.get(account, [])
                 runs, last = db.execute(
                     "SELECT COUNT(DISTINCT run_id), MAX(recorded_at) FROM spends WHERE account = ?", (account,)
                 ).fetchone()

@@ -158,3 +158,17 @@ def test_plans_are_kept_per_account_and_run(tmp_path):
     ledger.save_plan("a", "run1", plan)
     assert Ledger(tmp_path / "l.sqlite").load_plan("a", "run1") == plan
     assert ledger.load_plan("a", "run2") is None
+
+
+def test_a_round_of_many_accounts_is_one_call_with_an_outcome_each(tmp_path):
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    opened = ledger.open_accounts({"a": Budget(1.0, DELTA), "b": Budget(0.1, DELTA), "c": Budget(1.0, DELTA)})
+    assert opened == {"a": Budget(1.0, DELTA), "b": Budget(0.1, DELTA), "c": Budget(1.0, DELTA)}
+    ledger.record("c", "run1", 1, [NoiseEvent(3.0, 0.05, 10)])
+    step = [NoiseEvent(3.0, 0.05, 10)]
+    outcomes = ledger.record_round("run1", 1, {"a": step, "b": [NoiseEvent(1.0, 0.5, 100)], "c": step})
+    assert outcomes["a"] == pytest.approx(pld_epsilon([(3.0, 0.05, 10)], DELTA), rel=CERTIFICATE_REL_TOL)
+    assert isinstance(outcomes["b"], BudgetExceeded) and isinstance(outcomes["c"], RoundRepeated)
+    assert (ledger.steps_spent("a"), ledger.steps_spent("b"), ledger.steps_spent("c")) == (10, 0, 10)
+    mismatch = ledger.open_accounts({"a": Budget(2.0, DELTA), "d": Budget(1.0, DELTA)})
+    assert isinstance(mismatch["a"], BudgetMismatch) and mismatch["d"] == Budget(1.0, DELTA)
