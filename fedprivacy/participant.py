@@ -18,6 +18,7 @@ the noised weights. Raw training statistics are returned only by a simulation wi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -33,7 +34,7 @@ from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_client, load_clients
 from fedprivacy.data.splits import split_client
 from fedprivacy.data.types import ClientData, Dataset
-from fedprivacy.errors import ClientRefusal, InputError
+from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
 from fedprivacy.ledger import BudgetExceeded, Ledger, RoundRepeated, round_events
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
@@ -66,7 +67,11 @@ class LocalClient:
 
 
 def _data_options(settings: RunSettings) -> dict[str, Any]:
-    return {"label": settings.label_column} if settings.dataset == "csv" else {}
+    if settings.dataset == "csv":
+        return {"label": settings.label_column}
+    if settings.dataset == "synthetic":
+        return {"num_examples": settings.synthetic_examples, "num_features": settings.synthetic_features}
+    return {}
 
 
 def _scheme(settings: RunSettings) -> tuple[str, str | None]:
@@ -115,12 +120,16 @@ def file_digest(path: Path) -> str:
 
 
 def dataset_identity(settings: RunSettings) -> str:
-    """What the records are: a file's content, or a built-in data set's arrays and options."""
+    """What the records are: a file's content, or a built-in data set's arrays."""
     if settings.dataset in ("pums", "csv") and settings.data_path is not None:
         return f"file:{file_digest(settings.data_path)}"
-    dataset = load_dataset(settings.dataset, None)
-    digest = hashlib.sha256(dataset.features.tobytes() + dataset.labels.tobytes()).hexdigest()[:16]
-    return f"{settings.dataset}:{digest}"
+    return f"{settings.dataset}:{_arrays_digest(load_dataset(settings.dataset, None, **_data_options(settings)))}"
+
+
+@functools.lru_cache(maxsize=16)
+def _arrays_digest(dataset: Dataset) -> str:
+    """Hashed once per loaded data set (loaded data sets are cached and never change)."""
+    return hashlib.sha256(dataset.features.tobytes() + dataset.labels.tobytes()).hexdigest()[:16]
 
 
 def simulated_account(dataset_id: str, client_id: str) -> str:
@@ -260,18 +269,23 @@ def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> 
 
 
 def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float, delta: float, client_id: str) -> Plan:
-    """The plan a client makes from the run config: one place, so the ClientApp and the baselines agree."""
-    return plan_client(
-        num_examples,
-        epsilon,
-        delta,
-        rule=settings.rule,
-        clip_norm=settings.clip_norm,
-        epochs=settings.epochs,
-        rounds=settings.num_server_rounds,
-        client_id=client_id,
-        learning_rate=settings.learning_rate,
-    )
+    """The plan a client makes from the run config: one place, so the ClientApp, the engines and
+    the baselines agree. Clients with the same inputs share one planning (and certification)."""
+    inputs = (num_examples, epsilon, delta, settings.rule, settings.clip_norm, settings.epochs,
+              settings.num_server_rounds, settings.learning_rate)  # fmt: skip
+    try:
+        return replace(_shared_plan(*inputs), client_id=client_id)
+    except PlanRefused:
+        return _plan(*inputs, client_id=client_id)  # raises again, naming this client
+
+
+def _plan(n: int, epsilon: float, delta: float, rule: str, clip_norm: float, epochs: float | None, rounds: int,
+          learning_rate: float, client_id: str = "") -> Plan:  # fmt: skip
+    return plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, rounds=rounds,
+                       client_id=client_id, learning_rate=learning_rate)  # fmt: skip
+
+
+_shared_plan = functools.lru_cache(maxsize=4096)(_plan)
 
 
 def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id: str) -> tuple[Plan, bool]:

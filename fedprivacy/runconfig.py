@@ -36,6 +36,8 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "num-server-rounds": 3,
     "dataset": "digits",
     "data-path": "",
+    "synthetic-examples": 2000,
+    "synthetic-features": 10,
     "label-column": "",
     "partitioning": "auto",
     "partition-by": "",
@@ -115,6 +117,8 @@ class RunSettings:
     num_server_rounds: int
     dataset: str
     data_path: Path | None
+    synthetic_examples: int
+    synthetic_features: int
     label_column: str
     partitioning: str
     partition_by: str
@@ -181,6 +185,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         num_server_rounds=integer_at_least("num-server-rounds", rc["num-server-rounds"], 1),
         dataset=dataset,
         data_path=data_path,
+        synthetic_examples=integer_at_least("synthetic-examples", rc["synthetic-examples"], 2),
+        synthetic_features=integer_at_least("synthetic-features", rc["synthetic-features"], 1),
         label_column=rc["label-column"],
         partitioning=_choice("partitioning", rc["partitioning"], PARTITIONINGS),
         partition_by=rc["partition-by"],

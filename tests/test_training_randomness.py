@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedprivacy.training.rng import UNIFORM_BITS, SeededRunWarning, StepRandomness, sampling_threshold
+from fedprivacy.training.rng import UNIFORM_BITS, DrawRequest, SeededRunWarning, StepRandomness, draw_batch, sampling_threshold
 
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
 
@@ -77,3 +77,16 @@ def test_poisson_sample_sizes_are_binomial():
     trials = n * reps
     assert abs(sizes.sum() - q * trials) < 5 * math.sqrt(trials * q * (1 - q))
     assert len(set(sizes.tolist())) > 1
+
+
+def test_many_clients_drawn_together_get_exactly_their_own_streams():
+    """A batched engine draws a round for many clients at once; each must see what it alone would."""
+    clients = [(StepRandomness(f"7:client-{i}"), 3 * i, 1 + i % 3, 40 + 17 * i, 0.05 * (i + 1)) for i in range(5)]
+    keep, noise = draw_batch([DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients], 33)
+    row = 0
+    for randomness, first, steps, n, q in clients:
+        alone = randomness.draws(first, steps, n, q, 33)
+        assert torch.equal(keep[row : row + steps, :n], alone.keep) and not keep[row : row + steps, n:].any()
+        assert torch.equal(noise[row : row + steps], alone.noise)
+        row += steps
+    assert row == keep.shape[0] == noise.shape[0]

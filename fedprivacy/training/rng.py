@@ -32,6 +32,7 @@ import hashlib
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,38 @@ class StepDraws:
         return self.noise[step - self.first_step]
 
 
+@dataclass(frozen=True)
+class DrawRequest:
+    """`steps` consecutive steps of one client, from `first_step`: n records sampled at rate q."""
+
+    randomness: StepRandomness
+    first_step: int
+    steps: int
+    n: int
+    q: float
+
+
+def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Samples and noise for many clients' steps in one vectorised pass (a trainer's round, or a
+    whole round of a batched engine): (keep [rows, max n] bool, noise [rows, noise_count]), one
+    row per step, requests in order. Each row is exactly what its client's own stream gives."""
+    pairs = (noise_count + 1) // 2
+    chunks, sizes, thresholds = [], [], []
+    for r in requests:
+        chunks.append(r.randomness.stream_bytes(r.first_step, r.steps, 8 * (r.n + 2 * pairs)))
+        sizes += [r.n] * r.steps
+        thresholds += [sampling_threshold(r.q)] * r.steps
+    words = uniform53(b"".join(chunks))
+    n = np.asarray(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(n + 2 * pairs)[:-1]])
+    columns = np.arange(int(n.max(initial=0)))
+    inside = columns[None, :] < n[:, None]
+    sampled = words[np.where(inside, starts[:, None] + columns[None, :], 0)]
+    keep = (sampled < np.asarray(thresholds, dtype=np.uint64)[:, None]) & inside
+    noise = box_muller(words[(starts + n)[:, None] + np.arange(2 * pairs)[None, :]], _NUMPY_DTYPES.get(dtype, np.float64))
+    return torch.from_numpy(keep), torch.from_numpy(noise[:, :noise_count]).to(dtype)
+
+
 class StepRandomness:
     """Each DP step's random stream: a fresh OS key by default, the seed's key with a seed."""
 
@@ -159,11 +192,7 @@ class StepRandomness:
     ) -> StepDraws:
         """Poisson samples of n records at rate ≤ q and `noise_count` Gaussians for each of `steps`
         consecutive steps, from each step's own stream."""
-        pairs = (noise_count + 1) // 2
-        width = n + 2 * pairs  # 64-bit words per step
-        words = uniform53(self.stream_bytes(first_step, steps, 8 * width)).reshape(steps, width)
-        keep = torch.from_numpy(words[:, :n] < np.uint64(sampling_threshold(q)))
-        noise = torch.from_numpy(box_muller(words[:, n:], _NUMPY_DTYPES.get(dtype, np.float64))[:, :noise_count]).to(dtype)
+        keep, noise = draw_batch([DrawRequest(self, first_step, steps, n, q)], noise_count, dtype)
         return StepDraws(first_step, keep.to(device), noise.to(device))
 
     @staticmethod
