@@ -287,8 +287,17 @@ class Ledger:
 
     def runs(self, account: str) -> set[str]:
         """The runs that spent from `account`."""
+        return self.runs_of([account]).get(account, set())
+
+    def runs_of(self, accounts: list[str]) -> dict[str, set[str]]:
+        """The runs that spent from each of `accounts` (accounts that never spent are absent)."""
+        found: dict[str, set[str]] = {}
         with self._connect() as db:
-            return {r[0] for r in db.execute("SELECT DISTINCT run_id FROM spends WHERE account = ?", (account,))}
+            for chunk in _chunks(accounts):
+                rows = db.execute(f"SELECT DISTINCT account, run_id FROM spends WHERE account IN ({_marks(chunk)})", chunk)
+                for account, run_id in rows:
+                    found.setdefault(account, set()).add(run_id)
+        return found
 
     def record(self, account: str, run_id: str, server_round: int, new_events: Sequence[NoiseEvent]) -> float:
         """Durably add `new_events` to `account` under its pinned budget; return the new cumulative ε.
@@ -386,15 +395,23 @@ class Ledger:
     # ----- plans -----
     def save_plan(self, account: str, run_id: str, plan: Plan) -> None:
         """Keep the run's plan so a restarted client resumes the same plan, not a new one."""
-        with self._connect() as db:
-            db.execute(
-                "INSERT OR IGNORE INTO plans (account, run_id, plan_json) VALUES (?, ?, ?)",
-                (account, run_id, plan.to_json()),
-            )
+        self.save_plans(run_id, {account: plan})
+
+    def save_plans(self, run_id: str, plans: dict[str, Plan]) -> None:
+        """`save_plan` for many accounts in one transaction; a plan saved before is kept."""
+        with self._transaction() as db:
+            db.executemany("INSERT OR IGNORE INTO plans (account, run_id, plan_json) VALUES (?, ?, ?)",
+                           [(account, run_id, plan.to_json()) for account, plan in plans.items()])  # fmt: skip
 
     def load_plan(self, account: str, run_id: str) -> Plan | None:
+        return self.load_plans([account], run_id).get(account)
+
+    def load_plans(self, accounts: list[str], run_id: str) -> dict[str, Plan]:
+        """The run's saved plans of those `accounts` that have one."""
+        found: dict[str, Plan] = {}
         with self._connect() as db:
-            row = db.execute(
-                "SELECT plan_json FROM plans WHERE account = ? AND run_id = ?", (account, run_id)
-            ).fetchone()
-        return Plan.from_dict(json.loads(row[0])) if row else None
+            for chunk in _chunks(accounts):
+                rows = db.execute(f"SELECT account, plan_json FROM plans WHERE run_id = ? AND account IN ({_marks(chunk)})",
+                                  [run_id, *chunk])  # fmt: skip
+                found.update({account: Plan.from_dict(json.loads(text)) for account, text in rows})
+        return found

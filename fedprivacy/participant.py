@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ from fedprivacy.data.partition import load_client, load_clients
 from fedprivacy.data.splits import split_client
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
-from fedprivacy.ledger import BudgetExceeded, Ledger, RoundRepeated, round_events
+from fedprivacy.ledger import Budget, BudgetExceeded, Ledger, RoundRepeated, round_events
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client
@@ -222,21 +223,47 @@ def open_account(client: LocalClient, settings: RunSettings, ledger: Ledger, run
     - A seeded simulation refuses a ledger account that other runs spent from: the same seed
       would draw the same noise again, and the difference of two releases would cancel it.
     """
+    refusal = open_accounts([client], settings, ledger, run_id)[client.account]
+    if refusal is not None:
+        raise refusal
+
+
+def open_accounts(clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str) -> dict[str, ClientRefusal | None]:
+    """`open_account` for many clients of one ledger at once (a batched engine's round): each
+    account gets its refusal, or None."""
+    refusals: dict[str, ClientRefusal | None] = {c.account: _policy_refusal(c, settings) for c in clients}
+    opening = [c for c in clients if refusals[c.account] is None]
+    pinned = ledger.open_accounts({c.account: Budget(c.epsilon, c.delta) for c in opening})
+    for client in opening:
+        if isinstance(pinned[client.account], ClientRefusal):
+            refusals[client.account] = pinned[client.account]
+    for dataset_id, partitioning in {(c.dataset_id, json.dumps(c.partitioning, sort_keys=True)) for c in opening if c.partitioning}:
+        try:
+            ledger.pin_partitioning(dataset_id, json.loads(partitioning))
+        except ClientRefusal as refusal:
+            for client in opening:
+                if client.dataset_id == dataset_id:
+                    refusals[client.account] = refusal
+    if settings.noise_seed >= 0:
+        runs = ledger.runs_of([c.account for c in opening])
+        for client in opening:
+            if refusals[client.account] is None and runs.get(client.account, set()) - {run_id}:
+                refusals[client.account] = ClientRefusal(
+                    f"noise-seed={settings.noise_seed} on ledger {client.ledger_path}, where client {client.client_id} "
+                    "already spent in another run: a fixed seed would repeat that run's noise. Use a fresh ledger-path "
+                    "or noise-seed=-1"
+                )
+    return refusals
+
+
+def _policy_refusal(client: LocalClient, settings: RunSettings) -> ClientRefusal | None:
     if client.deployed and settings.noise_seed >= 0:
-        raise ClientRefusal(f"noise-seed={settings.noise_seed}: a deployed client draws its noise from OS entropy "
-                            "and never accepts a seed (seeds are for simulations)")
+        return ClientRefusal(f"noise-seed={settings.noise_seed}: a deployed client draws its noise from OS entropy "
+                             "and never accepts a seed (seeds are for simulations)")
     if client.deployed and settings.diagnostics:
-        raise ClientRefusal("diagnostics=true: raw training statistics are not private; a deployed client never "
-                            "returns them")
-    ledger.open_account(client.account, client.epsilon, client.delta)
-    if client.partitioning is not None:
-        ledger.pin_partitioning(client.dataset_id, client.partitioning)
-    if settings.noise_seed >= 0 and ledger.runs(client.account) - {run_id}:
-        raise ClientRefusal(
-            f"noise-seed={settings.noise_seed} on ledger {client.ledger_path}, where client {client.client_id} "
-            "already spent in another run: a fixed seed would repeat that run's noise. Use a fresh ledger-path "
-            "or noise-seed=-1"
-        )
+        return ClientRefusal("diagnostics=true: raw training statistics are not private; a deployed client never "
+                             "returns them")
+    return None
 
 
 def server_test_set(settings: RunSettings, num_clients: int) -> Dataset | None:
@@ -290,18 +317,42 @@ _shared_plan = functools.lru_cache(maxsize=4096)(_plan)
 
 def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id: str) -> tuple[Plan, bool]:
     """(the client's plan for this run, whether it was made now). Made once, a priori, then kept."""
-    plan = ledger.load_plan(client.account, run_id)
-    if plan is not None:
-        return plan, False
+    saved = ledger.load_plan(client.account, run_id)
+    if saved is not None:
+        return saved, False
+    outcome = run_plans([client], settings, ledger, run_id)[client.account]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome, True
+
+
+def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str) -> dict[str, Plan | Exception]:
+    """Each client's plan for this run: the one saved in the ledger, or a new a-priori plan saved
+    now (all in one transaction); a client that cannot plan gets its error instead."""
+    outcomes: dict[str, Plan | Exception] = dict(ledger.load_plans([c.account for c in clients], run_id))
+    fresh: dict[str, Plan] = {}
+    for client in clients:
+        if client.account in outcomes:
+            continue
+        try:
+            fresh[client.account] = _new_plan(client, settings)
+        except (ClientRefusal, InputError, PlanRefused) as error:
+            outcomes[client.account] = error
+    if fresh:
+        ledger.save_plans(run_id, fresh)
+        # Re-read: if a restarted twin saved its plan first, both must follow that one.
+        outcomes.update(ledger.load_plans(list(fresh), run_id))
+    return outcomes
+
+
+def _new_plan(client: LocalClient, settings: RunSettings) -> Plan:
     plan = plan_from_settings(settings, client.data.num_examples, client.epsilon, client.delta, client.client_id)
     if plan.expected_batch_size < 1:
         raise ClientRefusal(
             f"num-examples={client.data.num_examples}: too little data for client {client.client_id}: its plan "
             f"samples q·N = {plan.expected_batch_size:.2f} < 1 record per step, so most steps would train on nothing"
         )
-    ledger.save_plan(client.account, run_id, plan)
-    # Re-read: if a restarted twin saved its plan first, both must follow that one.
-    return ledger.load_plan(client.account, run_id) or plan, True
+    return plan
 
 
 def client_noise_seed(settings: RunSettings, account: str) -> str | None:
@@ -337,15 +388,8 @@ def train_round(
         raise RoundRepeated(f"round {server_round} of run {run_id} was already trained by client {client.client_id}")
     events = round_events(plan, server_round)
     affordable = bool(events) and ledger.epsilon_if(client.account, events) <= client.epsilon
-    base = {
-        "epsilon-budget": float(client.epsilon),
-        "delta": float(client.delta),
-        "sigma": float(plan.sigma),
-        "steps-planned": int(plan.steps),
-        "num-examples": int(client.data.num_examples),
-    }
     if not affordable:
-        return RoundResult(None, _exhausted(client, ledger, base), trainer_state)
+        return RoundResult(None, _exhausted(client, plan, ledger), trainer_state)
 
     dev = device()
     model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
@@ -367,34 +411,37 @@ def train_round(
     try:
         spent = ledger.record(client.account, run_id, server_round, events)
     except BudgetExceeded:  # another writer spent the budget meanwhile: this update must not leave
-        return RoundResult(None, _exhausted(client, ledger, base), trainer_state)
-    metrics: dict[str, int | float] = {
-        **base,
-        "epsilon-spent": float(spent),
-        "steps-done": int(ledger.steps_spent(client.account)),
-        "budget-exhausted": 0,
-        "on-gpu": int(dev.type == "cuda"),
-    }
+        return RoundResult(None, _exhausted(client, plan, ledger), trainer_state)
+    metrics = reply_metrics(client, plan, spent, ledger.steps_spent(client.account), trained=True, on_gpu=dev.type == "cuda")
     if settings.diagnostics:  # simulations only (open_account refuses it in a deployment)
-        metrics.update({
-            "train-loss": _finite(report.mean_loss),
-            "clip-fraction": _finite(report.clip_fraction),
-            "nonfinite-examples": int(report.nonfinite_examples),
-        })  # fmt: skip
+        metrics.update(diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples))
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return RoundResult(state, metrics, trainer.state_dict())
 
 
-def _exhausted(client: LocalClient, ledger: Ledger, base: dict[str, int | float]) -> dict[str, int | float]:
-    """The reply of a client that cannot afford its next round: public values only, zero weight."""
+def reply_metrics(client: LocalClient, plan: Plan, epsilon_spent: float, steps_done: int, *, trained: bool,
+                  on_gpu: bool = False) -> dict[str, int | float]:  # fmt: skip
+    """A train reply's metrics (`PUBLIC_REPLY_KEYS`): a client that did not train sends weight zero."""
     return {
-        **base,
-        "num-examples": 0,
-        "epsilon-spent": float(ledger.epsilon_spent(client.account)),
-        "steps-done": int(ledger.steps_spent(client.account)),
-        "budget-exhausted": 1,
-        "on-gpu": 0,
+        "num-examples": int(client.data.num_examples) if trained else 0,
+        "epsilon-budget": float(client.epsilon),
+        "delta": float(client.delta),
+        "sigma": float(plan.sigma),
+        "steps-planned": int(plan.steps),
+        "epsilon-spent": float(epsilon_spent),
+        "steps-done": int(steps_done),
+        "budget-exhausted": 0 if trained else 1,
+        "on-gpu": int(trained and on_gpu),
     }
+
+
+def diagnostics(mean_loss: float, clip_fraction: float, nonfinite: int) -> dict[str, int | float]:
+    """Raw training statistics (`DIAGNOSTIC_KEYS`), for a simulation that asked: never private."""
+    return {"train-loss": _finite(mean_loss), "clip-fraction": _finite(clip_fraction), "nonfinite-examples": int(nonfinite)}
+
+
+def _exhausted(client: LocalClient, plan: Plan, ledger: Ledger) -> dict[str, int | float]:
+    return reply_metrics(client, plan, ledger.epsilon_spent(client.account), ledger.steps_spent(client.account), trained=False)
 
 
 def _finite(value: float) -> float:

@@ -18,6 +18,7 @@ every round, so a run that dies midway still leaves readable results.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -40,6 +41,41 @@ CLIENT_COLUMNS = (
     "client_id", "num_examples", "epsilon_budget", "epsilon_spent", "delta", "sigma", "steps_done",
     "steps_planned", "rounds_trained", "exhausted_round", "device", "status",
 )  # fmt: skip
+
+
+DIAGNOSTICS_NOTE = "not private: clients returned their raw training loss and clip fraction (simulation only)"
+
+
+def resolved_config(settings: Any, run_id: int | str, run_config: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """config.json: the run config as given, every setting as resolved, and where things went."""
+    return {
+        "run_id": run_id,
+        "run_config": dict(run_config),
+        "resolved": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(settings).items()},
+        **extra,
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def progress_line(row: dict[str, Any], rounds: int) -> str:
+    """One round, as the user reads it while the run goes."""
+    accuracy = row["accuracy"] if row["accuracy"] is not None else row["federated_accuracy"]
+    label = "accuracy" if row["accuracy"] is not None else "federated accuracy"
+    return (
+        f"round {row['round']}/{rounds}: {label} {_fmt(accuracy)} | ε spent max {row['epsilon_spent_max']:.4f}"
+        f" mean {row['epsilon_spent_mean']:.4f} | {row['clients_trained']} trained, "
+        f"{row['clients_exhausted']} out of budget, {row['clients_failed']} failed"
+    )
+
+
+def done_line(summary: dict[str, Any]) -> str:
+    return (
+        f"done: final accuracy {_fmt(summary['final_accuracy'] or summary['final_federated_accuracy'])}, "
+        f"max ε spent {summary['epsilon_spent_max']:.4f}, all within budget: {summary['all_within_budget']}"
+    )
 
 
 def new_run_folder(results_dir: Path, run_id: int | str) -> Path:
@@ -168,6 +204,14 @@ class RunRecorder:
         _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
         _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(self.clients[c]) for c in sorted(self.clients)])
         return row
+
+    def require_training(self) -> None:
+        """An untrained model.pt would pass for a result: a run in which no client trained fails."""
+        if not any(c.rounds_trained for c in self.clients.values()):
+            failed = sum(c.status.startswith("failed") for c in self.clients.values())
+            exhausted = sum(c.exhausted_round is not None for c in self.clients.values())
+            raise RuntimeError(f"no client trained in any round ({failed} failed, {exhausted} out of budget): "
+                               "no model was saved; see clients.csv")
 
     def write_plans(self) -> list[Path]:
         """Every client's planning sheet (md, html, png, json) and the index, under plans/."""

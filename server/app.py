@@ -8,7 +8,6 @@ unless the run config names a `ledger-path`.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,11 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedprivacy.errors import error_summary
 from fedprivacy.participant import evaluate_model, new_model, server_test_set
-from fedprivacy.results import RunRecorder, new_run_folder
+from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
 from fedprivacy.runconfig import RunSettings, parse_run_config
 from server.strategy import PrivacyFedAvg
 
 app = ServerApp()
-DIAGNOSTICS_NOTE = "not private: clients returned their raw training loss and clip fraction (simulation only)"
 
 
 def say(text: str) -> None:
@@ -45,16 +43,6 @@ def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, node: int, con
     return reply.content["arrays"]
 
 
-def _resolved_config(settings: RunSettings, context: Context, extra: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "run_id": context.run_id,
-        "run_config": dict(context.run_config),
-        "resolved": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(settings).items()},
-        "flwr_version": flwr.__version__,
-        **extra,
-    }
-
-
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = parse_run_config(context.run_config)
@@ -66,6 +54,7 @@ def main(grid: Grid, context: Context) -> None:
         "run_id": context.run_id,
         "ledger_path": str(ledger_path),
         "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
+        "engine": "flower",
     }
     if settings.diagnostics:
         say(f"diagnostics on: {DIAGNOSTICS_NOTE}")
@@ -80,11 +69,7 @@ def main(grid: Grid, context: Context) -> None:
         say(f"run failed: {reason}")
         say(f"results folder: {folder} (partial)")
         raise
-    summary = recorder.write_summary(extra)
-    say(
-        f"done: final accuracy {_fmt(summary['final_accuracy'] or summary['final_federated_accuracy'])}, "
-        f"max ε spent {summary['epsilon_spent_max']:.4f}, all within budget: {summary['all_within_budget']}"
-    )
+    say(done_line(recorder.write_summary(extra)))
     say(f"results folder: {folder}")
 
 
@@ -107,9 +92,10 @@ def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: Run
             "(as in a deployment, where each SuperNode reads its own file)")
     evaluation = "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
     recorder.write_config(
-        _resolved_config(
-            settings, context,
-            {"results_folder": str(recorder.folder), "ledger_path": str(ledger_path), "clients": len(nodes), "evaluation": evaluation},
+        resolved_config(
+            settings, context.run_id, context.run_config,
+            {"results_folder": str(recorder.folder), "ledger_path": str(ledger_path), "clients": len(nodes),
+             "evaluation": evaluation, "engine": "flower", "flwr_version": flwr.__version__},
         )
     )
     say(f"{len(nodes)} clients, {settings.num_server_rounds} rounds, dataset {settings.dataset}, rule {settings.rule}; evaluation: {evaluation}")
@@ -129,7 +115,7 @@ def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: Run
                 say(f"round 0: accuracy {metrics['accuracy']:.4f} (initial model)")
             return metrics
         row = recorder.end_round(server_round)
-        say(_progress(row, settings.num_server_rounds))
+        say(progress_line(row, settings.num_server_rounds))
         return metrics
 
     result = strategy.start(
@@ -140,26 +126,6 @@ def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: Run
         evaluate_fn=end_of_round,
     )
     recorder.write_figure()
-    if not any(c.rounds_trained for c in recorder.clients.values()):
-        # An untrained model.pt would pass for a result: no model, and the run fails saying why.
-        failed = sum(c.status.startswith("failed") for c in recorder.clients.values())
-        exhausted = sum(c.exhausted_round is not None for c in recorder.clients.values())
-        raise RuntimeError(f"no client trained in any round ({failed} failed, {exhausted} out of budget): "
-                           "no model was saved; see clients.csv")
+    recorder.require_training()
     recorder.write_plans()
     recorder.save_model((result.arrays or initial).to_torch_state_dict())
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
-
-
-def _progress(row: dict[str, Any], rounds: int) -> str:
-    accuracy = row["accuracy"] if row["accuracy"] is not None else row["federated_accuracy"]
-    label = "accuracy" if row["accuracy"] is not None else "federated accuracy"
-    return (
-        f"round {row['round']}/{rounds}: {label} {_fmt(accuracy)} | ε spent max {row['epsilon_spent_max']:.4f}"
-        f" mean {row['epsilon_spent_mean']:.4f} | {row['clients_trained']} trained, "
-        f"{row['clients_exhausted']} out of budget, {row['clients_failed']} failed"
-    )
-

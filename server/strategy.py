@@ -25,6 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.results import RunRecorder
+from fedprivacy.sampling import sample_clients
 
 
 def aggregate_train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -83,9 +84,7 @@ class PrivacyFedAvg(FedAvg):
         return nodes
 
     def _sample(self, nodes: list[int], fraction: float) -> list[int]:
-        if not nodes or fraction == 0.0:
-            return []
-        return sorted(self.rng.sample(nodes, max(1, int(len(nodes) * fraction))))
+        return sample_clients(self.rng, nodes, fraction)
 
     def _messages(self, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord, kind: str) -> list[Message]:
         # A fresh ConfigRecord per message: FedAvg shares one RecordDict between all of them.

@@ -1,0 +1,291 @@
+"""The fast engine: the ServerApp's rounds and the ClientApp's rules, with a round's clients
+trained together by workers instead of one Flower message each.
+
+Everything but the arithmetic is the apps' own code: the clients (`simulation_client`), their
+ledger accounts, partitioning pins and seed rules (`open_account`), their plans
+(`plan_from_settings`, shared between clients with the same inputs), the round's noise events and
+affordability, the replies' public metrics, seeded sampling (`sample_clients`), FedAvg weighted by
+examples, central and federated evaluation, and the results folder (`RunRecorder`). What differs
+is how: plans are made once per run, a round's ledger writes are one transaction, and the
+clients' DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after
+every round equals the apps' to float tolerance and every client's ε is identical
+(tests/test_fast_engine.py).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedprivacy.errors import error_summary
+from fedprivacy.ledger import BudgetExceeded, Ledger, composed_epsilon, round_events
+from fedprivacy.participant import (
+    LocalClient,
+    client_noise_seed,
+    evaluate_model,
+    new_model,
+    open_accounts,
+    reply_metrics,
+    run_plans,
+    server_test_set,
+    simulation_client,
+)
+from fedprivacy.privacy.accountants import NoiseEvent
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
+from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
+from fedprivacy.sampling import sample_clients
+from fedprivacy.training.rng import SeededRunWarning
+from sims.fast.pool import WorkerPool
+from sims.fast.worker import RoundRequest, RoundResult, WorkerClient
+
+RoundCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Client:
+    """What the driver knows of one simulated client across the run."""
+
+    index: int
+    local: LocalClient | None = None
+    failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
+    plan: Plan | None = None
+    history: list[NoiseEvent] = field(default_factory=list)  # everything its account ever spent
+    state: dict[str, Any] | None = None  # its trainer state between rounds
+
+    @property
+    def name(self) -> str:
+        return self.local.client_id if self.local is not None else str(self.index)
+
+
+@dataclass
+class Timings:
+    """Where a run's time went: accounting (plans, ledger, ε) and the rest."""
+
+    accounting_s: float = 0.0
+    training_s: float = 0.0
+
+
+def run_fast(
+    run_config: dict[str, Any],
+    num_clients: int,
+    *,
+    workers: int = 1,
+    gpus_per_worker: float = 0.0,
+    run_id: int = 1,
+    on_round: RoundCallback | None = None,
+    say: Callable[[str], None] = print,
+) -> tuple[Path, Timings]:
+    """Run `run_config` on `num_clients` simulated clients; returns (results folder, timings)."""
+    settings = parse_run_config({**DEFAULTS, **run_config})
+    folder = new_run_folder(settings.results_dir, run_id)
+    say(f"results folder: {folder}")
+    recorder = RunRecorder(folder)
+    ledger_path = settings.ledger_path or folder / "ledger.sqlite"
+    extra = {"run_id": run_id, "ledger_path": str(ledger_path), "engine": "fast",
+             "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off"}  # fmt: skip
+    timings = Timings()
+    try:
+        _federate(settings, {**DEFAULTS, **run_config}, num_clients, run_id, recorder, Ledger(ledger_path),
+                  WorkerPoolSpec(workers, gpus_per_worker), timings, on_round, say)  # fmt: skip
+    except Exception as exc:
+        reason = error_summary(f"{type(exc).__name__}: {exc}")
+        recorder.write_plans()
+        recorder.write_summary(extra, error=reason)
+        say(f"run failed: {reason}")
+        raise
+    say(done_line(recorder.write_summary({**extra, "accounting_s": round(timings.accounting_s, 3)})))
+    return folder, timings
+
+
+@dataclass(frozen=True)
+class WorkerPoolSpec:
+    workers: int
+    gpus_per_worker: float
+
+
+def _federate(settings: RunSettings, run_config: dict[str, Any], num_clients: int, run_id: int, recorder: RunRecorder,
+              ledger: Ledger, spec: WorkerPoolSpec, timings: Timings, on_round: RoundCallback | None,
+              say: Callable[[str], None]) -> None:  # fmt: skip
+    random.seed(settings.seed)
+    rng = random.Random(settings.seed)
+    test = server_test_set(settings, num_clients)
+    if test is None:
+        raise ValueError("the fast engine needs the data on this machine (a simulation data set the server can read)")
+    clients = [_client(settings, index, num_clients, ledger.path) for index in range(num_clients)]
+    recorder.write_config(resolved_config(settings, run_id, run_config, {
+        "results_folder": str(recorder.folder), "ledger_path": str(ledger.path), "clients": num_clients,
+        "evaluation": "central (union of the clients' test splits)", "engine": "fast",
+        "workers": spec.workers,
+    }))  # fmt: skip
+    torch.manual_seed(settings.seed)
+    model = new_model(settings, test.features, test.num_classes)
+    global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _evaluate_centrally(model, global_state, test, recorder)
+    loaded = [c for c in clients if c.local is not None]
+    pool = WorkerPool(
+        [WorkerClient(c.index, c.local.data.train.features, c.local.data.train.labels, c.local.data.test.features,
+                      c.local.data.test.labels, client_noise_seed(settings, c.local.account)) for c in loaded],
+        (settings.model, int(test.features[0].size), test.num_classes), spec.workers, spec.gpus_per_worker,
+    )  # fmt: skip
+    exhausted: set[int] = set()
+    failed: set[int] = set()
+    try:
+        for server_round in range(1, settings.num_server_rounds + 1):
+            eligible = [c.index for c in clients if c.index not in exhausted | failed]
+            sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
+            started = time.perf_counter()
+            ready, replies = _prepare(sampled, settings, ledger, run_id, server_round, pool, recorder, failed, exhausted)
+            timings.accounting_s += time.perf_counter() - started
+            started = time.perf_counter()
+            results = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
+            timings.training_s += time.perf_counter() - started
+            started = time.perf_counter()
+            trained = _record(ready, results, settings, ledger, run_id, server_round, replies, exhausted)
+            timings.accounting_s += time.perf_counter() - started
+            for client in sampled:
+                if client.index in replies:
+                    recorder.trained(server_round, client.name, replies[client.index], client.plan)
+            global_state = _aggregate(global_state, trained, clients)
+            evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in failed], settings.fraction_evaluate)
+                         if clients[i].local is not None]  # fmt: skip
+            _evaluate_federated(pool, global_state, evaluated, recorder)
+            _evaluate_centrally(model, global_state, test, recorder)
+            row = recorder.end_round(server_round)
+            say(progress_line(row, settings.num_server_rounds))
+            if on_round is not None:
+                on_round(row)
+    finally:
+        pool.close()
+    recorder.write_figure()
+    recorder.require_training()
+    recorder.write_plans()
+    recorder.save_model(global_state)
+
+
+def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Path) -> Client:
+    """A client's data and account, or the error its first train message would have raised."""
+    try:
+        return Client(index, local=simulation_client(settings, index, num_clients, ledger_path))
+    except Exception as exc:  # the apps' client would fail alone, with this message
+        return Client(index, failure=_reason(exc))
+
+
+def _prepare(sampled: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int, pool: WorkerPool,
+             recorder: RunRecorder, failed: set[int], exhausted: set[int]) -> tuple[list[Client], dict[int, dict[str, Any]]]:  # fmt: skip
+    """The ClientApp's steps before training, for the round's sampled clients: accounts, plans,
+    affordability. Returns the clients that train and the replies of those that cannot."""
+    _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
+    replies: dict[int, dict[str, Any]] = {}
+    ready = []
+    for client in sampled:
+        if client.failure is not None:
+            failed.add(client.index)
+            recorder.failed(client.name, client.failure)
+            continue
+        events = round_events(client.plan, server_round)
+        if events and composed_epsilon([*client.history, *events], client.local.delta) <= client.local.epsilon:
+            ready.append(client)
+        else:
+            replies[client.index] = _exhausted_reply(client)
+            exhausted.add(client.index)
+    return ready, replies
+
+
+def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, pool: WorkerPool) -> None:
+    """Open the accounts and make the plans of clients asked for the first time, in bulk."""
+    if not clients:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SeededRunWarning)
+        refusals = open_accounts([c.local for c in clients], settings, ledger, str(run_id))
+    opened = [c for c in clients if refusals[c.local.account] is None]
+    for client in clients:
+        if refusals[client.local.account] is not None:
+            client.failure = _reason(refusals[client.local.account])
+    plans = run_plans([c.local for c in opened], settings, ledger, str(run_id))
+    histories = ledger.histories([c.local.account for c in opened])
+    for client in opened:
+        outcome = plans[client.local.account]
+        if isinstance(outcome, Exception):
+            client.failure = _reason(outcome)
+            continue
+        client.plan = outcome
+        client.history = histories.get(client.local.account, [])
+    pool.add_plans({c.index: c.plan for c in opened if c.plan is not None})
+
+
+def _reason(error: Exception) -> str:
+    return error_summary(f"{type(error).__name__}: {error}")
+
+
+def _record(ready: list[Client], results: RoundResult, settings: RunSettings, ledger: Ledger, run_id: int, server_round: int,
+            replies: dict[int, dict[str, Any]], exhausted: set[int]) -> list[tuple[Client, list[torch.Tensor]]]:  # fmt: skip
+    """Record the round's spends in one transaction; only recorded updates reach aggregation."""
+    events = {c.index: round_events(c.plan, server_round) for c in ready}
+    outcomes = ledger.record_round(str(run_id), server_round, {c.local.account: events[c.index] for c in ready})
+    by_index = {index: k for k, index in enumerate(results.indices)}
+    trained = []
+    for client in ready:
+        outcome = outcomes[client.local.account]
+        if isinstance(outcome, BudgetExceeded):  # another writer spent it meanwhile: the update must not leave
+            replies[client.index] = _exhausted_reply(client)
+            exhausted.add(client.index)
+            continue
+        if isinstance(outcome, Exception):
+            raise outcome
+        k = by_index[client.index]
+        client.history += events[client.index]
+        client.state = results.states[k]
+        reply = reply_metrics(client.local, client.plan, outcome, sum(e.count for e in client.history), trained=True,
+                              on_gpu=results.on_gpu)  # fmt: skip
+        if settings.diagnostics:
+            reply.update(results.diagnostics[k])
+        replies[client.index] = reply
+        trained.append((client, [w[k] for w in results.weights]))
+    return trained
+
+
+def _exhausted_reply(client: Client) -> dict[str, Any]:
+    spent = composed_epsilon(client.history, client.local.delta)
+    return reply_metrics(client.local, client.plan, spent, sum(e.count for e in client.history), trained=False)
+
+
+def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, list[torch.Tensor]]],
+               clients: list[Client]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """FedAvg weighted by each client's N, in reply order; the previous model if nobody trained."""
+    if not trained:
+        return global_state
+    total = sum(c.local.data.num_examples for c, _ in trained)
+    out = {}
+    for position, key in enumerate(global_state):
+        acc = None
+        for client, weights in trained:
+            term = weights[position] * (client.local.data.num_examples / total)
+            acc = term if acc is None else acc + term
+        out[key] = acc
+    return out
+
+
+def _evaluate_federated(pool: WorkerPool, global_state: dict[str, torch.Tensor], indices: list[int], recorder: RunRecorder) -> None:
+    """The sampled clients' test metrics, weighted by their test rows (as FedAvg aggregates them)."""
+    if not indices:
+        return
+    rows = pool.evaluate(global_state, indices)
+    total = sum(n for n, _, _ in rows)
+    accuracy = sum(n * (correct / n) for n, _, correct in rows) / total
+    loss = sum(n * (loss_sum / n) for n, loss_sum, _ in rows) / total
+    recorder.evaluated("federated_", accuracy, loss)
+
+
+def _evaluate_centrally(model: torch.nn.Module, global_state: dict[str, torch.Tensor], test: Any, recorder: RunRecorder) -> None:
+    model.load_state_dict(global_state)
+    loss, accuracy = evaluate_model(model, test)
+    recorder.evaluated("", accuracy, loss)

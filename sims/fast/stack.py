@@ -1,0 +1,184 @@
+"""DP-SGD for many clients at once: a stack of Linear layers (with ReLU between), every client's
+weights stacked along a first dimension, every step one batched forward and backward.
+
+It is the trainer's mechanism (`fedprivacy.training`), client by client: Poisson samples and
+noise from each client's own stream (`draw_batch`, the same bytes `DPTrainer` reads), per-example
+gradients by book-keeping (Bu et al.: the layer inputs A and output gradients D; for a Linear layer
+‖gᵢ‖² = ‖dᵢ‖²(‖aᵢ‖² + 1) and the clipped sum is (w⊙D)ᵀA), clipping at each client's C, noise
+σ_t·C on the sum, division by the expected batch qN, and each client's learning rate. Clients
+whose rounds have fewer steps are masked out of the steps they do not take.
+
+Batching by padding was chosen by measurement (sims/fast/README section of docs/simulator.md):
+each step gathers every client's sampled rows into a [clients, largest batch, features] tensor;
+the padding rows carry zero output gradient, so they contribute nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedprivacy.training.clipping import PerExampleClipper
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """The layers of a model the stack can train: Linear sizes, ReLU between them."""
+
+    sizes: tuple[tuple[int, int], ...]  # (in, out) of each Linear, in order
+
+    @classmethod
+    def of(cls, model: nn.Module) -> StackShape | None:
+        """The shape of `model` if it is Flatten?, Linear, (ReLU, Linear)*; None otherwise."""
+        layers = [m for m in model.modules() if m is not model and not isinstance(m, nn.Sequential)]
+        if layers and isinstance(layers[0], nn.Flatten):
+            layers = layers[1:]
+        linears = layers[0::2]
+        activations = layers[1::2]
+        if not linears or not all(isinstance(m, nn.Linear) and m.bias is not None for m in linears):
+            return None
+        if len(activations) != len(linears) - 1 or not all(type(m) is nn.ReLU for m in activations):
+            return None
+        return cls(tuple((m.in_features, m.out_features) for m in linears))
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(i * o + o for i, o in self.sizes)
+
+
+@dataclass
+class StepInputs:
+    """One step for K clients."""
+
+    features: Tensor  # [K, B, d] sampled rows, padded
+    labels: Tensor  # [K, B]
+    valid: Tensor  # [K, B] bool: a real sampled row
+    normals: Tensor  # [K, P] standard normals in parameter order
+    sigma: Tensor  # [K] noise multiplier of this step
+    clip: Tensor  # [K]
+    expected_batch: Tensor  # [K] q·N
+    active: Tensor  # [K] bool: the client takes this step
+
+
+@dataclass
+class StepReport:
+    """What a step gives besides the new weights: the released gradients (for AdaGrad-norm) and
+    local diagnostics (never sent unless a simulation asks for them)."""
+
+    released: list[Tensor]
+    nonfinite: Tensor  # [K] examples dropped for a non-finite gradient
+    loss_sum: Tensor  # [K] over kept examples
+    clipped: Tensor  # [K] examples whose norm exceeded C
+    examples: Tensor  # [K] sampled examples
+
+
+def _forward(weights: list[Tensor], x: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """(inputs A of each layer, pre-activations Z of each layer)."""
+    inputs, outputs = [], []
+    a = x
+    for layer in range(len(weights) // 2):
+        w, b = weights[2 * layer], weights[2 * layer + 1]
+        inputs.append(a)
+        z = torch.baddbmm(b.unsqueeze(1), a, w.transpose(1, 2))
+        outputs.append(z)
+        a = torch.relu(z)
+    return inputs, outputs
+
+
+def _backward(weights: list[Tensor], outputs: list[Tensor], d_logits: Tensor) -> list[Tensor]:
+    """Gradients of the summed loss with respect to each layer's output, from the last one back."""
+    grads = [d_logits]
+    for layer in range(len(outputs) - 1, 0, -1):
+        d = torch.bmm(grads[0], weights[2 * layer]) * (outputs[layer - 1] > 0)
+        grads.insert(0, d)
+    return grads
+
+
+def clipped_sums(weights: list[Tensor], step: StepInputs) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """Per client: Σᵢ clip_C(gᵢ) in parameter order (weight, bias per layer), with examples whose
+    gradient norm is not finite dropped; also (non-finite count, loss sum, clipped count)."""
+    inputs, outputs = _forward(weights, step.features)
+    logits = outputs[-1]
+    valid = step.valid
+    log_p = torch.log_softmax(logits, dim=-1)
+    losses = -log_p.gather(-1, step.labels.unsqueeze(-1)).squeeze(-1)
+    d_logits = (log_p.exp() - F.one_hot(step.labels, logits.shape[-1]).to(logits.dtype)) * valid.unsqueeze(-1)
+    deltas = _backward(weights, outputs, d_logits)
+    sq = torch.zeros_like(losses)
+    for a, d in zip(inputs, deltas, strict=True):
+        d_sq = torch.linalg.vecdot(d, d)
+        sq = sq + torch.addcmul(d_sq, d_sq, torch.linalg.vecdot(a, a))
+    finite = torch.isfinite(sq)
+    if not bool(torch.isfinite(sq.sum())):  # a diverged or crafted model: drop those examples
+        keep = finite.unsqueeze(-1)
+        inputs = [torch.where(keep, a, 0.0) for a in inputs]
+        deltas = [torch.where(keep, d, 0.0) for d in deltas]
+        sq = torch.where(finite, sq, 0.0)
+    clip = step.clip.unsqueeze(-1)
+    w = sq.maximum(clip.square()).rsqrt() * clip  # C / max(‖gᵢ‖, C)
+    sums = []
+    for a, d in zip(inputs, deltas, strict=True):
+        wd = d * w.unsqueeze(-1)
+        sums += [torch.bmm(wd.transpose(1, 2), a), wd.sum(1)]
+    counted = valid & finite
+    return (
+        sums,
+        (valid & ~finite).sum(1),
+        torch.where(counted, losses, 0.0).sum(1),
+        (counted & (sq > clip.square())).sum(1),
+    )
+
+
+def release(sums: list[Tensor], step: StepInputs) -> list[Tensor]:
+    """(Σ clipped + σC·N(0, I)) / (qN) per client, the noise split in parameter order."""
+    scale = (step.sigma * step.clip).view(-1, 1)
+    normals = step.normals.split([s[0].numel() for s in sums], dim=1)
+    return [
+        (s + scale.view(-1, *(1,) * (s.dim() - 1)) * n.view_as(s)) / step.expected_batch.view(-1, *(1,) * (s.dim() - 1))
+        for s, n in zip(sums, normals, strict=True)
+    ]
+
+
+def dp_step(
+    weights: list[Tensor],
+    step: StepInputs,
+    learning_rate: Callable[[list[Tensor]], Tensor],
+    repair: SingleClientRepair | None = None,
+) -> StepReport:
+    """One DP-SGD step for every client, in place on `weights` (inactive clients keep theirs).
+
+    `learning_rate` maps the released gradients to each client's η (AdaGrad-norm reads them).
+    """
+    sums, nonfinite, loss_sum, clipped = clipped_sums(weights, step)
+    finite = torch.isfinite(torch.stack([s.flatten(1).sum(1) for s in sums]).sum(0))  # NaN and ±inf reach the total
+    if repair is not None and not bool(finite.all()):
+        repair(weights, step, sums, ~finite)
+    released = release(sums, step)
+    rate = (learning_rate(released) * step.active).view(-1, 1)
+    for w, g in zip(weights, released, strict=True):
+        w.sub_(rate.view(-1, *(1,) * (w.dim() - 1)) * g)
+    return StepReport(released, nonfinite, loss_sum, clipped, step.valid.sum(1))
+
+
+class SingleClientRepair:
+    """The rare client whose batched sums overflowed although every norm was finite: its sums are
+    redone by the trainer's own clipper (which goes example by example), so it drops exactly the
+    examples the trainer would."""
+
+    def __init__(self, template: nn.Module) -> None:
+        self.model = template
+        self.clipper = PerExampleClipper(template)
+
+    def __call__(self, weights: list[Tensor], step: StepInputs, sums: list[Tensor], broken: Tensor) -> None:
+        for k in torch.nonzero(broken).flatten().tolist():
+            with torch.no_grad():
+                for parameter, stacked in zip(self.clipper.parameters, weights, strict=True):
+                    parameter.copy_(stacked[k])
+            rows = step.valid[k]
+            batch = self.clipper.clipped_sum(step.features[k][rows], step.labels[k][rows], float(step.clip[k]))
+            for s, g in zip(sums, batch.grad_sums, strict=True):
+                s[k] = g

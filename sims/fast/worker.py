@@ -1,0 +1,235 @@
+"""A fast engine's worker: holds a share of the clients' data on one device and trains their rounds.
+
+A worker is told, once, its clients (their rows, their noise seed material) and, as they appear,
+their plans; each round it gets the global weights and which of its clients train, and returns
+their new weights stacked in one tensor per parameter. Models the batched stack can train
+(logistic regression, MLPs: `StackShape`) train together; any other model trains client by client
+with the trainer itself (`DPTrainer`), which is slower but the same algorithm.
+
+`LocalWorker` runs in the caller's process; `ray_worker` wraps the same class as a Ray actor so
+that a run spreads its clients over several processes, GPUs or machines.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedprivacy.models import build_model
+from fedprivacy.participant import diagnostics as training_diagnostics
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.training import DPTrainer
+from fedprivacy.training.rng import DrawRequest, SeededRunWarning, StepRandomness, draw_batch
+from sims.fast import stack
+
+
+@dataclass(frozen=True)
+class WorkerClient:
+    """One client's rows and noise seed material (None: fresh OS entropy every round)."""
+
+    index: int
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    seed: str | None
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """Client `index` trains round `server_round` of its plan; `state` is its trainer state."""
+
+    index: int
+    state: dict[str, Any] | None
+
+
+@dataclass
+class RoundResult:
+    """New weights of the clients that trained (stacked, in state-dict key order) and their state."""
+
+    indices: list[int]
+    weights: list[Tensor]
+    states: list[dict[str, Any]]
+    diagnostics: list[dict[str, float]]
+    on_gpu: bool = False
+
+
+def _padded(arrays: list[np.ndarray], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Rows of every client in one [clients, most rows, ...] tensor, and each client's row count."""
+    counts = torch.tensor([len(a) for a in arrays])
+    out = torch.zeros((len(arrays), max((len(a) for a in arrays), default=0), *arrays[0].shape[1:]), dtype=dtype)
+    for k, a in enumerate(arrays):
+        out[k, : len(a)] = torch.as_tensor(a, dtype=dtype)
+    return out, counts
+
+
+class LocalWorker:
+    """Trains and evaluates its clients' rounds on one device."""
+
+    def __init__(self, clients: list[WorkerClient], model: str, num_features: int, num_classes: int,
+                 device: str = "cpu", threads: int | None = None) -> None:  # fmt: skip
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device(device)
+        self.model_args = (model, num_features, num_classes)
+        self.template = build_model(*self.model_args).to(self.device)
+        self.shape = stack.StackShape.of(self.template)
+        self.keys = list(self.template.state_dict())
+        self.position = {c.index: k for k, c in enumerate(clients)}
+        self.clients = clients
+        self.train_x, self.train_n = (t.to(self.device) for t in _padded([c.train_x for c in clients], torch.float32))
+        self.train_y = _padded([c.train_y for c in clients], torch.long)[0].to(self.device)
+        self.test_x, self.test_n = (t.to(self.device) for t in _padded([c.test_x for c in clients], torch.float32))
+        self.test_y = _padded([c.test_y for c in clients], torch.long)[0].to(self.device)
+        with warnings.catch_warnings():  # the run warns once that its noise is seeded
+            warnings.simplefilter("ignore", SeededRunWarning)
+            self.randomness = [StepRandomness(c.seed) for c in clients]
+        self.plans: dict[int, Plan] = {}
+        self.repair = stack.SingleClientRepair(build_model(*self.model_args).to(self.device))
+
+    def add_plans(self, plans: dict[int, Plan]) -> None:
+        self.plans.update(plans)
+
+    # ----- training -----
+    def train(self, global_state: dict[str, Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
+        if not requests:
+            return RoundResult([], [], [], [])
+        if self.shape is None:
+            return self._train_one_by_one(global_state, server_round, requests, diagnostics)
+        return self._train_stacked(global_state, server_round, requests, diagnostics)
+
+    def _train_one_by_one(self, global_state: dict[str, Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
+        results, states, notes = [], [], []
+        for request in requests:
+            k, plan = self.position[request.index], self.plans[request.index]
+            model = build_model(*self.model_args).to(self.device)
+            model.load_state_dict(global_state)
+            n = int(self.train_n[k])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", SeededRunWarning)
+                trainer = DPTrainer(model, plan, self.train_x[k, :n], self.train_y[k, :n], seed=self.clients[k].seed,
+                                    state={**(request.state or {}), "step": plan.first_step_of_round(server_round)})  # fmt: skip
+            report = trainer.run_round(server_round)
+            results.append([v.detach() for v in model.state_dict().values()])
+            states.append(trainer.state_dict())
+            notes.append(training_diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples) if diagnostics else {})
+        weights = [torch.stack(parts) for parts in zip(*results, strict=True)]
+        return RoundResult([r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda")
+
+    def _train_stacked(self, global_state: dict[str, Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
+        positions = torch.tensor([self.position[r.index] for r in requests], device=self.device)
+        plans = [self.plans[r.index] for r in requests]
+        firsts = [p.first_step_of_round(server_round) for p in plans]
+        counts = [p.steps_in_round(server_round) for p in plans]
+        n = self.train_n[positions.cpu()]
+        x, y = self.train_x[positions], self.train_y[positions]
+        keep, normals = self._draws(requests, plans, firsts, counts, n)
+        most = max(counts)
+        sigma = torch.zeros(len(requests), most)
+        rate = torch.zeros(len(requests), most)
+        for k, (plan, first, count) in enumerate(zip(plans, firsts, counts, strict=True)):
+            sigma[k, :count] = torch.tensor([plan.noise_multiplier(first + s) for s in range(count)])
+            rate[k, :count] = torch.tensor([plan.learning_rate_at(first + s) for s in range(count)])
+        adaptive = AdaptiveRates(plans, [r.state for r in requests], self.device)
+        clip = torch.tensor([p.clip_norm for p in plans], device=self.device)
+        expected = torch.tensor([p.sampling_rate * p.n for p in plans], device=self.device)
+        steps = torch.tensor(counts, device=self.device)
+        sigma, rate = sigma.to(self.device), rate.to(self.device)
+        weights = [global_state[key].to(self.device).expand(len(requests), *global_state[key].shape).clone() for key in self.keys]
+        totals = {"nonfinite": 0, "loss": 0, "clipped": 0, "examples": 0}
+        for s in range(most):
+            inputs = _gather(x, y, keep[:, s])
+            step = stack.StepInputs(*inputs, normals[:, s], sigma[:, s], clip, expected, steps > s)
+            report = stack.dp_step(weights, step, lambda released, s=s: adaptive.rate(released, step.active, rate[:, s]), self.repair)
+            totals = {key: totals[key] + value for key, value in zip(totals, (report.nonfinite, report.loss_sum, report.clipped, report.examples))}
+        notes = [{} for _ in requests]
+        if diagnostics:
+            examples = totals["examples"].clamp(min=1)
+            notes = [training_diagnostics(float(loss), float(clipped), int(bad)) for loss, clipped, bad in
+                     zip((totals["loss"] / examples).tolist(), (totals["clipped"] / examples).tolist(), totals["nonfinite"].tolist())]  # fmt: skip
+        states = adaptive.states([{"step": f + c} for f, c in zip(firsts, counts, strict=True)])
+        return RoundResult([r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda")
+
+    def _draws(self, requests: list[RoundRequest], plans: list[Plan], firsts: list[int], counts: list[int], n: Tensor) -> tuple[Tensor, Tensor]:
+        """Every client's Poisson masks [K, steps, rows] and normals [K, steps, P] for the round."""
+        parameters = sum(int(np.prod(v.shape)) for v in self.template.state_dict().values())
+        batch = [DrawRequest(self.randomness[self.position[r.index]], first, count, int(rows), plan.sampling_rate)
+                 for r, plan, first, count, rows in zip(requests, plans, firsts, counts, n.tolist(), strict=True)]  # fmt: skip
+        keep_rows, noise_rows = draw_batch(batch, parameters)
+        most, width = max(counts), self.train_x.shape[1]
+        keep = torch.zeros(len(requests), most, width, dtype=torch.bool)
+        normals = torch.zeros(len(requests), most, parameters)
+        row = 0
+        for k, count in enumerate(counts):
+            keep[k, :count, : keep_rows.shape[1]] = keep_rows[row : row + count]
+            normals[k, :count] = noise_rows[row : row + count]
+            row += count
+        return keep.to(self.device), normals.to(self.device)
+
+    # ----- evaluation -----
+    def evaluate(self, global_state: dict[str, Tensor], indices: list[int]) -> list[tuple[int, float, int]]:
+        """(test rows, summed cross-entropy, correct predictions) of the global model per client."""
+        model = build_model(*self.model_args).to(self.device)
+        model.load_state_dict(global_state)
+        model.eval()
+        out = []
+        with torch.no_grad():
+            for index in indices:
+                k = self.position[index]
+                rows = int(self.test_n[k])
+                logits = model(self.test_x[k, :rows])
+                labels = self.test_y[k, :rows]
+                loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+                out.append((rows, float(loss), int((logits.argmax(1) == labels).sum())))
+        return out
+
+
+class AdaptiveRates:
+    """Each client's learning rate for a step: its plan's schedule, or AdaGrad-norm on the released
+    (noisy) gradient, η/b with b² += max(‖g‖², ν), as `fedprivacy.training.schedule.StepSize`."""
+
+    def __init__(self, plans: list[Plan], states: list[dict[str, Any] | None], device: torch.device) -> None:
+        from fedprivacy.training.schedule import StepSize
+
+        sizes = [StepSize(plan, (state or {}).get("b_squared")) for plan, state in zip(plans, states, strict=True)]
+        self.adaptive = torch.tensor([s.adaptive for s in sizes], device=device)
+        self.b_squared = torch.tensor([s.b_squared for s in sizes], dtype=torch.float64, device=device)
+        self.nu = torch.tensor([s.nu for s in sizes], dtype=torch.float64, device=device)
+        self.base = torch.tensor([p.learning_rate for p in plans], dtype=torch.float64, device=device)
+
+    def rate(self, released: list[Tensor], active: Tensor, scheduled: Tensor) -> Tensor:
+        if not bool(self.adaptive.any()):
+            return scheduled
+        sq = torch.stack([g.flatten(1).double().square().sum(1) for g in released]).sum(0)
+        grow = self.adaptive & active
+        self.b_squared = torch.where(grow, self.b_squared + torch.maximum(sq, self.nu), self.b_squared)
+        return torch.where(self.adaptive, (self.base / self.b_squared.sqrt()).to(scheduled.dtype), scheduled)
+
+    def states(self, steps: list[dict[str, int]]) -> list[dict[str, Any]]:
+        return [{**s, "b_squared": float(b)} for s, b in zip(steps, self.b_squared.tolist(), strict=True)]
+
+
+def _gather(x: Tensor, y: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each client's sampled rows, in row order, padded to the largest batch: (x, y, valid)."""
+    clients = keep.shape[0]
+    rank = keep.cumsum(1) - 1
+    width = max(1, int(keep.sum(1).max()))
+    rows, cols = keep.nonzero(as_tuple=True)
+    index = torch.zeros(clients, width, dtype=torch.long, device=x.device)
+    valid = torch.zeros(clients, width, dtype=torch.bool, device=x.device)
+    index[rows, rank[rows, cols]] = cols
+    valid[rows, rank[rows, cols]] = True
+    owner = torch.arange(clients, device=x.device).unsqueeze(1)
+    return x[owner, index], y[owner, index], valid
+
+
+def ray_worker(num_cpus: float, num_gpus: float) -> Any:
+    """`LocalWorker` as a Ray actor class with these resources."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(LocalWorker)

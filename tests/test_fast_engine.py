@@ -1,0 +1,133 @@
+"""The fast engine is the same algorithm as the apps: with the same seeds, the same global model
+after every round (to float tolerance), the same ε spent by every client, the same results files."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from clients.app import app as client_app
+from server import strategy as strategy_module
+from server.app import app as server_app
+from sims.fast import engine as fast_engine
+from sims.fast.engine import run_fast
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+HETEROGENEOUS = {"num-server-rounds": 3, "noise-seed": 7, "epsilons": "0.5,1,2,4", "deltas": "1e-5,1e-6,1e-5,1e-7"}
+
+
+def apps_rounds(in_process, config: dict[str, Any], clients: int, monkeypatch) -> tuple[list[dict[str, torch.Tensor]], Path]:
+    """The real apps in process: the global model after each round, and the results folder."""
+    models: list[dict[str, torch.Tensor]] = []
+    aggregate = strategy_module.PrivacyFedAvg.aggregate_train
+
+    def spy(self, server_round, replies):
+        arrays, metrics = aggregate(self, server_round, replies)
+        models.append(arrays.to_torch_state_dict() if arrays is not None else (models[-1] if models else None))
+        return arrays, metrics
+
+    monkeypatch.setattr(strategy_module.PrivacyFedAvg, "aggregate_train", spy)
+    in_process.run_server(server_app, in_process.Grid.simulation(client_app, clients, config), config)
+    monkeypatch.undo()
+    (folder,) = Path(config["results-dir"]).iterdir()
+    return models, folder
+
+
+def fast_rounds(config: dict[str, Any], clients: int, monkeypatch, **options: Any) -> tuple[list[dict[str, torch.Tensor]], Path]:
+    models: list[dict[str, torch.Tensor]] = []
+    aggregate = fast_engine._aggregate
+
+    def spy(global_state, trained, all_clients):
+        out = aggregate(global_state, trained, all_clients)
+        models.append({k: v.clone() for k, v in out.items()})
+        return out
+
+    monkeypatch.setattr(fast_engine, "_aggregate", spy)
+    folder, _ = run_fast(config, clients, say=lambda _: None, **options)
+    monkeypatch.undo()
+    return models, folder
+
+
+def csv(folder: Path, name: str) -> pd.DataFrame:
+    return pd.read_csv(folder / name)
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides"),
+    [
+        ("logreg", {}),
+        ("mlp", {"rule": "adp"}),  # ADP-SGD: σ_t segments and the η/sqrt(20 + t) schedule
+        ("mlp", {"fraction-train": 0.75, "fraction-evaluate": 0.5}),  # seeded sampling, federated evaluation
+        ("cnn", {"rule": "calibrated"}),  # not a Linear stack: trained client by client
+    ],
+)
+def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkeypatch, model, overrides):
+    config = {**in_process.defaults(), **HETEROGENEOUS, "model": model, **overrides}
+    apps, apps_folder = apps_rounds(in_process, {**config, "results-dir": str(tmp_path / "apps")}, 4, monkeypatch)
+    fast, fast_folder = fast_rounds({**config, "results-dir": str(tmp_path / "fast")}, 4, monkeypatch)
+    assert len(apps) == len(fast) == 3
+    for round_apps, round_fast in zip(apps, fast, strict=True):
+        assert round_apps.keys() == round_fast.keys()
+        for key in round_apps:
+            torch.testing.assert_close(round_fast[key], round_apps[key], rtol=1e-4, atol=1e-5)
+
+    clients_apps, clients_fast = csv(apps_folder, "clients.csv"), csv(fast_folder, "clients.csv")
+    assert list(clients_apps.columns) == list(clients_fast.columns)
+    columns = ["client_id", "epsilon_budget", "epsilon_spent", "delta", "steps_done", "rounds_trained", "status"]
+    pd.testing.assert_frame_equal(clients_apps[columns], clients_fast[columns])  # ε spent: identical, not close
+    rounds_apps, rounds_fast = csv(apps_folder, "rounds.csv"), csv(fast_folder, "rounds.csv")
+    assert list(rounds_apps.columns) == list(rounds_fast.columns)
+    for column in ("accuracy", "loss", "federated_accuracy", "federated_loss"):
+        np.testing.assert_allclose(rounds_fast[column].to_numpy(float), rounds_apps[column].to_numpy(float), rtol=1e-4, atol=1e-4)
+    for column in ("clients_trained", "clients_exhausted", "clients_failed", "epsilon_spent_max", "epsilon_spent_mean"):
+        assert list(rounds_fast[column]) == list(rounds_apps[column])
+    for name in ("summary.json", "config.json", "model.pt", "progress.png", "ledger.sqlite", "plans/index.csv"):
+        assert (fast_folder / name).is_file(), name
+    summary = json.loads((fast_folder / "summary.json").read_text())
+    assert summary["engine"] == "fast" and json.loads((apps_folder / "summary.json").read_text())["engine"] == "flower"
+    assert set(summary) == set(json.loads((apps_folder / "summary.json").read_text())) | {"accounting_s"}
+
+
+def test_two_ray_workers_give_the_same_run_as_one(in_process, tmp_path, monkeypatch):
+    config = {**in_process.defaults(), **HETEROGENEOUS, "model": "mlp", "num-server-rounds": 2}
+    one, one_folder = fast_rounds({**config, "results-dir": str(tmp_path / "one")}, 4, monkeypatch)
+    two, two_folder = fast_rounds({**config, "results-dir": str(tmp_path / "two")}, 4, monkeypatch, workers=2)
+    for a, b in zip(one, two, strict=True):
+        for key in a:
+            torch.testing.assert_close(a[key], b[key])
+    pd.testing.assert_frame_equal(csv(one_folder, "clients.csv"), csv(two_folder, "clients.csv"))
+    assert json.loads((two_folder / "config.json").read_text())["workers"] == 2
+
+
+def test_a_client_too_small_to_train_fails_alone(in_process, tmp_path):
+    """Tiny partitions (an exponential size skew) fail by name; the others train."""
+    config = {**in_process.defaults(), "noise-seed": -1, "num-server-rounds": 2, "partitioning": "size",
+              "size-skew": "exponential", "results-dir": str(tmp_path / "r")}  # fmt: skip
+    folder, timings = run_fast(config, 8, say=lambda _: None)
+    clients = csv(folder, "clients.csv")
+    failed = clients[clients.status.str.startswith("failed")]
+    assert len(failed) >= 1 and failed.status.str.contains("too little data|row\\(s\\) in its partition|n=1: must be an integer >= 2").all()
+    assert (clients[~clients.status.str.startswith("failed")].epsilon_spent <= 1.0).all()
+    assert timings.accounting_s > 0
+
+
+def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_process, tmp_path):
+    """As with the apps: run 2 starts from run 1's spend and each client stops before the round it
+    cannot afford, never over budget."""
+    ledger = tmp_path / "ledger.sqlite"
+    base = {**in_process.defaults(), "noise-seed": -1, "ledger-path": str(ledger)}
+    first, _ = run_fast({**base, "rule": "proactive", "results-dir": str(tmp_path / "r1")}, 2, say=lambda _: None)
+    second, _ = run_fast({**base, "rule": "calibrated", "num-server-rounds": 4, "results-dir": str(tmp_path / "r2")}, 2,
+                         run_id=2, say=lambda _: None)  # fmt: skip
+    before, after = csv(first, "clients.csv").set_index("client_id"), csv(second, "clients.csv").set_index("client_id")
+    assert (after.exhausted_round > 1).all() and (after.epsilon_spent <= after.epsilon_budget).all()
+    assert (after.steps_done > before.steps_done).all()  # the ledger carried run 1's steps
+    assert csv(second, "rounds.csv").clients_exhausted.iloc[-1] == 2
