@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import lru_cache
 from itertools import groupby
 from pathlib import Path
 
@@ -114,12 +115,22 @@ class AccountSummary:
 
 def round_events(plan: Plan, server_round: int) -> list[NoiseEvent]:
     """The noise events of one round's slice of `plan`, consecutive equal σ merged."""
-    first = plan.first_step_of_round(server_round)
-    sigmas = [plan.noise_multiplier(s) for s in range(first, first + plan.steps_in_round(server_round))]
-    return [
-        NoiseEvent(sigma=sigma, sampling_rate=plan.sampling_rate, count=len(list(group)))
-        for sigma, group in groupby(sigmas)
-    ]
+    return list(_round_events(plan.noise_segments, plan.sampling_rate, plan.steps, plan.rounds, server_round))
+
+
+@lru_cache(maxsize=4096)
+def _round_events(segments: tuple[tuple[float, int], ...], q: float, steps: int, rounds: int, server_round: int) -> tuple[NoiseEvent, ...]:
+    """Cached per schedule: clients with the same plan ask for the same rounds."""
+    base, extra = divmod(steps, rounds)
+    count = base + (1 if server_round <= extra else 0) if 1 <= server_round <= rounds else 0
+    first = base * (server_round - 1) + min(server_round - 1, extra)
+    sigmas = []
+    position = 0
+    for sigma, length in segments:  # σ of steps first .. first + count − 1, read from the segments
+        overlap = min(position + length, first + count) - max(position, first)
+        sigmas += [sigma] * max(overlap, 0)
+        position += length
+    return tuple(NoiseEvent(sigma=sigma, sampling_rate=q, count=len(list(group))) for sigma, group in groupby(sigmas))
 
 
 def composed_epsilon(events: Sequence[NoiseEvent], delta: float) -> float:
@@ -149,6 +160,7 @@ class Ledger:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._seen: dict[str, tuple[int, list[NoiseEvent]]] = {}  # account → (last spend id, history)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.path.exists():
             # Created 0600 before SQLite writes anything into it.
@@ -324,7 +336,7 @@ class Ledger:
             missing = [a for a in accounts if a not in budgets]
             if missing:
                 raise KeyError(f"ledger account {missing[0]!r} has no pinned budget: open_account first")
-            histories = self._histories(db, accounts)
+            histories = self._current_histories(db, accounts)
             repeated = self._rounds_recorded(db, accounts, run_id, server_round)
             for account, new_events in spends.items():
                 new_events = [e for e in new_events if e.count > 0]
@@ -344,7 +356,31 @@ class Ledger:
                 " epsilon_after, delta, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
+            written = [a for a, outcome in outcomes.items() if not isinstance(outcome, Exception)]
+            latest = self._latest_ids(db, written)
+            for account in written:
+                events = [e for e in spends[account] if e.count > 0]
+                self._seen[account] = (latest[account], [*histories.get(account, []), *events])
         return outcomes
+
+    def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, list[NoiseEvent]]:
+        """The accounts' histories inside a transaction, read again only for accounts whose last
+        spend is not the one this object last saw (another writer, a first call): a round costs one
+        small query instead of re-reading every account's whole history."""
+        latest = self._latest_ids(db, accounts)
+        stale = [a for a in accounts if a in latest and self._seen.get(a, (None, []))[0] != latest[a]]
+        fresh = self._histories(db, stale)
+        for account in stale:
+            self._seen[account] = (latest[account], fresh.get(account, []))
+        return {a: list(self._seen[a][1]) for a in accounts if a in latest}
+
+    @staticmethod
+    def _latest_ids(db: sqlite3.Connection, accounts: list[str]) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for chunk in _chunks(accounts):
+            rows = db.execute(f"SELECT account, MAX(id) FROM spends WHERE account IN ({_marks(chunk)}) GROUP BY account", chunk)
+            found.update({account: int(last) for account, last in rows})
+        return found
 
     def histories(self, accounts: list[str]) -> dict[str, list[NoiseEvent]]:
         """Every recorded event of each account, oldest first (one query for all of them)."""
@@ -397,21 +433,28 @@ class Ledger:
         """Keep the run's plan so a restarted client resumes the same plan, not a new one."""
         self.save_plans(run_id, {account: plan})
 
-    def save_plans(self, run_id: str, plans: dict[str, Plan]) -> None:
-        """`save_plan` for many accounts in one transaction; a plan saved before is kept."""
+    def save_plans(self, run_id: str, plans: dict[str, Plan]) -> dict[str, Plan]:
+        """`save_plan` for many accounts in one transaction; returns the plan each account now has
+        for the run: a plan saved before (by a restarted twin, say) is kept and returned instead."""
         with self._transaction() as db:
-            db.executemany("INSERT OR IGNORE INTO plans (account, run_id, plan_json) VALUES (?, ?, ?)",
-                           [(account, run_id, plan.to_json()) for account, plan in plans.items()])  # fmt: skip
+            kept = self._plans(db, list(plans), run_id)
+            db.executemany("INSERT INTO plans (account, run_id, plan_json) VALUES (?, ?, ?)",
+                           [(account, run_id, plan.to_json()) for account, plan in plans.items() if account not in kept])  # fmt: skip
+        return {**plans, **kept}
 
     def load_plan(self, account: str, run_id: str) -> Plan | None:
         return self.load_plans([account], run_id).get(account)
 
     def load_plans(self, accounts: list[str], run_id: str) -> dict[str, Plan]:
         """The run's saved plans of those `accounts` that have one."""
-        found: dict[str, Plan] = {}
         with self._connect() as db:
-            for chunk in _chunks(accounts):
-                rows = db.execute(f"SELECT account, plan_json FROM plans WHERE run_id = ? AND account IN ({_marks(chunk)})",
-                                  [run_id, *chunk])  # fmt: skip
-                found.update({account: Plan.from_dict(json.loads(text)) for account, text in rows})
+            return self._plans(db, accounts, run_id)
+
+    @staticmethod
+    def _plans(db: sqlite3.Connection, accounts: list[str], run_id: str) -> dict[str, Plan]:
+        found: dict[str, Plan] = {}
+        for chunk in _chunks(accounts):
+            rows = db.execute(f"SELECT account, plan_json FROM plans WHERE run_id = ? AND account IN ({_marks(chunk)})",
+                              [run_id, *chunk])  # fmt: skip
+            found.update({account: Plan.from_dict(json.loads(text)) for account, text in rows})
         return found

@@ -338,10 +338,8 @@ def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger,
             fresh[client.account] = _new_plan(client, settings)
         except (ClientRefusal, InputError, PlanRefused) as error:
             outcomes[client.account] = error
-    if fresh:
-        ledger.save_plans(run_id, fresh)
-        # Re-read: if a restarted twin saved its plan first, both must follow that one.
-        outcomes.update(ledger.load_plans(list(fresh), run_id))
+    if fresh:  # if a restarted twin saved its plan first, both follow that one
+        outcomes.update(ledger.save_plans(run_id, fresh))
     return outcomes
 
 

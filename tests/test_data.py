@@ -20,6 +20,7 @@ from fedprivacy.data import (
     partition_rows,
     synthetic_optimum,
 )
+from fedprivacy.data.partition import iid_shards
 from fedprivacy.errors import InputError
 
 PUMS_DIR = Path(__file__).parents[1].parent / "shared/data/pums"
@@ -233,6 +234,22 @@ def test_load_client_matches_load_clients() -> None:
         assert one.client_id == expected.client_id
         np.testing.assert_array_equal(one.train.features, expected.train.features)
         np.testing.assert_array_equal(one.test.labels, expected.test.labels)
+
+
+@pytest.mark.parametrize(("rows", "clients"), [(10, 3), (1797, 7), (200, 200), (1001, 10)])
+def test_iid_shards_are_flwr_datasets_iid_partitions(rows: int, clients: int) -> None:
+    """The direct computation gives exactly the rows of flwr-datasets' IidPartitioner."""
+    from flwr_datasets.partitioner import IidPartitioner
+    import datasets
+
+    order = np.random.default_rng(3).permutation(rows)
+    partitioner = IidPartitioner(clients)
+    partitioner.dataset = datasets.Dataset.from_dict({"row": order})
+    expected = [np.asarray(partitioner.load_partition(i)["row"]) for i in range(clients)]
+    got = iid_shards(order, clients)
+    assert [name for name, _ in got] == [str(i) for i in range(clients)]
+    for (_, mine), theirs in zip(got, expected, strict=True):
+        assert np.array_equal(mine, theirs)
 
 
 def test_partition_rows_are_cached_and_read_only() -> None:

@@ -45,8 +45,8 @@ def fast_rounds(config: dict[str, Any], clients: int, monkeypatch, **options: An
     models: list[dict[str, torch.Tensor]] = []
     aggregate = fast_engine._aggregate
 
-    def spy(global_state, trained, all_clients):
-        out = aggregate(global_state, trained, all_clients)
+    def spy(global_state, trained, results):
+        out = aggregate(global_state, trained, results)
         models.append({k: v.clone() for k, v in out.items()})
         return out
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from scipy import stats
 
+from fedprivacy.training import rng as rng_module
+
 from fedprivacy.training.rng import UNIFORM_BITS, DrawRequest, SeededRunWarning, StepRandomness, draw_batch, sampling_threshold
 
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
@@ -90,3 +92,13 @@ def test_many_clients_drawn_together_get_exactly_their_own_streams():
         assert torch.equal(noise[row : row + steps], alone.noise)
         row += steps
     assert row == keep.shape[0] == noise.shape[0]
+
+
+def test_steps_that_span_several_nonces_read_the_same_bytes_in_any_split(monkeypatch):
+    """A step's bytes start at block t·⌈size/64⌉; past 2³² blocks the nonce moves on. With a tiny
+    counter range (three steps per nonce here) every split must still give every step the same bytes."""
+    monkeypatch.setattr(rng_module, "COUNTER_BLOCKS", 3 * 4)  # 4 blocks per step of 200 bytes
+    randomness = StepRandomness(11)
+    together = randomness.stream_bytes(2, 9, 200)
+    alone = b"".join(randomness.stream_bytes(step, 1, 200) for step in range(2, 11))
+    assert together == alone and len(set(together[i : i + 200] for i in range(0, 1800, 200))) == 9

@@ -216,13 +216,15 @@ def load_dataset(name: str, path: str | Path | None = None, **options: Any) -> D
     if loader is None:
         raise InputError("dataset", name, f"must be one of: {', '.join(LOADERS)}")
     file = None if path is None else Path(path)
+    key = (name, _file_key(file), tuple(sorted((k, _freeze(v)) for k, v in options.items())))
+    if key in _CACHE:
+        return _CACHE[key]
     try:
         inspect.signature(loader).bind(file, **options)
     except TypeError:
         accepted = [p for p in inspect.signature(loader).parameters if p != "path"]
         unknown = sorted(set(options) - set(accepted))
         raise InputError("option", unknown, f"the {name} dataset accepts: {', '.join(accepted)}") from None
-    key = (name, _file_key(file), tuple(sorted((k, _freeze(v)) for k, v in options.items())))
     if key not in _CACHE:
         dataset = loader(file, **options)
         for array in (dataset.features, dataset.labels, dataset.groups):

@@ -19,8 +19,8 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import dp_accounting
 from dp_accounting import dp_event, pld, rdp
@@ -36,9 +36,12 @@ TRUNCATION_SHARE_OF_DELTA = 1e-3  # all steps together leave out at most this sh
 REFERENCE_STEPS = 10**6  # ... in runs of up to this many steps (longer runs: slightly more, still pessimistic)
 
 
-@dataclass(frozen=True)
-class NoiseEvent:
-    """`count` consecutive steps with noise multiplier `sigma` and sampling rate `sampling_rate`."""
+class NoiseEvent(NamedTuple):
+    """`count` consecutive steps with noise multiplier `sigma` and sampling rate `sampling_rate`.
+
+    A named tuple, not a dataclass: histories of them are hashed on every ε query (cache keys),
+    and a tuple hashes in C.
+    """
 
     sigma: float
     sampling_rate: float

@@ -12,7 +12,7 @@ import bisect
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 RULES = ("proactive", "calibrated", "adp")
@@ -96,7 +96,10 @@ class Plan:
         return base + (1 if round_number <= extra else 0)
 
     def first_step_of_round(self, round_number: int) -> int:
-        return sum(self.steps_in_round(r) for r in range(1, round_number))
+        """Steps of the rounds before `round_number` (the first `extra` rounds have one more)."""
+        done = min(max(round_number - 1, 0), self.rounds)
+        base, extra = divmod(self.steps, self.rounds)
+        return base * done + min(done, extra)
 
     def learning_rate_at(self, step: int) -> float:
         """η_t of the deterministic schedules (adagrad_norm adapts in the trainer instead)."""
@@ -108,7 +111,10 @@ class Plan:
 
     # ----- serialisation -----
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Field by field, not dataclasses.asdict: its deep copies made saving 1,000 plans take 0.4 s.
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("sigma_by_rule", "epsilon_bounds", "lr_params", "alpha_params"):
+            data[name] = dict(data[name])
         data["noise_segments"] = [list(seg) for seg in self.noise_segments]
         data["conditions"] = [asdict(c) for c in self.conditions]
         data.update(

@@ -7,10 +7,10 @@ The bytes are a ChaCha20 keystream (the `cryptography` package):
   learnt from another's, and nothing can be replayed: there is no seed to recover. (Expanding a
   32-byte OS key with ChaCha20 runs at about 6 GB/s here; reading every byte from the OS runs at
   about 0.5 GB/s.)
-- **experiments (a seed)**: each step t has its own keystream (nonce = t) under a 256-bit key
-  derived by BLAKE2b from the *whole* seed material. Any change of the seed material gives an
-  unrelated key; the same seed gives the same noise whatever the split of the steps into rounds
-  or resumptions.
+- **experiments (a seed)**: each step t reads its own stretch of one keystream (from block
+  t·⌈bytes per step/64⌉) under a 256-bit key derived by BLAKE2b from the *whole* seed material.
+  Any change of the seed material gives an unrelated key; the same seed gives the same noise
+  whatever the split of the steps into rounds or resumptions.
 Either way the security level is that of ChaCha20 (a 256-bit key; ≥ 128 bits against any known
 attack), not the 32 or 64 bits of a seeded PRNG such as torch's CPU generator, whose state can be
 searched.
@@ -43,6 +43,7 @@ from torch import Tensor
 UNIFORM_BITS = 53
 _UNIFORM_MASK = (1 << UNIFORM_BITS) - 1
 _UNIFORM_SCALE = 2.0**-UNIFORM_BITS
+COUNTER_BLOCKS = 1 << 32  # ChaCha20 blocks one nonce addresses (its 32-bit block counter)
 NOISE_CHUNK = 1 << 22  # random words drawn per pass at most (32 MiB)
 
 
@@ -96,10 +97,11 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64) -> np.ndarray:
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _keystream(key: bytes, step: int, size: int) -> bytes:
-    """`size` bytes of ChaCha20 under `key`, nonce = the step (after a 32-bit block counter)."""
-    nonce = bytes(4) + int(step).to_bytes(8, "little") + bytes(4)
-    return Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(size))
+def _keystream(key: bytes, nonce: int, block: int, size: int) -> bytes:
+    """`size` bytes of ChaCha20 under `key` and a 64-bit `nonce`, from 64-byte block `block` on
+    (`cryptography` takes the 32-bit block counter and a 96-bit nonce as one 16-byte value)."""
+    value = int(block).to_bytes(4, "little") + int(nonce).to_bytes(8, "little") + bytes(4)
+    return Cipher(algorithms.ChaCha20(key, value), mode=None).encryptor().update(bytes(size))
 
 
 @dataclass(frozen=True)
@@ -171,13 +173,23 @@ class StepRandomness:
     def stream_bytes(self, first_step: int, steps: int, size: int) -> bytes:
         """`size` bytes for each of `steps` consecutive steps, concatenated.
 
-        Seeded: the first `size` bytes of each step's own keystream (nonce = step), so any split
-        of the steps gives the same bytes. Unseeded: one keystream under a fresh OS key for the
-        whole block, which is as unpredictable and saves a cipher per step.
+        Seeded: step t's bytes start at keystream block t·⌈size/64⌉ (nonce and 32-bit block
+        counter split the position), so any split of the steps into calls gives the same bytes,
+        and a client's round needs one cipher, not one per step. Unseeded: one keystream under a
+        fresh OS key for the whole call.
         """
         if self._key is None:
-            return _keystream(os.urandom(32), 0, steps * size)
-        return b"".join(_keystream(self._key, first_step + i, size) for i in range(steps))
+            return _keystream(os.urandom(32), 0, 0, steps * size)
+        blocks = -(-size // 64)
+        per_nonce = max(1, COUNTER_BLOCKS // blocks)  # steps whose blocks fit one 32-bit counter
+        parts, step, end = [], first_step, first_step + steps
+        while step < end:
+            nonce, offset = divmod(step, per_nonce)
+            count = min(end, (nonce + 1) * per_nonce) - step
+            stream = np.frombuffer(_keystream(self._key, nonce, offset * blocks, count * blocks * 64), dtype=np.uint8)
+            parts.append(stream.reshape(count, blocks * 64)[:, :size].tobytes())
+            step += count
+        return b"".join(parts)
 
     def draws(
         self,

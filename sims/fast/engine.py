@@ -153,7 +153,7 @@ def _federate(settings: RunSettings, run_config: dict[str, Any], num_clients: in
             for client in sampled:
                 if client.index in replies:
                     recorder.trained(server_round, client.name, replies[client.index], client.plan)
-            global_state = _aggregate(global_state, trained, clients)
+            global_state = _aggregate(global_state, trained, results)
             evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in failed], settings.fraction_evaluate)
                          if clients[i].local is not None]  # fmt: skip
             _evaluate_federated(pool, global_state, evaluated, recorder)
@@ -227,8 +227,9 @@ def _reason(error: Exception) -> str:
 
 
 def _record(ready: list[Client], results: RoundResult, settings: RunSettings, ledger: Ledger, run_id: int, server_round: int,
-            replies: dict[int, dict[str, Any]], exhausted: set[int]) -> list[tuple[Client, list[torch.Tensor]]]:  # fmt: skip
-    """Record the round's spends in one transaction; only recorded updates reach aggregation."""
+            replies: dict[int, dict[str, Any]], exhausted: set[int]) -> list[tuple[Client, int]]:  # fmt: skip
+    """Record the round's spends in one transaction; only recorded updates reach aggregation (the
+    clients that trained, each with its row in `results`)."""
     events = {c.index: round_events(c.plan, server_round) for c in ready}
     outcomes = ledger.record_round(str(run_id), server_round, {c.local.account: events[c.index] for c in ready})
     by_index = {index: k for k, index in enumerate(results.indices)}
@@ -249,7 +250,7 @@ def _record(ready: list[Client], results: RoundResult, settings: RunSettings, le
         if settings.diagnostics:
             reply.update(results.diagnostics[k])
         replies[client.index] = reply
-        trained.append((client, [w[k] for w in results.weights]))
+        trained.append((client, k))
     return trained
 
 
@@ -258,20 +259,18 @@ def _exhausted_reply(client: Client) -> dict[str, Any]:
     return reply_metrics(client.local, client.plan, spent, sum(e.count for e in client.history), trained=False)
 
 
-def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, list[torch.Tensor]]],
-               clients: list[Client]) -> dict[str, torch.Tensor]:  # fmt: skip
-    """FedAvg weighted by each client's N, in reply order; the previous model if nobody trained."""
+def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult) -> dict[str, torch.Tensor]:
+    """FedAvg weighted by each client's N (as Flower's aggregation: weight factors N/ΣN in float32);
+    the previous model if nobody trained."""
     if not trained:
         return global_state
-    total = sum(c.local.data.num_examples for c, _ in trained)
-    out = {}
-    for position, key in enumerate(global_state):
-        acc = None
-        for client, weights in trained:
-            term = weights[position] * (client.local.data.num_examples / total)
-            acc = term if acc is None else acc + term
-        out[key] = acc
-    return out
+    rows = torch.tensor([k for _, k in trained])
+    sizes = [c.local.data.num_examples for c, _ in trained]
+    factors = torch.tensor([n / sum(sizes) for n in sizes], dtype=torch.float32)
+    return {
+        key: torch.tensordot(factors, stacked[rows], dims=1)
+        for key, stacked in zip(global_state, results.weights, strict=True)
+    }
 
 
 def _evaluate_federated(pool: WorkerPool, global_state: dict[str, torch.Tensor], indices: list[int], recorder: RunRecorder) -> None:

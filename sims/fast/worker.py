@@ -90,10 +90,21 @@ class LocalWorker:
             warnings.simplefilter("ignore", SeededRunWarning)
             self.randomness = [StepRandomness(c.seed) for c in clients]
         self.plans: dict[int, Plan] = {}
+        self.schedules: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # each client's σ_t and η_t
+        self._schedule_of: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
         self.repair = stack.SingleClientRepair(build_model(*self.model_args).to(self.device))
 
     def add_plans(self, plans: dict[int, Plan]) -> None:
+        """Learn the plans of clients about to train; their σ_t and η_t are read once per plan."""
         self.plans.update(plans)
+        for index, plan in plans.items():
+            key = (plan.steps, plan.noise_segments, plan.learning_rate, plan.lr_schedule, tuple(sorted(plan.lr_params.items())))
+            if key not in self._schedule_of:
+                self._schedule_of[key] = (
+                    np.array([plan.noise_multiplier(t) for t in range(plan.steps)]),
+                    np.array([plan.learning_rate_at(t) for t in range(plan.steps)]),
+                )
+            self.schedules[index] = self._schedule_of[key]
 
     # ----- training -----
     def train(self, global_state: dict[str, Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
@@ -130,11 +141,11 @@ class LocalWorker:
         x, y = self.train_x[positions], self.train_y[positions]
         keep, normals = self._draws(requests, plans, firsts, counts, n)
         most = max(counts)
-        sigma = torch.zeros(len(requests), most)
-        rate = torch.zeros(len(requests), most)
-        for k, (plan, first, count) in enumerate(zip(plans, firsts, counts, strict=True)):
-            sigma[k, :count] = torch.tensor([plan.noise_multiplier(first + s) for s in range(count)])
-            rate[k, :count] = torch.tensor([plan.learning_rate_at(first + s) for s in range(count)])
+        sigma, rate = np.zeros((len(requests), most)), np.zeros((len(requests), most))
+        for k, (request, first, count) in enumerate(zip(requests, firsts, counts, strict=True)):
+            sigmas, rates = self.schedules[request.index]
+            sigma[k, :count], rate[k, :count] = sigmas[first : first + count], rates[first : first + count]
+        sigma, rate = torch.from_numpy(sigma).float(), torch.from_numpy(rate).float()
         adaptive = AdaptiveRates(plans, [r.state for r in requests], self.device)
         clip = torch.tensor([p.clip_norm for p in plans], device=self.device)
         expected = torch.tensor([p.sampling_rate * p.n for p in plans], device=self.device)
@@ -161,14 +172,12 @@ class LocalWorker:
         batch = [DrawRequest(self.randomness[self.position[r.index]], first, count, int(rows), plan.sampling_rate)
                  for r, plan, first, count, rows in zip(requests, plans, firsts, counts, n.tolist(), strict=True)]  # fmt: skip
         keep_rows, noise_rows = draw_batch(batch, parameters)
-        most, width = max(counts), self.train_x.shape[1]
-        keep = torch.zeros(len(requests), most, width, dtype=torch.bool)
-        normals = torch.zeros(len(requests), most, parameters)
-        row = 0
-        for k, count in enumerate(counts):
-            keep[k, :count, : keep_rows.shape[1]] = keep_rows[row : row + count]
-            normals[k, :count] = noise_rows[row : row + count]
-            row += count
+        owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
+        step = torch.from_numpy(np.concatenate([np.arange(c) for c in counts]))
+        keep = torch.zeros(len(requests), max(counts), self.train_x.shape[1], dtype=torch.bool)
+        normals = torch.zeros(len(requests), max(counts), parameters)
+        keep[owner, step, : keep_rows.shape[1]] = keep_rows
+        normals[owner, step] = noise_rows
         return keep.to(self.device), normals.to(self.device)
 
     # ----- evaluation -----
