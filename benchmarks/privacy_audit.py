@@ -6,7 +6,7 @@ the negative control whose noise is divided by 3; the noise std per parameter; a
 non-finite releases under a crafted overflow model, with and without the canary. See sims/audit.py
 for the method.
 
-Usage: python benchmarks/privacy_audit.py [--trials 20000] [--epsilons 1,2,3] [--json PATH]
+Usage: python benchmarks/privacy_audit.py [--trials 20000] [--epsilons 1,2,3] [--engines trainer,fast] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,13 +20,20 @@ import warnings
 from sims import audit
 
 
-def measure(epsilons: list[float], trials: int) -> list[dict[str, object]]:
+def measure(epsilons: list[float], trials: int, engines: list[str]) -> list[dict[str, object]]:
+    rows = []
+    for engine in engines:
+        rows += _measure_engine(epsilons, trials, engine)
+    return rows
+
+
+def _measure_engine(epsilons: list[float], trials: int, engine: str) -> list[dict[str, object]]:
     rows = []
     for epsilon in epsilons:
         plan = audit.one_step_plan(epsilon, 1e-5, 10)
-        for label, tested in (("trainer", plan), ("noise ÷ 3 (negative control)", audit.weakened(plan, 3.0))):
+        for label, tested in ((engine, plan), (f"{engine}, noise ÷ 3 (control)", audit.weakened(plan, 3.0))):
             started = time.perf_counter()
-            bound = audit.audit_canary(tested, trials)
+            bound = audit.audit_canary(tested, trials, engine=engine)
             rows.append({
                 "case": label,
                 "certified_epsilon": round(plan.epsilon_pld, 4),
@@ -45,15 +52,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20_000, help="releases per side (with / without the canary)")
     parser.add_argument("--epsilons", default="1,2,3", help="certified ε of the audited plans")
+    parser.add_argument("--engines", default="trainer,fast", help="trainer (DPTrainer), fast (the batched worker)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
     epsilons = [float(e) for e in args.epsilons.split(",")]
-    rows = measure(epsilons, args.trials)
-    print(f"{'case':<30}{'certified ε':>12}{'σ':>8}{'ε lower bound':>15}{'FPR⁺':>9}{'FNR⁺':>9}{'caught':>8}")
+    rows = measure(epsilons, args.trials, args.engines.split(","))
+    print(f"{'case':<36}{'certified ε':>12}{'σ':>8}{'ε lower bound':>15}{'FPR⁺':>9}{'FNR⁺':>9}{'caught':>8}")
     for r in rows:
-        print(f"{r['case']:<30}{r['certified_epsilon']:>12.3f}{r['sigma']:>8.3f}{r['epsilon_lower_bound']:>15.3f}"
+        print(f"{r['case']:<36}{r['certified_epsilon']:>12.3f}{r['sigma']:>8.3f}{r['epsilon_lower_bound']:>15.3f}"
               f"{r['false_positive_upper']:>9.4f}{r['false_negative_upper']:>9.4f}{str(r['caught']):>8}")
 
     plan = audit.one_step_plan(epsilons[0], 1e-5, 10)

@@ -1,6 +1,7 @@
 """An empirical privacy audit of the DP-SGD release: what an attacker could measure, with bounds.
 
-Three measurements, each on the real trainer (`DPTrainer`, production noise from OS entropy):
+Three measurements, on the real trainer (`DPTrainer`) and on the fast engine's batched worker,
+both with production noise (fresh OS keys):
 
 - **noise per parameter**: with every record sampled (q = 1), N·released − (clean clipped sum) is
   the noise; its standard deviation on every coordinate must be σC.
@@ -101,26 +102,44 @@ def one_thread() -> Iterator[None]:
 
 
 @one_thread()
-def released_updates(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, model: Callable[[], nn.Module] = zero_logreg) -> torch.Tensor:
-    """`trials` independent one-step releases (θ_before − θ_after)/η, as rows (weights then bias)."""
+def released_updates(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, model: Callable[[], nn.Module] = zero_logreg,
+                     engine: str = "trainer") -> torch.Tensor:  # fmt: skip
+    """`trials` independent one-step releases (θ_before − θ_after)/η, as rows (weights then bias),
+    by the trainer (`DPTrainer`, one trial after another) or by the fast engine's worker (all trials
+    at once, as that many clients holding the same data, each with its own fresh noise)."""
     initial = model()
-    trainer = DPTrainer(initial, plan, x, y)
     start = {k: v.clone() for k, v in initial.state_dict().items()}
+    before = torch.cat([p.flatten() for p in start.values()])
+    if engine == "fast":
+        return (before - _fast_releases(plan, x, y, trials, start)) / plan.learning_rate
+    trainer = DPTrainer(initial, plan, x, y)
     rows = []
     for _ in range(trials):
         initial.load_state_dict(start)
         trainer.load_state_dict({"step": 0})
         trainer.run_steps(1)
-        after = torch.cat([p.detach().flatten() for p in initial.parameters()])
-        before = torch.cat([p.flatten() for p in start.values()])
-        rows.append((before - after) / plan.learning_rate)
+        rows.append((before - torch.cat([p.detach().flatten() for p in initial.parameters()])) / plan.learning_rate)
     return torch.stack(rows)
 
 
-def canary_scores(plan: Plan, trials: int, canary: bool) -> np.ndarray:
+def _fast_releases(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, start: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weights after one round of `trials` fast-engine clients, flattened per client."""
+    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+
+    clients = [WorkerClient(i, x.numpy(), y.numpy(), x[:1].numpy(), y[:1].numpy(), None) for i in range(trials)]
+    worker = LocalWorker(clients, "logreg", NUM_FEATURES, 2)
+    worker.add_plans(dict.fromkeys(range(trials), plan))
+    result = worker.train(start, 1, [RoundRequest(i, None) for i in range(trials)], diagnostics=False)
+    return torch.cat([w.flatten(1) for w in result.weights], dim=1)
+
+
+ENGINES = ("trainer", "fast")
+
+
+def canary_scores(plan: Plan, trials: int, canary: bool, engine: str = "trainer") -> np.ndarray:
     """The attacker's score of each release: its projection on the canary's direction."""
     x, y = audit_data(plan.n, canary)
-    updates = released_updates(plan, x, y, trials)[:, : 2 * NUM_FEATURES]
+    updates = released_updates(plan, x, y, trials, engine=engine)[:, : 2 * NUM_FEATURES]
     return (updates @ canary_direction()).numpy() * plan.expected_batch_size
 
 
@@ -156,12 +175,13 @@ def epsilon_lower_bound(scores_out: np.ndarray, scores_in: np.ndarray, delta: fl
     return AuditBound(max(0.0, _epsilon(fpr_up, fnr_up, delta)), threshold, fpr_up, fnr_up, len(judge_out), confidence)
 
 
-def audit_canary(plan: Plan, trials: int, confidence: float = 0.95) -> AuditBound:
-    """Run the canary membership test on `plan` (trials per side)."""
-    return epsilon_lower_bound(canary_scores(plan, trials, False), canary_scores(plan, trials, True), plan.delta, confidence)
+def audit_canary(plan: Plan, trials: int, confidence: float = 0.95, engine: str = "trainer") -> AuditBound:
+    """Run the canary membership test on `plan` (trials per side) against `engine`."""
+    scores = [canary_scores(plan, trials, canary, engine) for canary in (False, True)]
+    return epsilon_lower_bound(*scores, plan.delta, confidence)
 
 
-def noise_per_coordinate(plan: Plan, trials: int) -> np.ndarray:
+def noise_per_coordinate(plan: Plan, trials: int, engine: str = "trainer") -> np.ndarray:
     """N·release − clean clipped sum, per trial (rows) and coordinate (columns), on random data."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(plan.n, NUM_FEATURES, generator=generator)
@@ -171,8 +191,8 @@ def noise_per_coordinate(plan: Plan, trials: int) -> np.ndarray:
         torch.manual_seed(1)
         return build_model("logreg", NUM_FEATURES, 2)
 
-    clean = released_updates(dataclasses.replace(plan, noise_segments=((0.0, 1),)), x, y, 1, random_logreg)[0]
-    noisy = released_updates(plan, x, y, trials, random_logreg)
+    clean = released_updates(dataclasses.replace(plan, noise_segments=((0.0, 1),)), x, y, 1, random_logreg, engine)[0]
+    noisy = released_updates(plan, x, y, trials, random_logreg, engine)
     return ((noisy - clean) * plan.expected_batch_size).numpy()
 
 
@@ -185,7 +205,7 @@ def crafted_overflow_model() -> nn.Module:
     return model
 
 
-def nonfinite_release_rates(plan: Plan, trials: int) -> tuple[float, float]:
+def nonfinite_release_rates(plan: Plan, trials: int, engine: str = "trainer") -> tuple[float, float]:
     """(rate without, rate with the overflow canary) of releases holding a NaN or an infinity."""
     rates = []
     for canary in (False, True):
@@ -193,6 +213,6 @@ def nonfinite_release_rates(plan: Plan, trials: int) -> tuple[float, float]:
         x[:, 2] = 1.0
         if canary:
             x[-1, 0] = x[-1, 1] = 1.0
-        updates = released_updates(plan, x, y, trials, crafted_overflow_model)
+        updates = released_updates(plan, x, y, trials, crafted_overflow_model, engine)
         rates.append(float((~torch.isfinite(updates)).any(dim=1).float().mean()))
     return rates[0], rates[1]

@@ -35,8 +35,9 @@ def plan():
     return plan
 
 
-def test_noise_has_std_sigma_c_on_every_parameter(plan):
-    noise = audit.noise_per_coordinate(plan, 800)  # 800 releases × 10 coordinates
+@pytest.mark.parametrize("engine", audit.ENGINES)
+def test_noise_has_std_sigma_c_on_every_parameter(plan, engine):
+    noise = audit.noise_per_coordinate(plan, 800, engine)  # 800 releases × 10 coordinates
     sigma_c = plan.sigma * plan.clip_norm
     tolerance = 5 / math.sqrt(2 * noise.shape[0])  # 5 standard errors of a sample std
     assert noise.shape[1] == 10
@@ -44,21 +45,24 @@ def test_noise_has_std_sigma_c_on_every_parameter(plan):
     assert np.all(np.abs(noise.mean(axis=0)) < 5 * sigma_c / math.sqrt(noise.shape[0]))
 
 
-def test_canary_lower_bound_stays_below_the_certificate(plan):
-    bound = audit.audit_canary(plan, TRIALS)
+@pytest.mark.parametrize("engine", audit.ENGINES)
+def test_canary_lower_bound_stays_below_the_certificate(plan, engine):
+    bound = audit.audit_canary(plan, TRIALS, engine=engine)
     assert bound.epsilon_lower_bound <= plan.epsilon_pld
     assert bound.epsilon_lower_bound > 0.5  # the attack has teeth: it is not trivially below
 
 
-def test_the_audit_catches_a_trainer_whose_noise_was_divided_by_three(plan):
+@pytest.mark.parametrize("engine", audit.ENGINES)
+def test_the_audit_catches_a_trainer_whose_noise_was_divided_by_three(plan, engine):
     broken = audit.weakened(plan, 3.0)
     assert broken.epsilon_pld == plan.epsilon_pld  # it claims the same certificate
-    assert audit.audit_canary(broken, TRIALS).epsilon_lower_bound > plan.epsilon_pld
+    assert audit.audit_canary(broken, TRIALS, engine=engine).epsilon_lower_bound > plan.epsilon_pld
 
 
-def test_a_crafted_model_never_makes_a_release_non_finite(plan):
+@pytest.mark.parametrize("engine", audit.ENGINES)
+def test_a_crafted_model_never_makes_a_release_non_finite(plan, engine):
     """Before the fix, the overflowing canary made every release with it NaN (q = 1 here)."""
-    assert audit.nonfinite_release_rates(plan, 200) == (0.0, 0.0)
+    assert audit.nonfinite_release_rates(plan, 200, engine) == (0.0, 0.0)
 
 
 # ----- what the ClientApp actually sends -----

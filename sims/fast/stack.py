@@ -98,9 +98,10 @@ def _backward(weights: list[Tensor], outputs: list[Tensor], d_logits: Tensor) ->
     return grads
 
 
-def clipped_sums(weights: list[Tensor], step: StepInputs) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+def clipped_sums(weights: list[Tensor], step: StepInputs, clip_examples: bool = True) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
     """Per client: Σᵢ clip_C(gᵢ) in parameter order (weight, bias per layer), with examples whose
-    gradient norm is not finite dropped; also (non-finite count, loss sum, clipped count)."""
+    gradient norm is not finite dropped; also (non-finite count, loss sum, clipped count).
+    `clip_examples=False` sums the raw gradients: only for measuring what clipping costs."""
     inputs, outputs = _forward(weights, step.features)
     logits = outputs[-1]
     valid = step.valid
@@ -119,7 +120,7 @@ def clipped_sums(weights: list[Tensor], step: StepInputs) -> tuple[list[Tensor],
         deltas = [torch.where(keep, d, 0.0) for d in deltas]
         sq = torch.where(finite, sq, 0.0)
     clip = step.clip.unsqueeze(-1)
-    w = sq.maximum(clip.square()).rsqrt() * clip  # C / max(‖gᵢ‖, C)
+    w = sq.maximum(clip.square()).rsqrt() * clip if clip_examples else torch.ones_like(sq)  # C / max(‖gᵢ‖, C)
     sums = []
     for a, d in zip(inputs, deltas, strict=True):
         wd = d * w.unsqueeze(-1)
@@ -133,9 +134,9 @@ def clipped_sums(weights: list[Tensor], step: StepInputs) -> tuple[list[Tensor],
     )
 
 
-def release(sums: list[Tensor], step: StepInputs) -> list[Tensor]:
+def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> list[Tensor]:
     """(Σ clipped + σC·N(0, I)) / (qN) per client, the noise split in parameter order."""
-    scale = (step.sigma * step.clip).view(-1, 1)
+    scale = (step.sigma * step.clip * add_noise).view(-1, 1)
     normals = step.normals.split([s[0].numel() for s in sums], dim=1)
     return [
         (s + scale.view(-1, *(1,) * (s.dim() - 1)) * n.view_as(s)) / step.expected_batch.view(-1, *(1,) * (s.dim() - 1))
@@ -148,16 +149,19 @@ def dp_step(
     step: StepInputs,
     learning_rate: Callable[[list[Tensor]], Tensor],
     repair: SingleClientRepair | None = None,
+    private: bool = True,
 ) -> StepReport:
     """One DP-SGD step for every client, in place on `weights` (inactive clients keep theirs).
 
     `learning_rate` maps the released gradients to each client's η (AdaGrad-norm reads them).
+    `private=False` skips clipping and noise: the same step without the mechanism, for measuring
+    what the mechanism costs (benchmarks/sim_throughput.py); no run ever trains that way.
     """
-    sums, nonfinite, loss_sum, clipped = clipped_sums(weights, step)
+    sums, nonfinite, loss_sum, clipped = clipped_sums(weights, step, clip_examples=private)
     finite = torch.isfinite(torch.stack([s.flatten(1).sum(1) for s in sums]).sum(0))  # NaN and ±inf reach the total
     if repair is not None and not bool(finite.all()):
         repair(weights, step, sums, ~finite)
-    released = release(sums, step)
+    released = release(sums, step, add_noise=private)
     rate = (learning_rate(released) * step.active).view(-1, 1)
     for w, g in zip(weights, released, strict=True):
         w.sub_(rate.view(-1, *(1,) * (w.dim() - 1)) * g)

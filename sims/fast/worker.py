@@ -72,10 +72,11 @@ class LocalWorker:
     """Trains and evaluates its clients' rounds on one device."""
 
     def __init__(self, clients: list[WorkerClient], model: str, num_features: int, num_classes: int,
-                 device: str = "cpu", threads: int | None = None) -> None:  # fmt: skip
+                 device: str = "cpu", threads: int | None = None, private: bool = True) -> None:  # fmt: skip
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
+        self.private = private  # False only when a benchmark measures the mechanism's cost
         self.model_args = (model, num_features, num_classes)
         self.template = build_model(*self.model_args).to(self.device)
         self.shape = stack.StackShape.of(self.template)
@@ -156,7 +157,8 @@ class LocalWorker:
         for s in range(most):
             inputs = _gather(x, y, keep[:, s])
             step = stack.StepInputs(*inputs, normals[:, s], sigma[:, s], clip, expected, steps > s)
-            report = stack.dp_step(weights, step, lambda released, s=s: adaptive.rate(released, step.active, rate[:, s]), self.repair)
+            report = stack.dp_step(weights, step, lambda released, s=s: adaptive.rate(released, step.active, rate[:, s]),
+                                   self.repair, private=self.private)  # fmt: skip
             totals = {key: totals[key] + value for key, value in zip(totals, (report.nonfinite, report.loss_sum, report.clipped, report.examples))}
         notes = [{} for _ in requests]
         if diagnostics:

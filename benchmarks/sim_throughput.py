@@ -1,0 +1,219 @@
+"""Simulation throughput: the fast engine, the apps in process and a real `flwr run`, side by side.
+
+Scenario (one per model, logreg and MLP): synthetic data, 200 rows per client (80/20 split),
+DP on (proactive plans, seeded noise), every client every round, no federated evaluation (the
+server evaluates centrally every round). Each engine runs in its own child process, so its peak
+RSS is its own:
+
+- `fast`: every client, every round (`sims.fast.run_fast`), planning sheets drawn after the timed part;
+- `inprocess`: the ServerApp and ClientApp in process (`sims.runner`) on a subset of the clients;
+- `flower`: `flwr run` against a simulation SuperLink started here, on a 50-client subset.
+
+Subsets are scaled per client-round (client-rounds per second). Also measured: a DP round of the
+fast engine against the same engine's round with clipping and noise off (same sampling, same
+steps), and the fast engine's peak RSS at 10,000 clients.
+
+Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]
+       [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROJECT = Path(__file__).resolve().parents[1]
+ROWS_PER_CLIENT = 200
+
+
+def scenario(model: str, clients: int, rounds: int, results: Path) -> dict[str, Any]:
+    return {
+        "dataset": "synthetic", "synthetic-examples": ROWS_PER_CLIENT * clients, "synthetic-features": 15,
+        "model": model, "num-server-rounds": rounds, "fraction-train": 1.0, "fraction-evaluate": 0.0,
+        "noise-seed": 7, "results-dir": str(results), "min-clients": 1,
+    }  # fmt: skip
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ----- one engine, in a child process -----
+def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, results: Path) -> dict[str, Any]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    config = scenario(model, clients, rounds, results)
+    started = time.perf_counter()
+    accounting = None
+    if engine == "fast":
+        import fedprivacy.results as results_module
+        from sims.fast.engine import run_fast
+
+        write_plans = results_module.RunRecorder.write_plans
+        results_module.RunRecorder.write_plans = lambda self: []  # sheets after the timed part
+        folder, timings = run_fast(config, clients, workers=workers, say=lambda _: None)
+        wall = time.perf_counter() - started
+        accounting = timings.accounting_s
+        results_module.RunRecorder.write_plans = write_plans
+    elif engine == "inprocess":
+        from sims.runner import Scenario, run_scenario
+
+        run_scenario(Scenario("bench", config, num_clients=clients), results, quiet=True)
+        wall = time.perf_counter() - started
+    else:
+        wall = _flower(config, clients)
+    return {"engine": engine, "model": model, "clients": clients, "rounds": rounds, "wall_s": round(wall, 3),
+            "client_rounds_per_s": round(clients * rounds / wall, 1),
+            "accounting_s": None if accounting is None else round(accounting, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}  # fmt: skip
+
+
+def _flower(config: dict[str, Any], clients: int) -> float:
+    """A real `flwr run` against a simulation SuperLink of our own; wall time from submit to finish."""
+    import socket
+    import urllib.request
+
+    home = Path(tempfile.mkdtemp(prefix="flwr-bench-"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # fmt: skip
+    bin_dir = Path(sys.executable).parent
+    link = subprocess.Popen([str(bin_dir / "flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1",
+                             "--port", str(port), "--database", ":flwr-in-memory:"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        (home / "config.toml").write_text(f'[superlink]\ndefault = "b"\n[superlink.b]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+        overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
+        started = time.perf_counter()
+        submitted = subprocess.run([str(bin_dir / "flwr"), "run", ".", "b", "--run-config", overrides, "--federation-config",
+                                    f"num-supernodes={clients} client-resources-num-cpus=1", "--format", "json"],
+                                   cwd=PROJECT, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        run_id = str(json.loads(submitted.stdout)["run-id"])
+        while True:
+            listed = subprocess.run([str(bin_dir / "flwr"), "list", "--run-id", run_id, "--format", "json"], cwd=PROJECT,
+                                    env=env, capture_output=True, text=True)  # fmt: skip
+            status = json.loads(listed.stdout)["runs"][0]["status"]
+            if status.startswith("finished:"):
+                if status != "finished:completed":
+                    raise RuntimeError(f"flwr run {run_id} ended {status}")
+                return time.perf_counter() - started
+            time.sleep(1)
+    finally:
+        os.killpg(link.pid, 15)
+
+
+# ----- the mechanism's cost inside the fast engine -----
+def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
+    """Rounds of the fast engine's worker with DP and with clipping and noise off, interleaved."""
+    import statistics
+    import warnings
+
+    import torch
+
+    from fedprivacy.data.partition import load_clients
+    from fedprivacy.participant import partition_kwargs, plan_from_settings
+    from fedprivacy.runconfig import DEFAULTS, parse_run_config
+    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+
+    warnings.filterwarnings("ignore")
+    settings = parse_run_config({**DEFAULTS, **scenario(model, clients, rounds, Path(tempfile.gettempdir()))})
+    data = load_clients(**partition_kwargs(settings, clients))
+    shared = [WorkerClient(i, c.train.features, c.train.labels, c.test.features, c.test.labels, f"7:{i}") for i, c in enumerate(data)]
+    plans = {i: plan_from_settings(settings, c.num_examples, 1.0, 1e-5, c.client_id) for i, c in enumerate(data)}
+    workers = {private: LocalWorker(shared, model, 15, 2, private=private) for private in (True, False)}
+    for worker in workers.values():
+        worker.add_plans(plans)
+    torch.manual_seed(0)
+    from fedprivacy.models import build_model
+
+    state = build_model(model, 15, 2).state_dict()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    requests = [RoundRequest(i, None) for i in range(clients)]
+    for server_round in range(1, rounds + 1):
+        for private, worker in workers.items():
+            started = time.perf_counter()
+            worker.train(state, server_round, requests, False)
+            times[private].append(time.perf_counter() - started)
+    dp, plain = statistics.median(times[True]), statistics.median(times[False])
+    return {"model": model, "clients": clients, "dp_round_s": round(dp, 4), "nonprivate_round_s": round(plain, 4),
+            "ratio": round(dp / plain, 3)}  # fmt: skip
+
+
+def child(args: list[str]) -> dict[str, Any]:
+    output = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, cwd=PROJECT)
+    if output.returncode != 0:
+        raise RuntimeError(f"child {' '.join(args)} failed:\n{output.stderr[-3000:]}")
+    return json.loads(output.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--models", default="logreg,mlp")
+    parser.add_argument("--inprocess-clients", type=int, default=100)
+    parser.add_argument("--flower-clients", type=int, default=50)
+    parser.add_argument("--flower-rounds", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=1, help="fast engine workers (more than 1: Ray actors)")
+    parser.add_argument("--memory-clients", type=int, default=10_000, help="clients of the peak-RSS run (0: skip)")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        if kind == "mechanism":
+            print(json.dumps(mechanism_cost(rest[0], int(rest[1]), int(rest[2]))))
+        else:
+            engine, model, clients, rounds, workers = rest
+            with tempfile.TemporaryDirectory() as results:
+                print(json.dumps(run_one(engine, model, int(clients), int(rounds), int(workers), Path(results))))
+        return
+
+    rows: list[dict[str, Any]] = []
+    for model in args.models.split(","):
+        runs = {
+            "fast": child(["run", "fast", model, str(args.clients), str(args.rounds), str(args.workers)]),
+            "inprocess": child(["run", "inprocess", model, str(args.inprocess_clients), str(args.rounds), "1"]),
+            "flower": child(["run", "flower", model, str(args.flower_clients), str(args.flower_rounds), "1"]),
+        }
+        for engine, row in runs.items():
+            row["ratio_vs_flower"] = round(row["client_rounds_per_s"] / runs["flower"]["client_rounds_per_s"], 1)
+            row["ratio_vs_inprocess"] = round(row["client_rounds_per_s"] / runs["inprocess"]["client_rounds_per_s"], 1)
+            rows.append(row)
+    print(f"{'engine':<10}{'model':<8}{'clients':>8}{'rounds':>7}{'wall s':>9}{'client-rounds/s':>17}{'accounting s':>14}"
+          f"{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}")
+    for r in rows:
+        accounting = "" if r["accounting_s"] is None else f"{r['accounting_s']:.2f}"
+        print(f"{r['engine']:<10}{r['model']:<8}{r['clients']:>8}{r['rounds']:>7}{r['wall_s']:>9.2f}{r['client_rounds_per_s']:>17.1f}"
+              f"{accounting:>14}{r['peak_rss_mb']:>13.0f}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}")
+    mechanism = [child(["mechanism", model, str(args.clients), "5"]) for model in args.models.split(",")]
+    print("\nA fast-engine round with DP against the same round with clipping and noise off:")
+    for m in mechanism:
+        print(f"  {m['model']:<8} {m['clients']} clients: DP {m['dp_round_s']:.3f} s, non-private {m['nonprivate_round_s']:.3f} s, ratio {m['ratio']:.2f}")
+    memory = None
+    if args.memory_clients:
+        memory = child(["run", "fast", "logreg", str(args.memory_clients), "2", "1"])
+        print(f"\nfast engine, {args.memory_clients} clients × {ROWS_PER_CLIENT} rows, 2 rounds: peak RSS {memory['peak_rss_mb']:.0f} MB, "
+              f"{memory['client_rounds_per_s']:.0f} client-rounds/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "mechanism": mechanism, "memory": memory}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
