@@ -4,7 +4,8 @@ Tests (tests/conftest.py) and simulation scenarios (sims/runner.py) both drive t
 
 `InProcessGrid` implements Flower's `Grid` by calling the ClientApp object directly, one
 `Context` per node that persists across rounds, exactly as the simulation engine keeps
-`context.state`. An exception in a handler becomes an error reply, as Flower does, so the
+`context.state`. Messages are delivered through Flower's public API (`Message`, `Metadata`); the
+one internal it needs is isolated in `act_as_serverapp`. An exception in a handler becomes an error reply, as Flower does, so the
 ServerApp sees failing clients the way it would in a real run. Nodes are called one after the
 other in this process, so a run uses one core (plus torch's threads).
 """
@@ -17,9 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, Metadata, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity  # internal; required to build Messages (flwr >= 1.38)
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ class InProcessGrid(Grid):
     """A Grid whose nodes are ClientApp calls in this process."""
 
     def __init__(self, client_app: Any, node_configs: list[dict[str, Any]], run_config: Mapping[str, Any], run_id: int = 1) -> None:
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 1, 1
+        act_as_serverapp(run_id)
         self.client_app = client_app
         self.run_id = run_id
         self.contexts = {
@@ -64,6 +64,17 @@ class InProcessGrid(Grid):
     def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None) -> Message:
         return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
 
+    @staticmethod
+    def _delivered(message: Message, message_id: str) -> Message:
+        """The message as the SuperLink delivers it: the same, with the id it assigns (public API only)."""
+        m = message.metadata
+        metadata = Metadata(
+            run_id=m.run_id, message_id=message_id, src_node_id=m.src_node_id, dst_node_id=m.dst_node_id,
+            reply_to_message_id=m.reply_to_message_id, group_id=m.group_id, created_at=m.created_at, ttl=m.ttl,
+            message_type=m.message_type, src_task_id=m.src_task_id, dst_task_id=m.dst_task_id,
+        )  # fmt: skip
+        return Message(content=message.content, metadata=metadata)
+
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
@@ -71,15 +82,14 @@ class InProcessGrid(Grid):
         ids = []
         for message in messages:
             message_id = uuid.uuid4().hex
-            message.metadata.__dict__["_message_id"] = message_id  # the SuperLink assigns this normally
+            message = self._delivered(message, message_id)
             node = message.metadata.dst_node_id
             self.calls.append((node, message.metadata.message_type))
             try:
                 reply = self.client_app(message, self.contexts[node])
             except Exception as exc:  # Flower turns a handler's exception into an error reply
                 reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
-            reply.metadata.__dict__["_src_node_id"] = node
-            self.replies[message_id] = reply
+            self.replies[message_id] = reply  # a reply's source is the message's destination
             ids.append(message_id)
         return ids
 
@@ -88,6 +98,18 @@ class InProcessGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self.pull_messages(self.push_messages(messages))
+
+
+def act_as_serverapp(run_id: int) -> None:
+    """Let this process build instruction messages, as Flower's runtimes let a ServerApp.
+
+    The one Flower internal the in-process engine uses: since flwr 1.38, `Message(...)` reads the
+    sender's identity from `flwr.supercore.task_identity.TaskIdentity`, which only the runtimes set
+    (tests/test_sims.py fails loudly if a Flower upgrade moves it).
+    """
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, 1, 1
 
 
 def run_server(server_app: Any, grid: InProcessGrid, run_config: Mapping[str, Any]) -> None:

@@ -58,3 +58,14 @@ def test_the_validation_file_holds_only_training_rows(tmp_path):
     assert list(carved.columns) == list(full.columns)
     assert 70 <= len(carved) <= 85  # each PUMA keeps ~80% of its rows for training
     assert carved.merge(full, how="left", indicator=True)["_merge"].eq("both").all()
+
+
+def test_the_one_flower_internal_the_in_process_engine_needs_is_still_there():
+    """If a Flower upgrade moves the sender identity `Message(...)` reads, this fails first, naming it."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from sims.inprocess import act_as_serverapp
+
+    act_as_serverapp(42)
+    message = Message(RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=7, message_type="train")
+    assert (message.metadata.run_id, message.metadata.dst_node_id) == (42, 7)
