@@ -97,8 +97,9 @@ def test_many_clients_drawn_together_get_exactly_their_own_streams():
 def test_steps_that_span_several_nonces_read_the_same_bytes_in_any_split(monkeypatch):
     """A step's bytes start at block t·⌈size/64⌉; past 2³² blocks the nonce moves on. With a tiny
     counter range (three steps per nonce here) every split must still give every step the same bytes."""
-    monkeypatch.setattr(rng_module, "COUNTER_BLOCKS", 3 * 4)  # 4 blocks per step of 200 bytes
+    monkeypatch.setattr(rng_module, "COUNTER_BLOCKS", 3 * 4)  # 4 blocks per step of 25 words
     randomness = StepRandomness(11)
-    together = randomness.stream_bytes(2, 9, 200)
-    alone = b"".join(randomness.stream_bytes(step, 1, 200) for step in range(2, 11))
-    assert together == alone and len(set(together[i : i + 200] for i in range(0, 1800, 200))) == 9
+    together = randomness.stream_words(2, 9, 25)
+    alone = np.concatenate([randomness.stream_words(step, 1, 25) for step in range(2, 11)])
+    assert together.shape == (9, 25) and np.array_equal(together, alone)
+    assert len({row.tobytes() for row in together}) == 9

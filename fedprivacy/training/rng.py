@@ -15,8 +15,8 @@ Either way the security level is that of ChaCha20 (a 256-bit key; ≥ 128 bits a
 attack), not the 32 or 64 bits of a seeded PRNG such as torch's CPU generator, whose state can be
 searched.
 
-Each step's bytes are read in a fixed layout: 8 bytes per record for its Poisson draw, then 16
-bytes per pair of Gaussians. The draws are computed on the CPU, for many steps at once (one vectorised
+Each step's 64-bit words are read in a fixed layout: two per pair of Gaussians, then one per
+record for its Poisson draw. The draws are computed on the CPU, for many steps at once (one vectorised
 pass instead of ~15 small operations per step), and copied to the model's device:
 - uniforms are 53-bit integers u (the top bits of 64-bit words);
 - Poisson sampling keeps record i iff uᵢ < ⌊q·2⁵³⌋, so the realised rate is ⌊q·2⁵³⌋/2⁵³ ≤ q
@@ -84,8 +84,8 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64) -> np.ndarray:
     np.log(radius, out=radius)
     np.multiply(radius, -2.0, out=radius)
     np.sqrt(radius, out=radius)
-    angle = uniforms[..., pairs:].astype(np.float64) * (2.0 * math.pi * _UNIFORM_SCALE)
-    angle = angle.astype(dtype, copy=False)
+    angle = uniforms[..., pairs:].astype(dtype)
+    angle *= dtype(2.0 * math.pi * _UNIFORM_SCALE)
     out = np.empty((*uniforms.shape[:-1], 2 * pairs), dtype=dtype)
     np.cos(angle, out=out[..., :pairs])
     np.sin(angle, out=out[..., pairs:])
@@ -136,19 +136,13 @@ def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.d
     whole round of a batched engine): (keep [rows, max n] bool, noise [rows, noise_count]), one
     row per step, requests in order. Each row is exactly what its client's own stream gives."""
     pairs = (noise_count + 1) // 2
-    chunks, sizes, thresholds = [], [], []
-    for r in requests:
-        chunks.append(r.randomness.stream_bytes(r.first_step, r.steps, 8 * (r.n + 2 * pairs)))
-        sizes += [r.n] * r.steps
-        thresholds += [sampling_threshold(r.q)] * r.steps
-    words = uniform53(b"".join(chunks))
-    n = np.asarray(sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(n + 2 * pairs)[:-1]])
-    columns = np.arange(int(n.max(initial=0)))
-    inside = columns[None, :] < n[:, None]
-    sampled = words[np.where(inside, starts[:, None] + columns[None, :], 0)]
-    keep = (sampled < np.asarray(thresholds, dtype=np.uint64)[:, None]) & inside
-    noise = box_muller(words[(starts + n)[:, None] + np.arange(2 * pairs)[None, :]], _NUMPY_DTYPES.get(dtype, np.float64))
+    streams = [r.randomness.stream_words(r.first_step, r.steps, 2 * pairs + r.n) for r in requests]
+    noise = box_muller(np.concatenate([s[:, : 2 * pairs] for s in streams]), _NUMPY_DTYPES.get(dtype, np.float64))
+    keep = np.zeros((noise.shape[0], max((r.n for r in requests), default=0)), dtype=bool)
+    row = 0
+    for r, s in zip(requests, streams, strict=True):
+        np.less(s[:, 2 * pairs :], np.uint64(sampling_threshold(r.q)), out=keep[row : row + r.steps, : r.n])
+        row += r.steps
     return torch.from_numpy(keep), torch.from_numpy(noise[:, :noise_count]).to(dtype)
 
 
@@ -170,26 +164,27 @@ class StepRandomness:
     def seeded(self) -> bool:
         return self._key is not None
 
-    def stream_bytes(self, first_step: int, steps: int, size: int) -> bytes:
-        """`size` bytes for each of `steps` consecutive steps, concatenated.
+    def stream_words(self, first_step: int, steps: int, width: int) -> np.ndarray:
+        """[steps, width] 53-bit uniforms (uint64), one row per step: its noise words, then its
+        Poisson words (see the module docstring).
 
-        Seeded: step t's bytes start at keystream block t·⌈size/64⌉ (nonce and 32-bit block
-        counter split the position), so any split of the steps into calls gives the same bytes,
+        Seeded: step t's words start at keystream block t·⌈8·width/64⌉ (nonce and 32-bit block
+        counter split the position), so any split of the steps into calls gives the same words,
         and a client's round needs one cipher, not one per step. Unseeded: one keystream under a
         fresh OS key for the whole call.
         """
         if self._key is None:
-            return _keystream(os.urandom(32), 0, 0, steps * size)
-        blocks = -(-size // 64)
+            return uniform53(_keystream(os.urandom(32), 0, 0, steps * width * 8)).reshape(steps, width)
+        blocks = -(-width // 8)  # 64-byte blocks per step
         per_nonce = max(1, COUNTER_BLOCKS // blocks)  # steps whose blocks fit one 32-bit counter
         parts, step, end = [], first_step, first_step + steps
         while step < end:
             nonce, offset = divmod(step, per_nonce)
             count = min(end, (nonce + 1) * per_nonce) - step
-            stream = np.frombuffer(_keystream(self._key, nonce, offset * blocks, count * blocks * 64), dtype=np.uint8)
-            parts.append(stream.reshape(count, blocks * 64)[:, :size].tobytes())
+            stream = uniform53(_keystream(self._key, nonce, offset * blocks, count * blocks * 64))
+            parts.append(stream.reshape(count, blocks * 8)[:, :width])
             step += count
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def draws(
         self,
