@@ -1,0 +1,36 @@
+"""How the server weighs the clients' updates: by examples (FedAvg), or by the inverse of the
+noise variance each client's update carries.
+
+Clients with different budgets release updates with very different noise. The variance of the
+noise in a client's round update follows from its plan alone (σ_t, C, q, N and η_t of the round's
+steps), so weighing by its inverse leaks nothing beyond the plan, which the client sends anyway.
+Weights are computed from public values only; aggregation is post-processing and costs no privacy.
+"""
+
+from __future__ import annotations
+
+from fedprivacy.errors import InputError
+from fedprivacy.privacy.plan import Plan
+
+AGGREGATIONS = ("examples", "inverse-noise")
+
+
+def update_noise_variance(plan: Plan, server_round: int) -> float:
+    """Per-coordinate variance of the Gaussian noise in the client's update for the round:
+    Σ_t (η_t·σ_t·C/(qN))² over the round's steps (each step adds independent noise to the weights;
+    for AdaGrad-norm, whose η_t adapts to the released gradients, the plan's base η stands in)."""
+    first = plan.first_step_of_round(server_round)
+    expected = plan.sampling_rate * plan.n
+    return sum(
+        (plan.learning_rate_at(t) * plan.noise_multiplier(t) * plan.clip_norm / expected) ** 2
+        for t in range(first, first + plan.steps_in_round(server_round))
+    )
+
+
+def aggregation_weight(scheme: str, plan: Plan, server_round: int, num_examples: int) -> float:
+    """A trained client's weight in the average: N for `examples`, 1/variance for `inverse-noise`."""
+    if scheme == "examples":
+        return float(num_examples)
+    if scheme == "inverse-noise":  # every certified plan adds noise: the variance is > 0
+        return 1.0 / update_noise_variance(plan, server_round)
+    raise InputError("aggregation", scheme, f"must be one of: {', '.join(AGGREGATIONS)}")
