@@ -37,7 +37,7 @@ def _guarded(action: Callable[[], T]) -> T:
 
 def _write_sheets(plans: list[Any], out: Path, **options: Any) -> list[Path]:
     """write_sheets, with an unwritable `--out` (a file, no permission, a full disk) as a user error."""
-    from fedprivacy.privacy.sheets import write_sheets
+    from fedprivacy.reports.sheets import write_sheets
 
     try:
         return write_sheets(plans, out, **options)
