@@ -279,14 +279,14 @@ def _run_sweep(spec: Any, cells: list[Any], out: Path, console: Console) -> None
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
-    if spec.seeded_noise:
-        console.print("seeded noise: every cell's DP noise is reproducible from its seed (for experiments, never production)")
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         outcome = _guarded(lambda: run_sweep(spec, cells, out.resolve(), console=console))
     except KeyboardInterrupt:
         typer.echo(f"interrupted: rerun the same command to resume (finished cells in {out} are kept)", err=True)
         raise typer.Exit(code=130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     failures = outcome.failures
     done = sum(1 for row in outcome.rows if row["status"] == "completed")
     typer.echo(f"{done} of {len(outcome.rows)} cells completed: {out / 'sweep.csv'}; figures and tables: fedprivacy report {out}")

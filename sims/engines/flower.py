@@ -16,6 +16,7 @@ it also when interrupted (Ctrl-C, or SIGTERM, which the command turns into an in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -100,6 +101,7 @@ class FlowerEngine:
             f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
         )
         self._wait_healthy(port)
+        print(f"flower engine: SuperLink pid {self.superlink.pid} on 127.0.0.1:{port}, FLWR_HOME {self.home}", file=sys.stderr, flush=True)
 
     def _wait_healthy(self, port: int) -> None:
         deadline = time.monotonic() + HEALTHY_WITHIN_S
@@ -151,20 +153,59 @@ class FlowerEngine:
             time.sleep(POLL_S)
 
     def teardown(self) -> None:
-        if self.superlink is not None and self.superlink.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-                try:
-                    os.killpg(self.superlink.pid, sig)
-                    self.superlink.wait(timeout=wait)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        if self.superlink is not None:
+            _end_tree(self.superlink)
         self.superlink = None
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live descendant of `root`, from /proc (Linux; elsewhere none are found and only the
+    SuperLink's process group is ended). Flower's SuperExec starts its own session, and the runs'
+    simulation processes and Ray's start below it, so the SuperLink's group alone misses them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except (OSError, IndexError):
+        return True
+
+
+def _end_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the SuperLink's group and every descendant (the runs' simulation processes, Ray),
+    SIGKILL to what is left after a grace period; return once all of them have ended."""
+    pids = {process.pid} | _descendants(process.pid)
+    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
+        for pid in [pid for pid in pids if _alive(pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, sig) if pid == process.pid else os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            process.poll()  # reap the SuperLink itself
+            if not any(_alive(pid) for pid in pids):
+                return
+            time.sleep(0.1)
 
 
 def create(resources: Resources) -> FlowerEngine:

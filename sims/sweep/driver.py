@@ -135,6 +135,8 @@ def run_sweep(spec: SweepSpec, cells: list[Cell], out: Path, *, engine: Engine |
     write_sweep_csv(out, spec, cells)
     engine = engine or create_engine(spec.engine, spec.resources)
     with SweepProgress(len(cells), len(cells) - len(pending), console) as progress:
+        if spec.seeded_noise:
+            progress.log("seeded noise: every cell's DP noise is reproducible from its seed (for experiments, never production)")
         if len(pending) < len(cells):
             progress.log(f"resuming {out}: {len(cells) - len(pending)} of {len(cells)} cells already finished")
         for job in [job for job in jobs if not is_finished(job, baseline_dir)]:
