@@ -274,7 +274,7 @@ def sweep(
 
 def _run_sweep(spec: Any, cells: list[Any], out: Path, console: Console) -> None:
     """Run it; SIGTERM is an interrupt too, so the engine is torn down (a SuperLink stopped) either way."""
-    from sims.sweep.driver import run_sweep
+    from sims.sweep.driver import EngineUnavailable, run_sweep
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -285,6 +285,9 @@ def _run_sweep(spec: Any, cells: list[Any], out: Path, console: Console) -> None
     except KeyboardInterrupt:
         typer.echo(f"interrupted: rerun the same command to resume (finished cells in {out} are kept)", err=True)
         raise typer.Exit(code=130) from None
+    except EngineUnavailable as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=1) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
     failures = outcome.failures

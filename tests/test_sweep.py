@@ -241,6 +241,24 @@ def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_pa
     assert not (out / "baseline").exists()
 
 
+class EngineThatCannotStart(InProcessEngine):
+    torn_down = False
+
+    def setup(self):
+        raise RuntimeError("no SuperLink came up (injected)")
+
+    def teardown(self):
+        EngineThatCannotStart.torn_down = True
+
+
+def test_an_engine_that_cannot_start_is_one_line_and_is_torn_down(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: EngineThatCannotStart())
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "out"), "--no-baseline")
+    assert code == 1 and err.strip().splitlines()[-1] == "error: engine inprocess could not start: RuntimeError: no SuperLink came up (injected)"
+    assert EngineThatCannotStart.torn_down
+    assert set(pd.read_csv(tmp_path / "out" / "sweep.csv")["status"]) == {"pending"}
+
+
 def test_a_finished_sweep_refuses_to_resume_with_other_settings(tiny_sweep, tmp_path, capsys, monkeypatch):
     changed = tmp_path / "tiny.toml"
     changed.write_text(TINY.read_text().replace("num-server-rounds = 2", "num-server-rounds = 3"))

@@ -10,18 +10,16 @@ telemetry, no update checks. The SuperLink keeps this environment for every run 
 client-resources-num-cpus=… client-resources-num-gpus=…" --format json`, follows the rounds through
 the rounds.csv the ServerApp rewrites, and judges the run by its final status from
 `flwr list --run-id ID` (`finished:completed`), never by flwr's exit code, which is 0 for failed
-runs too. `teardown` ends the SuperLink's process group and removes the FLWR_HOME; the sweep calls
-it also when interrupted (Ctrl-C, or SIGTERM, which the command turns into an interrupt).
+runs too. `teardown` ends the SuperLink and everything it started (`sims.processes.end_tree`) and
+removes the FLWR_HOME; the sweep calls it also when interrupted (Ctrl-C, or SIGTERM, which the
+command turns into an interrupt).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from typing import Any
 
 from fedprivacy.sweepfiles import read_json
 from sims.inprocess import PROJECT
+from sims.processes import end_tree, free_port
 from sims.sweep.grid import Cell
 from sims.sweep.progress import watching_rounds
 from sims.sweep.spec import Resources
@@ -55,12 +54,6 @@ def _tool(name: str) -> str:
     if found is None:
         raise RuntimeError(f"`{name}` not found beside {sys.executable} or on PATH: install flwr[simulation]")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _toml_value(value: Any) -> str:
@@ -90,7 +83,7 @@ class FlowerEngine:
         if not (PROJECT / "pyproject.toml").is_file():
             raise RuntimeError(f"the flower engine runs the app from its source folder, and {PROJECT} has no pyproject.toml")
         self.home = Path(tempfile.mkdtemp(prefix="fedprivacy-flwr-home-"))
-        port = _free_port()
+        port = free_port()
         with (self.home / "superlink.log").open("wb") as log:
             self.superlink = subprocess.Popen(
                 [_tool("flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port),
@@ -154,58 +147,11 @@ class FlowerEngine:
 
     def teardown(self) -> None:
         if self.superlink is not None:
-            _end_tree(self.superlink)
+            end_tree(self.superlink)
         self.superlink = None
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
-
-
-def _descendants(root: int) -> set[int]:
-    """Every live descendant of `root`, from /proc (Linux; elsewhere none are found and only the
-    SuperLink's process group is ended). Flower's SuperExec starts its own session, and the runs'
-    simulation processes and Ray's start below it, so the SuperLink's group alone misses them."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # ended meanwhile
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except (OSError, IndexError):
-        return True
-
-
-def _end_tree(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to the SuperLink's group and every descendant (the runs' simulation processes, Ray),
-    SIGKILL to what is left after a grace period; return once all of them have ended."""
-    pids = {process.pid} | _descendants(process.pid)
-    for sig, grace in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-        for pid in [pid for pid in pids if _alive(pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, sig) if pid == process.pid else os.kill(pid, sig)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            process.poll()  # reap the SuperLink itself
-            if not any(_alive(pid) for pid in pids):
-                return
-            time.sleep(0.1)
 
 
 def create(resources: Resources) -> FlowerEngine:

@@ -38,7 +38,7 @@ from fedprivacy.sweepfiles import (
     write_json,
 )
 from sims.engines import Engine, create_engine
-from sims.sweep.baselines import baseline_jobs, is_finished, run_baseline
+from sims.sweep.baselines import BaselineJob, baseline_jobs, is_finished, run_baseline
 from sims.sweep.grid import Cell
 from sims.sweep.progress import SweepProgress
 from sims.sweep.spec import SweepSpec
@@ -124,35 +124,54 @@ def _cell_line(record: dict[str, Any], row: dict[str, Any]) -> str:
             f"({record['wall_s']:.0f} s)")  # fmt: skip
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine could not start (e.g. no SuperLink came up): no cell can run."""
+
+
+def _run_baselines(jobs: list[BaselineJob], baseline_dir: Path, progress: SweepProgress) -> None:
+    for job in [job for job in jobs if not is_finished(job, baseline_dir)]:
+        progress.start(f"baseline {job.name}", int(job.run_config["num-server-rounds"]))
+        record = run_baseline(job, baseline_dir)
+        progress.end(counts_as_cell=False)
+        outcome = f"final accuracy {record['final_accuracy']:.4f}" if record["error"] is None else f"[red]failed[/red]: {record['error']}"
+        progress.log(f"baseline {job.name}: {outcome}")
+
+
+def _run_cells(spec: SweepSpec, cells: list[Cell], pending: list[Cell], out: Path, engine: Engine, progress: SweepProgress) -> None:
+    """The pending cells between the engine's setup and teardown (which runs on any exit, Ctrl-C too)."""
+    try:
+        try:
+            engine.setup()
+        except Exception as exc:
+            raise EngineUnavailable(f"engine {spec.engine} could not start: {error_summary(f'{type(exc).__name__}: {exc}')}") from exc
+        for cell in pending:
+            progress.start(cell.name, int(cell.run_config["num-server-rounds"]))
+            record = run_cell(engine, spec.engine, cell, out, progress)
+            rows = write_sweep_csv(out, spec, cells)
+            progress.end(counts_as_cell=True)
+            progress.log(_cell_line(record, rows[cells.index(cell)]))
+    finally:
+        engine.teardown()
+
+
 def run_sweep(spec: SweepSpec, cells: list[Cell], out: Path, *, engine: Engine | None = None, console: Console | None = None) -> SweepOutcome:
     """Run the baselines and every unfinished cell; return sweep.csv's rows and the baselines."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError("out", str(out), f"cannot write the sweep there: {error.strerror or error}") from None
     check_resumable(out, cells)
     write_json(out / SWEEP_JSON, {**spec.to_dict(), "cells": [c.name for c in cells]})
-    baseline_dir = out / BASELINE
     jobs = baseline_jobs(cells) if spec.baseline else []
     pending = [cell for cell in cells if (cell_record(out, cell.name) or {}).get("status") != "completed"]
     write_sweep_csv(out, spec, cells)
-    engine = engine or create_engine(spec.engine, spec.resources)
     with SweepProgress(len(cells), len(cells) - len(pending), console) as progress:
         if spec.seeded_noise:
             progress.log("seeded noise: every cell's DP noise is reproducible from its seed (for experiments, never production)")
         if len(pending) < len(cells):
             progress.log(f"resuming {out}: {len(cells) - len(pending)} of {len(cells)} cells already finished")
-        for job in [job for job in jobs if not is_finished(job, baseline_dir)]:
-            progress.start(f"baseline {job.name}", int(job.run_config["num-server-rounds"]))
-            record = run_baseline(job, baseline_dir)
-            progress.end(counts_as_cell=False)
-            progress.log(f"baseline {job.name}: " + (f"final accuracy {record['final_accuracy']:.4f}" if record["error"] is None else f"[red]failed[/red]: {record['error']}"))
-        engine.setup()
-        try:
-            for cell in pending:
-                progress.start(cell.name, int(cell.run_config["num-server-rounds"]))
-                record = run_cell(engine, spec.engine, cell, out, progress)
-                rows = write_sweep_csv(out, spec, cells)
-                progress.end(counts_as_cell=True)
-                progress.log(_cell_line(record, rows[cells.index(cell)]))
-        finally:
-            engine.teardown()
-    baselines = [read_json(baseline_dir / job.name / BASELINE_JSON) for job in jobs]
+        _run_baselines(jobs, out / BASELINE, progress)
+        if pending:
+            _run_cells(spec, cells, pending, out, engine or create_engine(spec.engine, spec.resources), progress)
+    baselines = [read_json(out / BASELINE / job.name / BASELINE_JSON) for job in jobs]
     return SweepOutcome(write_sweep_csv(out, spec, cells), baselines)

@@ -24,7 +24,7 @@ GRID_FLAGS = {"epsilons": "epsilon", "rules": "rule", "seeds": "seed"}
 
 def from_text(flag: str, key: str, text: str) -> Any:
     """One flag value as its key's type: float, int or str."""
-    check_run_key(flag, key)
+    check_run_key(flag, key, text)
     default = DEFAULTS[key]
     kind = float if isinstance(default, float) else int if isinstance(default, int) else str
     try:
@@ -45,7 +45,7 @@ def _integer_range(flag: str, text: str) -> list[int] | None:
 
 def values_from_text(flag: str, key: str, text: str) -> list[Any]:
     """A comma-separated list of values; integer keys also take ranges such as 0-4."""
-    check_run_key(flag, key)
+    check_run_key(flag, key, text)
     ranges = isinstance(DEFAULTS[key], int)
     values: list[Any] = []
     for part in text.split(","):

@@ -94,11 +94,12 @@ def typed_value(field_name: str, key: str, value: Any) -> Any:
     return value
 
 
-def check_run_key(field_name: str, key: str) -> None:
+def check_run_key(field_name: str, key: str, value: Any) -> None:
+    """`key` must be a run-config key that a scenario may set."""
     if key in SET_BY_THE_SWEEP:
-        raise InputError(field_name, key, "is set by the sweep (each cell writes under <out>/cells/<cell>/ with its own ledger); leave it out")
+        raise InputError(field_name, value, "is set by the sweep (each cell writes under <out>/cells/<cell>/ with its own ledger); leave it out")
     if key not in DEFAULTS:
-        raise InputError(field_name, key, f"not a run-config key; known keys: {', '.join(k for k in DEFAULTS if k not in SET_BY_THE_SWEEP)}")
+        raise InputError(field_name, value, f"not a run-config key; known keys: {', '.join(k for k in DEFAULTS if k not in SET_BY_THE_SWEEP)}")
 
 
 def _path(value: str, base_dir: Path) -> str:
@@ -110,7 +111,7 @@ def _path(value: str, base_dir: Path) -> str:
 
 
 def _run_value(field_name: str, key: str, value: Any, base_dir: Path) -> Any:
-    check_run_key(field_name, key)
+    check_run_key(field_name, key, value)
     typed = typed_value(field_name, key, value)
     return _path(typed, base_dir) if key in PATH_KEYS else typed
 
@@ -129,7 +130,7 @@ def _grid(raw: Mapping[str, Any], run: Mapping[str, Any], base_dir: Path) -> dic
     grid = {}
     for key, values in table.items():
         name = f"grid.{key}"
-        check_run_key(name, key)
+        check_run_key(name, key, values)
         if key in run:
             raise InputError(name, values, f"{key} is also fixed in [run]: a key is either fixed or varied")
         if not isinstance(values, list):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from sims.processes import alive
 from sims.sweep.driver import run_sweep
 from sims.sweep.grid import cells
 from sims.sweep.spec import load_scenario
@@ -41,23 +42,15 @@ def superlink(log: Path) -> tuple[int, Path]:
 
 def processes_of(home: Path) -> list[int]:
     """Live processes whose environment has FLWR_HOME=home (the SuperLink and everything it started)."""
-    marker = f"FLWR_HOME={home}".encode() + b"\0"
+    marker = f"\0FLWR_HOME={home}\0".encode()
     found = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if marker in environ.read_bytes() + b"\0" and not gone(int(environ.parent.name)):
+            if marker in b"\0" + environ.read_bytes() + b"\0" and alive(int(environ.parent.name)):
                 found.append(int(environ.parent.name))
         except OSError:  # ended meanwhile, or not ours to read
             continue
     return found
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
 @pytest.mark.timeout(420)
@@ -72,7 +65,7 @@ def test_the_tiny_scenario_through_flwr_run_gives_the_in_process_results(tmp_pat
     flower = pd.read_csv(out / "sweep.csv")
     assert set(flower["status"]) == {"completed"} and set(flower["engine"]) == {"flower"} and len(flower) == 2
     pid, home = superlink(log)
-    assert gone(pid) and not home.exists()  # the sweep stopped its SuperLink and removed its FLWR_HOME
+    assert not alive(pid) and not home.exists()  # the sweep stopped its SuperLink and removed its FLWR_HOME
 
     spec = load_scenario(TINY)  # the same cells in process: one algorithm, the same seeds, the same numbers
     in_process = pd.DataFrame(run_sweep(spec, cells(spec), tmp_path / "inprocess").rows)
@@ -93,6 +86,6 @@ def test_ctrl_c_stops_the_superlink_and_leaves_the_cell_to_a_rerun(tmp_path):
     assert process.wait(timeout=90) == 130, log.read_text()
     assert "interrupted: rerun the same command to resume" in log.read_text()
     pid, home = superlink(log)
-    assert gone(pid) and not home.exists()
+    assert not alive(pid) and not home.exists()
     assert processes_of(home) == []  # nor anything it started (the run's simulation process, Ray)
     assert set(pd.read_csv(out / "sweep.csv")["status"]) == {"pending"}
