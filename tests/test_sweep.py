@@ -168,6 +168,14 @@ def test_seed_ranges_and_readable_unique_cell_names():
     assert unsafe.startswith("epsilons=0.5-1-2-") and unsafe != cell_name({"epsilons": "0.5-1-2"}) != cell_name({"epsilons": "0.5,1,2"})
 
 
+def test_the_command_and_the_report_import_neither_flower_nor_sims():
+    """fedprivacy never imports flwr at module level: `sweep` imports sims inside the command."""
+    code = ("import sys, fedprivacy.cli, fedprivacy.reports.sweep_report, fedprivacy.results; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'sims', 'ray'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
 BAD_SCENARIOS = {
     "unknown grid key": ('[grid]\nepsilonn = [1, 2]\n', "grid.epsilonn"),
     "unknown table": ('[grids]\nepsilon = [1]\n', "grids"),

@@ -29,13 +29,11 @@ from sims.sweep.grid import Cell, cell_name
 
 @dataclass(frozen=True)
 class BaselineJob:
-    """One baseline: its grid values outside the privacy keys, and the cell whose config it runs."""
+    """One baseline: its grid values outside the privacy keys, and the cell whose run config it takes."""
 
     name: str
     params: dict[str, Any]
-    run_config: dict[str, Any]
-    num_clients: int
-    schedule_from: str
+    cell: Cell
 
 
 def baseline_jobs(cells: list[Cell]) -> list[BaselineJob]:
@@ -46,7 +44,7 @@ def baseline_jobs(cells: list[Cell]) -> list[BaselineJob]:
         key = json.dumps({**setting, "clients": cell.num_clients}, sort_keys=True)
         if key not in jobs:
             params = {k: v for k, v in cell.params.items() if k not in PRIVACY_KEYS}
-            jobs[key] = BaselineJob(cell_name(params), params, cell.run_config, cell.num_clients, cell.name)
+            jobs[key] = BaselineJob(cell_name(params), params, cell)
     return list(jobs.values())
 
 
@@ -55,7 +53,7 @@ def is_finished(job: BaselineJob, baseline_dir: Path) -> bool:
     if not path.is_file():
         return False
     record = read_json(path)
-    return record.get("status") == "completed" and record.get("run_config") == job.run_config
+    return record.get("status") == "completed" and record.get("run_config") == job.cell.run_config
 
 
 def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
@@ -64,9 +62,9 @@ def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     started = time.perf_counter()
-    record: dict[str, Any] = {"name": job.name, "params": job.params, "schedule_from": job.schedule_from, "run_config": job.run_config}
+    record: dict[str, Any] = {"name": job.name, "params": job.params, "schedule_from": job.cell.name, "run_config": job.cell.run_config}
     try:
-        result = nonprivate_baseline(job.run_config, job.num_clients, name=job.name)
+        result = nonprivate_baseline(job.cell.run_config, job.cell.num_clients, name=job.name)
         pd.DataFrame(result.rounds).to_csv(staging / "rounds.csv", index=False)
         record.update(status="completed", error=None, final_accuracy=result.final_accuracy, best_accuracy=result.best[1])
     except Exception as exc:  # a failed baseline is reported beside the cells, not a crashed sweep

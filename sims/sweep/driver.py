@@ -130,7 +130,7 @@ class EngineUnavailable(RuntimeError):
 
 def _run_baselines(jobs: list[BaselineJob], baseline_dir: Path, progress: SweepProgress) -> None:
     for job in [job for job in jobs if not is_finished(job, baseline_dir)]:
-        progress.start(f"baseline {job.name}", int(job.run_config["num-server-rounds"]))
+        progress.start(f"baseline {job.name}", int(job.cell.run_config["num-server-rounds"]))
         record = run_baseline(job, baseline_dir)
         progress.end(counts_as_cell=False)
         outcome = f"final accuracy {record['final_accuracy']:.4f}" if record["error"] is None else f"[red]failed[/red]: {record['error']}"
