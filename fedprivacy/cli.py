@@ -249,7 +249,8 @@ def sweep(
     client_cpus: int | None = typer.Option(None, "--client-cpus", help="CPUs per simulated client (flower engine; default 1)"),
     client_gpus: float | None = typer.Option(None, "--client-gpus", help="GPU fraction per simulated client (flower engine; default 0)"),
 ) -> None:
-    """Run a grid of federated runs (resumable) and write one results folder per cell and sweep.csv."""
+    """Run a grid of federated runs, declared by a scenario file (TOML, see scenarios/) or by the
+    flags, one results folder per cell and sweep.csv; rerun the same command to resume."""
     from sims.sweep.grid import cells as grid_cells
 
     run_flags = {"dataset": dataset, "data-path": data_path, "partition-by": partition_by, "partitioning": partitioning,

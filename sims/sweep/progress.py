@@ -61,6 +61,7 @@ class SweepProgress:
         )  # fmt: skip
         self.finished = finished_cells
         self.total = total_cells
+        self.rounds = 1
         self.cells: TaskID = self.progress.add_task("cells", total=total_cells, completed=finished_cells, detail=self._count())
         self.current: TaskID = self.progress.add_task("", total=1, detail="", visible=False)
 
@@ -78,12 +79,13 @@ class SweepProgress:
         self.progress.console.print(text)
 
     def start(self, label: str, rounds: int) -> None:
+        self.rounds = max(rounds, 1)
         self.progress.update(self.current, description=label, total=rounds, completed=0, detail=f"round 0/{rounds}", visible=True)
 
     def round(self, done: int) -> None:
-        total = self.progress.tasks[self.current].total or 1
-        self.progress.update(self.current, completed=done, detail=f"round {done}/{total:g}")
-        self.progress.update(self.cells, completed=self.finished + min(done / total, 0.99))
+        """Called from the engine's round watcher: the current cell has finished `done` rounds."""
+        self.progress.update(self.current, completed=done, detail=f"round {done}/{self.rounds}")
+        self.progress.update(self.cells, completed=self.finished + min(done / self.rounds, 0.99))
 
     def end(self, counts_as_cell: bool) -> None:
         self.progress.update(self.current, visible=False)
