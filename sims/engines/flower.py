@@ -44,6 +44,7 @@ OFFLINE_ENV = {
 }
 HEALTHY_WITHIN_S = 60.0
 POLL_S = 2.0
+RUN_LOG = "flwr-run.log"
 PENDING_LIMIT_S = 300.0  # a run still `pending` this long will not start (a known SuperLink hang)
 
 
@@ -130,7 +131,15 @@ class FlowerEngine:
         if run["status"] != "finished:completed":
             summaries = list(results_dir.rglob("summary.json"))
             reason = read_json(summaries[0]).get("error") if summaries else None
-            raise RuntimeError(f"flwr run {run_id} ended {run['status']}: {reason or run.get('status-details') or 'see flwr log'}")
+            self._save_log(run_id, results_dir / RUN_LOG)
+            raise RuntimeError(f"flwr run {run_id} ended {run['status']}: {reason or run.get('status-details') or 'no reason given'} "
+                               f"(its log: {RUN_LOG} in the cell's folder)")  # fmt: skip
+
+    def _save_log(self, run_id: str, path: Path) -> None:
+        """The run's log as `flwr log` shows it: the SuperLink and its FLWR_HOME end with the sweep."""
+        result = subprocess.run([_tool("flwr"), "log", run_id, "--show"], cwd=PROJECT, env=self._env(),
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        path.write_text(result.stdout + result.stderr, encoding="utf-8")
 
     def _wait_finished(self, run_id: str) -> dict[str, Any]:
         pending_since = time.monotonic()
