@@ -22,7 +22,7 @@ from dp_accounting import pld
 from fedprivacy.data.tables import partition_sizes, read_table
 from fedprivacy.privacy import accountants
 from fedprivacy.privacy.planner import plan_client
-from fedprivacy.privacy.sheets import write_sheets
+from fedprivacy.reports.sheets import write_sheets
 
 DEFAULT_PUMS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
 

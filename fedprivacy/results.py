@@ -6,7 +6,7 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
     rounds.csv        one row per round: accuracy, loss, ε spent (max/mean), clients trained
                       this round, clients out of budget / failed so far…
     clients.csv       one row per client: budget, ε spent, σ, steps, exhausted round, status
-    plans/            every client's planning sheet (md, html, png, json) and an index
+    plans/            every client's planning sheet (md, html, json), one figure per distinct plan, an index
     model.pt          the final global model's state_dict
     progress.png      accuracy and ε spent per round
     summary.json      status (completed, or failed with its error) and the headline numbers
@@ -30,7 +30,8 @@ from typing import Any
 
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.privacy.sheets import write_sheets
+from fedprivacy.reports.progress import draw_progress
+from fedprivacy.reports.sheets import write_sheets
 
 ROUND_COLUMNS = (
     "round", "accuracy", "loss", "federated_accuracy", "federated_loss", "clients_trained",
@@ -214,7 +215,7 @@ class RunRecorder:
                                "no model was saved; see clients.csv")
 
     def write_plans(self) -> list[Path]:
-        """Every client's planning sheet (md, html, png, json) and the index, under plans/."""
+        """Every client's planning sheet (md, html, json), the plans' figures and the index, under plans/."""
         plans = [self.plans[c] for c in sorted(self.plans)]
         return write_sheets(plans, self.folder / "plans") if plans else []
 
@@ -226,28 +227,8 @@ class RunRecorder:
         return path
 
     def write_figure(self) -> Path:
-        """Accuracy (central, else federated) and max ε spent per round."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-
-        rounds = [r["round"] for r in self.rounds]
-        key = "accuracy" if any(r["accuracy"] is not None for r in self.rounds) else "federated_accuracy"
-        fig, left = plt.subplots(figsize=(6, 3.5))
-        left.plot(rounds, [math.nan if r[key] is None else r[key] for r in self.rounds], "o-", color="C0")
-        left.set_xlabel("round")
-        left.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-        left.set_ylabel(key.replace("_", " "), color="C0")
-        right = left.twinx()
-        right.plot(rounds, [r["epsilon_spent_max"] for r in self.rounds], "s--", color="C3")
-        right.set_ylabel("max ε spent", color="C3")
-        fig.tight_layout()
-        path = self.folder / "progress.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        return path
+        """progress.png: accuracy (central, else federated) and max ε spent per round."""
+        return draw_progress(self.rounds, self.folder / "progress.png")
 
     def write_summary(self, extra: dict[str, Any], error: str | None = None) -> dict[str, Any]:
         """summary.json; `error` marks a run that stopped on an exception (what it had is kept)."""

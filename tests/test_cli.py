@@ -41,7 +41,7 @@ def test_plan_json_is_one_object_with_the_contract_fields(tmp_path):
     assert 0.99 <= plan["epsilon_pld"] <= 1.0
     assert all({"name", "met", "detail"} <= set(c) for c in plan["conditions"])
     assert {"naive", "strong", "rdp_calibrated", "pld_calibrated", "proactive", "adp"} <= set(plan["sigma_by_rule"])
-    assert (tmp_path / "sheets" / "client.png").is_file()
+    assert len(list((tmp_path / "sheets").glob("plan-*.png"))) == 1 and (tmp_path / "sheets" / "client.md").is_file()
 
 
 def test_plan_prints_a_table_and_writes_a_sheet(tmp_path):
@@ -63,9 +63,12 @@ def test_sheets_for_fulton_pums_gives_seven_clients_of_the_puma_sizes(tmp_path):
     assert len(rows) == 7 == len(expected)
     assert {row["client_id"]: int(row["n"]) for row in rows} == {f"puma-{k}": v for k, v in expected.items()}
     assert all(float(row["epsilon_pld"]) <= 1.0 for row in rows)
+    figures = {p.name for p in out.glob("plan-*.png")}
     for row in rows:
-        for suffix in (".md", ".html", ".png", ".json"):
+        for suffix in (".md", ".html", ".json"):
             assert (out / f"{row['client_id']}{suffix}").stat().st_size > 0
+        assert len([f for f in figures if f in (out / f"{row['client_id']}.md").read_text()]) == 1
+    assert 1 <= len(figures) <= 7  # one per distinct plan: PUMAs whose plans agree share one
     for name in ("index.md", "index.html"):
         assert "puma-1107" in (out / name).read_text()
 

@@ -11,7 +11,7 @@ from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, GaussianPriv
 from fedprivacy.privacy import accountants
 from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
 from fedprivacy.privacy.planner import plan_client
-from independent import CERTIFICATE_REL_TOL, pld_epsilon, pld_epsilon_lower_bound, rdp_epsilon
+from independent import CERTIFICATE_REL_TOL, pld_epsilon, pld_epsilon_lower_bound, plan_prefix_events, rdp_epsilon
 
 def test_reference_values_from_the_notes():
     events = accountants.constant_events(1.1, 256 / 60000, 14062)
@@ -128,3 +128,13 @@ def test_vectorised_hockey_stick_equals_dp_accounting_point_by_point(adjacency, 
     epsilons = np.linspace(bounds.epsilon_lower - 0.1 * span, bounds.epsilon_upper + 0.1 * span, 4001)
     np.testing.assert_allclose(ours.get_delta_for_epsilon(epsilons), reference.get_delta_for_epsilon(epsilons), rtol=1e-9, atol=1e-15)
     assert ours.get_delta_for_epsilon(0.5) == pytest.approx(reference.get_delta_for_epsilon(0.5), rel=1e-12)
+
+
+@pytest.mark.parametrize("rule", ["calibrated", "adp"])
+def test_the_rdp_curve_equals_composing_every_prefix_independently(rule):
+    """The figures' RDP curve scales one step's RDP per segment; dp-accounting composes each prefix whole."""
+    plan = plan_client(1200, 2.0, 1e-5, rule=rule, rounds=3, compare=False)
+    events = [accountants.NoiseEvent(sigma, plan.sampling_rate, count) for sigma, count in plan.noise_segments]
+    checkpoints = [0, 1, 2, plan.steps // 3, plan.steps // 2 + 1, plan.steps - 1, plan.steps]
+    expected = [0.0] + [rdp_epsilon(plan_prefix_events(plan.to_dict(), stop), plan.delta) for stop in checkpoints[1:]]
+    assert accountants.rdp_epsilon_curve(events, plan.delta, checkpoints) == pytest.approx(expected, rel=1e-9)

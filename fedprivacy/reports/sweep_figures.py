@@ -1,0 +1,168 @@
+"""The sweep report's figures, each saved as PNG and SVG.
+
+- accuracy against the x key (ε unless the grid does not vary it), one line per series: the mean
+  final accuracy over seeds with ±1 standard deviation bars, a log axis for ε (and for other keys
+  whose values span a factor of 8 or more), and the non-private baseline as a dashed line (horizontal unless the x key
+  changes the baseline too, e.g. epochs);
+- accuracy per round and ε spent per round: one panel per series, one line per x value (means
+  over seeds), the baseline's accuracy dashed in black;
+- budget use: spent/budget of every client (columns) in every setting (rows), means over seeds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from fedprivacy.reports.sweep_data import SEED, SweepData
+
+FORMATS = ("png", "svg")
+PANEL_WIDTH, PANEL_HEIGHT = 5.0, 3.6
+LOG_SPAN = 8.0
+
+
+def save(fig: Figure, out: Path, stem: str) -> list[Path]:
+    paths = [out / f"{stem}.{fmt}" for fmt in FORMATS]
+    for path in paths:
+        fig.savefig(path, dpi=120)
+    return paths
+
+
+def label(keys: Sequence[str], values: Sequence[object]) -> str:
+    """`rule=proactive, clip-norm=0.1`, or `all cells` when nothing varies."""
+    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in zip(keys, values)) or "all cells"
+
+
+def groups(table: pd.DataFrame, keys: Sequence[str]) -> list[tuple[tuple, pd.DataFrame]]:
+    """(values, rows) for each combination of `keys` in the table (one group of everything without keys)."""
+    if not keys:
+        return [((), table)]
+    return [(values if isinstance(values, tuple) else (values,), rows) for values, rows in table.groupby(list(keys), sort=False)]
+
+
+def _log_axis(axis: Axes, values: Sequence[float], always: bool) -> None:
+    """A log x axis for ε (`always`), or for positive values spanning a factor of LOG_SPAN or more."""
+    positive = [v for v in values if v > 0]
+    if positive and len(positive) == len(values) and (always or max(positive) / min(positive) >= LOG_SPAN):
+        axis.set_xscale("log")
+        axis.set_xticks(sorted(set(positive)), [f"{v:g}" for v in sorted(set(positive))])
+        axis.minorticks_off()
+
+
+def _matching(table: pd.DataFrame, keys: Sequence[str], values: Sequence[object]) -> pd.DataFrame:
+    """The rows of `table` that agree with (keys, values) on the keys it has."""
+    mask = np.ones(len(table), dtype=bool)
+    for key, value in zip(keys, values):
+        if key in table:
+            mask &= (table[key] == value).to_numpy()
+    return table[mask]
+
+
+def accuracy_figure(data: SweepData, out: Path) -> list[Path]:
+    """Final accuracy against the x key per series (mean ± sd over seeds), with the baseline."""
+    x_key, series = data.x_key, data.series_keys
+    fig = Figure(figsize=(7, 4.5), layout="tight")
+    axis = fig.subplots()
+    completed = data.completed
+    if x_key is None:  # nothing numeric varies: one point per setting
+        found = groups(completed, series)
+        means = [rows["final_accuracy"].mean() for _, rows in found]
+        spreads = [rows["final_accuracy"].std() if len(rows) > 1 else 0.0 for _, rows in found]
+        axis.errorbar(range(len(found)), means, yerr=spreads, fmt="o", capsize=4)
+        axis.set_xticks(range(len(found)), [label(series, values) for values, _ in found], rotation=20, ha="right")
+    else:
+        for values, rows in groups(completed, series):
+            stats = rows.groupby(x_key)["final_accuracy"].agg(["mean", "std"]).sort_index()
+            axis.errorbar(stats.index, stats["mean"], yerr=stats["std"].fillna(0), fmt="o-", capsize=4, label=label(series, values))
+        _log_axis(axis, list(completed[x_key]), always=x_key == "epsilon")
+        axis.set_xlabel("ε (per client)" if x_key == "epsilon" else x_key)
+    _baseline_lines(data, axis)
+    axis.set_ylabel("final test accuracy (mean ± sd over seeds)")
+    axis.set_title(f"{data.name}: accuracy against {'ε' if x_key == 'epsilon' else x_key or 'setting'}")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    stem = f"accuracy_vs_{x_key}" if x_key else "accuracy_by_setting"
+    return save(fig, out, stem)
+
+
+def _baseline_lines(data: SweepData, axis: Axes) -> None:
+    if data.baselines.empty:
+        return
+    x_key = data.x_key
+    keys = [k for k in data.baselines.columns if k in data.grid and k not in (SEED, x_key)]
+    for values, rows in groups(data.baselines, keys):
+        name = "non-private" + (f" ({label(keys, values)})" if keys else "")
+        if x_key in rows:  # the x key changes the baseline itself (e.g. epochs): a curve
+            stats = rows.groupby(x_key)["final_accuracy"].mean().sort_index()
+            axis.plot(stats.index, stats.to_numpy(), "k--", linewidth=1.2, label=name)
+        else:
+            axis.axhline(rows["final_accuracy"].mean(), color="black", linestyle="--", linewidth=1.2, label=name)
+
+
+def _panels(count: int) -> tuple[Figure, list[Axes]]:
+    columns = min(count, 3)
+    lines = -(-count // columns)
+    fig = Figure(figsize=(PANEL_WIDTH * columns, PANEL_HEIGHT * lines), layout="tight")
+    axes = np.atleast_1d(fig.subplots(lines, columns, squeeze=False)).ravel().tolist()
+    for extra in axes[count:]:
+        extra.set_visible(False)
+    return fig, axes[:count]
+
+
+def per_round_figure(data: SweepData, out: Path, column: str, ylabel: str, stem: str, with_baseline: bool) -> list[Path]:
+    """`column` of rounds.csv per round: a panel per series, a line per x value, means over seeds."""
+    x_key, series = data.x_key, data.series_keys
+    panels = groups(data.rounds, series)
+    fig, axes = _panels(len(panels))
+    x_values = sorted(data.rounds[x_key].unique()) if x_key else [None]
+    colours = colormaps["viridis"](np.linspace(0, 0.9, len(x_values)))
+    for axis, (values, rows) in zip(axes, panels):
+        for colour, x in zip(colours, x_values):
+            chosen = rows if x is None else rows[rows[x_key] == x]
+            mean = chosen.groupby("round")[column].mean()
+            axis.plot(mean.index, mean.to_numpy(), "o-", color=colour, markersize=3, label="mean" if x is None else label([x_key], [x]))
+        if with_baseline and not data.baseline_rounds.empty:
+            baseline = _matching(data.baseline_rounds, series, values).groupby("round")["accuracy"].mean()
+            axis.plot(baseline.index, baseline.to_numpy(), "k--", linewidth=1.2, label="non-private")
+        axis.set_title(label(series, values), fontsize=10)
+        axis.set_xlabel("round")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_ylabel(ylabel)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+    return save(fig, out, stem)
+
+
+def budget_use_figure(data: SweepData, out: Path) -> list[Path]:
+    """Each client's ε spent / ε budget (mean over seeds), one row per setting."""
+    keys = [k for k in data.grid if k != SEED]
+    found = groups(data.clients, keys)
+    table = pd.DataFrame([rows.groupby("client_id")["budget_used"].mean() for _, rows in found])
+    fig = Figure(figsize=(max(6.0, 0.35 * table.shape[1] + 3), max(2.5, 0.32 * table.shape[0] + 1.5)), layout="tight")
+    axis = fig.subplots()
+    image = axis.imshow(table.to_numpy(dtype=float), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    fig.colorbar(image, ax=axis, label="ε spent / ε budget")
+    axis.set_yticks(range(table.shape[0]), [label(keys, values) for values, _ in found], fontsize=8)
+    if table.shape[1] <= 40:
+        axis.set_xticks(range(table.shape[1]), [str(c) for c in table.columns], rotation=90, fontsize=7)
+    else:
+        axis.set_xticks([])
+    axis.set_xlabel(f"client ({table.shape[1]})")
+    axis.set_title("budget use per client (mean over seeds)")
+    return save(fig, out, "budget_use")
+
+
+def write_figures(data: SweepData, out: Path) -> list[Path]:
+    return [
+        *accuracy_figure(data, out),
+        *per_round_figure(data, out, "accuracy", "test accuracy", "accuracy_vs_round", with_baseline=True),
+        *per_round_figure(data, out, "epsilon_spent_max", "largest ε spent", "epsilon_vs_round", with_baseline=False),
+        *budget_use_figure(data, out),
+    ]

@@ -1,0 +1,81 @@
+"""The folder a sweep writes: its layout, the columns of sweep.csv, and a cell's row.
+
+The sweep (`sims.sweep`, which may import flwr) writes this folder and the report
+(`fedprivacy.reports.sweep_report`, which never does) reads it, so both take the layout from here:
+
+    <out>/sweep.json            the scenario as run: fixed run config, grid, engine, resources
+    <out>/sweep.csv             one row per cell: the grid keys, then RESULT_COLUMNS
+    <out>/cells/<cell>/         the cell's results-dir: the run's `<time>-run<id>/` results folder
+                                (fedprivacy.results) and cell.json, written last: the cell is done
+    <out>/baseline/<name>/      one non-private baseline: baseline.json and rounds.csv
+    <out>/report/               figures and report.md (`fedprivacy report`)
+
+A hidden folder (`.<name>`) under baseline/ is a baseline being written: it is renamed into place
+when done, so a sweep killed midway never leaves half a baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+SWEEP_JSON = "sweep.json"
+SWEEP_CSV = "sweep.csv"
+CELLS = "cells"
+CELL_JSON = "cell.json"
+BASELINE = "baseline"
+BASELINE_JSON = "baseline.json"
+REPORT = "report"
+STAGING_PREFIX = "."
+
+RESULT_COLUMNS = (
+    "status", "final_accuracy", "best_accuracy", "epsilon_spent_max", "epsilon_spent_mean",
+    "all_within_budget", "wall_s", "engine", "cell", "error",
+)  # fmt: skip
+
+# The run-config keys that only the privacy mechanism reads: the non-private baseline of a cell
+# is the same for every value of these (its local schedule is taken from one cell, see sims.sweep).
+PRIVACY_KEYS = frozenset({"epsilon", "epsilons", "delta", "deltas", "rule", "noise-seed", "clip-norm"})
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Written whole or not at all (a temporary file renamed into place)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def _accuracy_column(rounds: pd.DataFrame) -> pd.Series:
+    """Central test accuracy, or federated accuracy where the server had no test set."""
+    if "accuracy" in rounds and rounds["accuracy"].notna().any():
+        return rounds["accuracy"]
+    return rounds.get("federated_accuracy", pd.Series(dtype=float))
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def cell_results(folder: Path) -> dict[str, Any]:
+    """The headline numbers of one cell's results folder (what it has: a failed run may have none)."""
+    rounds = pd.read_csv(folder / "rounds.csv") if (folder / "rounds.csv").is_file() else pd.DataFrame()
+    clients = pd.read_csv(folder / "clients.csv") if (folder / "clients.csv").is_file() else pd.DataFrame()
+    summary = read_json(folder / "summary.json") if (folder / "summary.json").is_file() else {}
+    accuracy = _accuracy_column(rounds).dropna()
+    spent = clients["epsilon_spent"] if "epsilon_spent" in clients else pd.Series(dtype=float)
+    return {
+        "final_accuracy": _number(accuracy.iloc[-1]) if len(accuracy) else None,
+        "best_accuracy": _number(accuracy.max()) if len(accuracy) else None,
+        "epsilon_spent_max": _number(spent.max()) if len(spent) else None,
+        "epsilon_spent_mean": _number(spent.mean()) if len(spent) else None,
+        "all_within_budget": summary.get("all_within_budget"),
+    }

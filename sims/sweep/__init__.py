@@ -1,0 +1,11 @@
+"""Sweeps: a grid of federated runs from a scenario file or flags, run cell by cell through an engine.
+
+- `spec`: the scenario (TOML tables or flags) validated whole into a `SweepSpec`;
+- `flags`: the command's flags as a scenario's tables;
+- `grid`: the cells (every combination of the grid), named and validated before anything runs;
+- `driver`: runs the cells through an engine (sims/engines), resumably, and writes sweep.csv;
+- `baselines`: the non-private baseline once per distinct non-privacy setting;
+- `progress`: the progress bar, and a cell's round read from its rounds.csv.
+
+The folder a sweep writes is described in fedprivacy.sweepfiles.
+"""

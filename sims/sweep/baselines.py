@@ -1,0 +1,77 @@
+"""The non-private baseline of a sweep: `sims.baseline.nonprivate_baseline` once per distinct
+non-privacy setting, stored under `<out>/baseline/<name>/` (baseline.json, rounds.csv).
+
+Cells that differ only in privacy keys (fedprivacy.sweepfiles.PRIVACY_KEYS: ε, δ, rule, clip
+norm, noise seed) share one baseline. The baseline takes its local schedule (each client's q and
+T, and their split over rounds) from a private plan, which depends on ε; it takes it from the
+first cell of its group in grid order, and baseline.json names that cell (`schedule_from`).
+Like the cells, a baseline is written to a hidden folder and renamed into place when done, and a
+rerun skips the baselines already there with the same run config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from fedprivacy.errors import error_summary
+from fedprivacy.sweepfiles import BASELINE_JSON, PRIVACY_KEYS, STAGING_PREFIX, read_json, write_json
+from sims.baseline import nonprivate_baseline
+from sims.sweep.grid import Cell, cell_name
+
+
+@dataclass(frozen=True)
+class BaselineJob:
+    """One baseline: its grid values outside the privacy keys, and the cell whose run config it takes."""
+
+    name: str
+    params: dict[str, Any]
+    cell: Cell
+
+
+def baseline_jobs(cells: list[Cell]) -> list[BaselineJob]:
+    """One job per distinct non-privacy setting, in the order its first cell appears."""
+    jobs: dict[str, BaselineJob] = {}
+    for cell in cells:
+        setting = {key: value for key, value in cell.run_config.items() if key not in PRIVACY_KEYS}
+        key = json.dumps({**setting, "clients": cell.num_clients}, sort_keys=True)
+        if key not in jobs:
+            params = {k: v for k, v in cell.params.items() if k not in PRIVACY_KEYS}
+            jobs[key] = BaselineJob(cell_name(params), params, cell)
+    return list(jobs.values())
+
+
+def is_finished(job: BaselineJob, baseline_dir: Path) -> bool:
+    path = baseline_dir / job.name / BASELINE_JSON
+    if not path.is_file():
+        return False
+    record = read_json(path)
+    return record.get("status") == "completed" and record.get("run_config") == job.cell.run_config
+
+
+def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
+    """Run one baseline and rename its folder into place; a failure is recorded, not raised."""
+    staging = baseline_dir / f"{STAGING_PREFIX}{job.name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    started = time.perf_counter()
+    record: dict[str, Any] = {"name": job.name, "params": job.params, "schedule_from": job.cell.name, "run_config": job.cell.run_config}
+    try:
+        result = nonprivate_baseline(job.cell.run_config, job.cell.num_clients, name=job.name)
+        pd.DataFrame(result.rounds).to_csv(staging / "rounds.csv", index=False)
+        record.update(status="completed", error=None, final_accuracy=result.final_accuracy, best_accuracy=result.best[1])
+    except Exception as exc:  # a failed baseline is reported beside the cells, not a crashed sweep
+        record.update(status="failed", error=error_summary(f"{type(exc).__name__}: {exc}"), final_accuracy=None, best_accuracy=None)
+    record["wall_s"] = round(time.perf_counter() - started, 2)
+    write_json(staging / BASELINE_JSON, record)
+    target = baseline_dir / job.name
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return record

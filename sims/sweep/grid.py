@@ -1,0 +1,102 @@
+"""The cells of a sweep: every combination of the grid's values, named, sized and validated up front.
+
+A cell's name is its grid values, readable and safe as a folder name on any file system, e.g.
+`epsilon=0.25_rule=proactive_seed=0`. Numbers keep their shortest exact form (0.1 stays 0.1, 1.0
+becomes 1); a string with characters unsafe in a file name has them replaced by `-` and a short
+digest of the original appended, so two different values can never share a name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fedprivacy.data.partition import load_clients
+from fedprivacy.errors import InputError
+from fedprivacy.participant import partition_kwargs
+from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
+from sims.sweep.spec import SweepSpec
+
+UNSAFE = re.compile(r"[^A-Za-z0-9.+-]")
+MAX_NAME = 120
+# Any absolute folder for validating a cell (parse_run_config insists on one); engines set the real one.
+PLACEHOLDER_RESULTS_DIR = "/cell-results"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the sweep: its grid values, its whole run config (but results-dir) and its clients."""
+
+    name: str
+    params: dict[str, Any]
+    run_config: dict[str, Any]
+    num_clients: int
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def value_text(value: Any) -> str:
+    """A grid value as it appears in a cell name."""
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, int):
+        return str(value)
+    safe = UNSAFE.sub("-", value) or "-"
+    return safe if safe == value else f"{safe}-{_digest(value)}"
+
+
+def cell_name(params: dict[str, Any]) -> str:
+    """`key=value_key=value…`, shortened with a digest when it would be an unwieldy folder name."""
+    name = "_".join(f"{key}={value_text(value)}" for key, value in params.items()) or "default"
+    return name if len(name) <= MAX_NAME else f"{name[:MAX_NAME - 9]}-{_digest(name)}"
+
+
+def _settings(config: dict[str, Any]) -> RunSettings:
+    return parse_run_config({**config, "results-dir": PLACEHOLDER_RESULTS_DIR})
+
+
+def _client_count(spec: SweepSpec, settings: RunSettings, counted: dict[str, int]) -> int:
+    """`[sweep] clients`, or one per natural partition of the data (counted once per data setting)."""
+    if spec.clients is not None:
+        return spec.clients
+    if not settings.partition_by:
+        raise InputError("sweep.clients", None, f"needs a number of clients: partitioning {settings.partitioning!r} without "
+                                                "partition-by has no natural clients")  # fmt: skip
+    data = repr((settings.dataset, settings.data_path, settings.partition_by, settings.partitioning))
+    if data not in counted:
+        counted[data] = len(load_clients(**partition_kwargs(settings, None)))
+    return counted[data]
+
+
+def _check_clients(settings: RunSettings, num_clients: int) -> None:
+    """The per-client lists (epsilons, deltas) and min-clients against the clients there are."""
+    for index in range(num_clients):
+        settings.budget(index, num_clients)
+        settings.client_delta(index, num_clients)
+    if num_clients < settings.min_clients:
+        raise InputError("sweep.clients", num_clients, f"must be at least min-clients={settings.min_clients}, or the run waits for clients forever")
+
+
+def cells(spec: SweepSpec) -> list[Cell]:
+    """Every cell of the grid in declared order (the last key varies fastest), each validated."""
+    found, counted = [], {}
+    for combination in itertools.product(*spec.grid.values()):
+        params = dict(zip(spec.grid, combination, strict=True))
+        config = {**DEFAULTS, **spec.run, **params}
+        del config["results-dir"]
+        if spec.seeded_noise:
+            config["noise-seed"] = config["seed"]
+        settings = _settings(config)  # every cell's run config is validated before anything runs
+        num_clients = _client_count(spec, settings, counted)
+        _check_clients(settings, num_clients)
+        found.append(Cell(cell_name(params), params, config, num_clients))
+    names = [cell.name for cell in found]
+    clash = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if clash is not None:  # only a digest collision could get here: values are unique per key
+        raise InputError("grid", clash, "two cells would share this folder name")
+    return found

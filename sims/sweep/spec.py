@@ -1,0 +1,202 @@
+"""A sweep's scenario: what a scenario file (TOML) or the command's flags declare, validated whole.
+
+A scenario has four tables; only [grid] is required:
+
+    [sweep]      name, engine (a module of sims/engines), clients (simulated clients; omitted:
+                 one per natural partition), baseline (true: also run the non-private baseline),
+                 seeded-noise (true: every cell's noise-seed is its seed, for reproducible experiments)
+    [run]        fixed run-config keys (fedprivacy.runconfig.DEFAULTS), the same in every cell
+    [grid]       run-config key = [values]: the sweep runs every combination, one cell each
+    [resources]  client-cpus, client-gpus: what each simulated client gets under the flower engine
+
+Everything is checked before anything runs, and the first problem is one `InputError` naming the
+field (`grid.epsilon`), the value and what is allowed: an unknown table or key, a value of the
+wrong type (typed by the key's default), an empty grid, a duplicate cell (a value listed twice,
+or a key both fixed and varied), an unknown engine. Relative paths in a file are relative to the
+file, so a scenario can name data beside the repository. The sweep sets `results-dir` and the
+ledger (each cell gets its own), so a scenario may not.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedprivacy.errors import InputError
+from fedprivacy.runconfig import DEFAULTS
+from sims.engines import engine_names
+
+TABLES = ("sweep", "run", "grid", "resources")
+SWEEP_KEYS = ("name", "engine", "clients", "baseline", "seeded-noise")
+RESOURCE_KEYS = ("client-cpus", "client-gpus")
+SET_BY_THE_SWEEP = ("results-dir", "ledger-path")
+PATH_KEYS = ("data-path",)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What Flower's simulation gives each client (flower engine): whole CPUs, a fraction of a GPU."""
+
+    client_cpus: int = 1
+    client_gpus: float = 0.0
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A validated scenario: `run` holds the fixed keys, `grid` the varied ones in declared order."""
+
+    name: str
+    run: dict[str, Any]
+    grid: dict[str, tuple[Any, ...]]
+    engine: str = "inprocess"
+    clients: int | None = None
+    baseline: bool = True
+    seeded_noise: bool = False
+    resources: Resources = field(default_factory=Resources)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The scenario as plain data (sweep.json), grid values as lists."""
+        return {
+            "name": self.name, "engine": self.engine, "clients": self.clients, "baseline": self.baseline,
+            "seeded_noise": self.seeded_noise, "resources": vars(self.resources), "run": self.run,
+            "grid": {key: list(values) for key, values in self.grid.items()},
+        }  # fmt: skip
+
+
+def read_scenario(path: Path) -> dict[str, Any]:
+    """The raw tables of a scenario file (validated by `validate`)."""
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise InputError("scenario", str(path), "no such file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise InputError("scenario", str(path), f"not valid TOML: {error}") from None
+
+
+def typed_value(field_name: str, key: str, value: Any) -> Any:
+    """`value` as the type of the key's default (an int is a fine float); anything else is refused."""
+    default = DEFAULTS[key]
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InputError(field_name, value, "must be a number")
+        return float(value)
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(field_name, value, "must be an integer")
+        return value
+    if not isinstance(value, str):
+        raise InputError(field_name, value, "must be a string")
+    return value
+
+
+def check_run_key(field_name: str, key: str, value: Any) -> None:
+    """`key` must be a run-config key that a scenario may set."""
+    if key in SET_BY_THE_SWEEP:
+        raise InputError(field_name, value, "is set by the sweep (each cell writes under <out>/cells/<cell>/ with its own ledger); leave it out")
+    if key not in DEFAULTS:
+        raise InputError(field_name, value, f"not a run-config key; known keys: {', '.join(k for k in DEFAULTS if k not in SET_BY_THE_SWEEP)}")
+
+
+def _path(value: str, base_dir: Path) -> str:
+    """~ and $VARS expanded; a relative path is taken from `base_dir` (the scenario file's folder)."""
+    if value.strip() == "":
+        return value
+    path = Path(os.path.expandvars(os.path.expanduser(value.strip())))
+    return str(path if path.is_absolute() else (base_dir / path).resolve())
+
+
+def _run_value(field_name: str, key: str, value: Any, base_dir: Path) -> Any:
+    check_run_key(field_name, key, value)
+    typed = typed_value(field_name, key, value)
+    return _path(typed, base_dir) if key in PATH_KEYS else typed
+
+
+def _table(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
+    table = raw.get(name, {})
+    if not isinstance(table, dict):
+        raise InputError(name, table, "must be a table ([" + name + "])")
+    return table
+
+
+def _grid(raw: Mapping[str, Any], run: Mapping[str, Any], base_dir: Path) -> dict[str, tuple[Any, ...]]:
+    table = _table(raw, "grid")
+    if not table:
+        raise InputError("grid", table, "needs at least one run-config key with a list of values, e.g. epsilon = [0.5, 1, 2]")
+    grid = {}
+    for key, values in table.items():
+        name = f"grid.{key}"
+        check_run_key(name, key, values)
+        if key in run:
+            raise InputError(name, values, f"{key} is also fixed in [run]: a key is either fixed or varied")
+        if not isinstance(values, list):
+            raise InputError(name, values, "must be a list of values, e.g. [1, 2]")
+        if not values:
+            raise InputError(name, values, "needs at least one value")
+        typed = [_run_value(name, key, value, base_dir) for value in values]
+        repeated = next((v for i, v in enumerate(typed) if v in typed[:i]), None)
+        if repeated is not None:
+            raise InputError(name, values, f"lists {repeated!r} twice: every cell of the grid must be different")
+        grid[key] = tuple(typed)
+    return grid
+
+
+def _flag(table: Mapping[str, Any], prefix: str, key: str, default: bool) -> bool:
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise InputError(f"{prefix}.{key}", value, "must be true or false")
+    return value
+
+
+def _resources(raw: Mapping[str, Any]) -> Resources:
+    table = _table(raw, "resources")
+    _known(table, "resources", RESOURCE_KEYS)
+    cpus = table.get("client-cpus", 1)
+    if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1:
+        raise InputError("resources.client-cpus", cpus, "must be a whole number of CPUs >= 1 (Flower takes no fractions)")
+    gpus = table.get("client-gpus", 0.0)
+    if isinstance(gpus, bool) or not isinstance(gpus, int | float) or not 0 <= gpus <= 1:
+        raise InputError("resources.client-gpus", gpus, "must be a fraction of a GPU in [0, 1], e.g. 0.25 for four clients per GPU")
+    return Resources(client_cpus=cpus, client_gpus=float(gpus))
+
+
+def _known(table: Mapping[str, Any], prefix: str, keys: tuple[str, ...]) -> None:
+    unknown = [key for key in table if key not in keys]
+    if unknown:
+        raise InputError(f"{prefix}.{unknown[0]}", table[unknown[0]], f"not a [{prefix}] key; known keys: {', '.join(keys)}")
+
+
+def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> SweepSpec:
+    """A `SweepSpec` from raw tables (a parsed file, or the flags); the first problem is an InputError."""
+    unknown = [name for name in raw if name not in TABLES]
+    if unknown:
+        raise InputError(unknown[0], raw[unknown[0]], f"not a scenario table; known tables: {', '.join(TABLES)}")
+    sweep = _table(raw, "sweep")
+    _known(sweep, "sweep", SWEEP_KEYS)
+    run = {key: _run_value(f"run.{key}", key, value, base_dir) for key, value in _table(raw, "run").items()}
+    grid = _grid(raw, run, base_dir)
+    engine = sweep.get("engine", "inprocess")
+    if engine not in engine_names():
+        raise InputError("sweep.engine", engine, f"must be one of: {', '.join(engine_names())}")
+    clients = sweep.get("clients")
+    if clients is not None and (isinstance(clients, bool) or not isinstance(clients, int) or clients < 1):
+        raise InputError("sweep.clients", clients, "must be an integer >= 1 (omit it for one client per natural partition)")
+    name = sweep.get("name", default_name)
+    if not isinstance(name, str) or not name.strip():
+        raise InputError("sweep.name", name, "must be a non-empty string")
+    seeded_noise = _flag(sweep, "sweep", "seeded-noise", False)
+    if seeded_noise and "noise-seed" in {*run, *grid}:
+        raise InputError("sweep.seeded-noise", True, "sets every cell's noise-seed to its seed: drop noise-seed from [run] and [grid]")
+    return SweepSpec(
+        name=name.strip(), run=run, grid=grid, engine=engine, clients=clients,
+        baseline=_flag(sweep, "sweep", "baseline", True), seeded_noise=seeded_noise, resources=_resources(raw),
+    )  # fmt: skip
+
+
+def load_scenario(path: Path) -> SweepSpec:
+    """Read and validate a scenario file; its name defaults to the file's stem."""
+    return validate(read_scenario(path), base_dir=path.resolve().parent, default_name=path.stem)

@@ -1,0 +1,308 @@
+"""Sweeps: scenario files and flags, the in-process engine, resuming after a real kill, failed cells, the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fedprivacy import cli
+from fedprivacy.sweepfiles import RESULT_COLUMNS
+from sims.engines.inprocess import InProcessEngine
+from sims.runner import read_results
+from sims.sweep.driver import run_sweep
+from sims.sweep.flags import scenario_from_flags
+from sims.sweep.grid import cell_name, cells
+from sims.sweep.spec import load_scenario, validate
+
+PROJECT = Path(__file__).resolve().parents[1]
+TINY = PROJECT / "scenarios" / "tiny.toml"
+TINY_CELLS = ["epsilon=1_rule=calibrated", "epsilon=2_rule=calibrated"]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, str]:
+    """The `fedprivacy` command in this process: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["fedprivacy", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def cell_folder(out: Path, name: str) -> Path:
+    """The run's results folder inside a finished cell."""
+    record = json.loads((out / "cells" / name / "cell.json").read_text())
+    return out / "cells" / name / record["run_folder"]
+
+
+def _markdown_rows(markdown: str, section: str) -> list[list[str]]:
+    """The cells of the first markdown table after the heading `section`."""
+    lines = markdown.splitlines()
+    start = next(i for i in range(lines.index(section), len(lines)) if lines[i].startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """scenarios/tiny.toml run once through the in-process engine, baseline included."""
+    out = tmp_path_factory.mktemp("tiny") / "sweep"
+    spec = load_scenario(TINY)
+    outcome = run_sweep(spec, cells(spec), out)
+    assert outcome.failures == []
+    return out
+
+
+def test_the_tiny_scenario_runs_every_cell_in_process_and_sweep_csv_agrees_with_the_cells(tiny_sweep):
+    table = pd.read_csv(tiny_sweep / "sweep.csv")
+    assert list(table.columns) == ["epsilon", "rule", *RESULT_COLUMNS]
+    assert list(table["cell"]) == [f"cells/{name}" for name in TINY_CELLS]
+    assert set(table["status"]) == {"completed"} and set(table["engine"]) == {"inprocess"}
+    assert sorted(p.name for p in (tiny_sweep / "cells").iterdir()) == TINY_CELLS
+    for row in table.itertuples():
+        result = read_results(cell_folder(tiny_sweep, row.cell.split("/")[1]))
+        result.check_budgets()
+        assert result.summary["status"] == "completed" and len(result.clients) == 2
+        assert row.final_accuracy == pytest.approx(result.final_accuracy, abs=1e-12)
+        assert row.best_accuracy == pytest.approx(result.best[1], abs=1e-12)
+        assert row.epsilon_spent_max == pytest.approx(result.epsilon_spent_max, abs=1e-12) and row.epsilon_spent_max <= row.epsilon
+        assert row.epsilon_spent_mean == pytest.approx(sum(c["epsilon_spent"] for c in result.clients) / 2, abs=1e-12)
+        assert row.all_within_budget and row.wall_s > 0
+        config = json.loads((result.folder / "config.json").read_text())["run_config"]
+        assert config["epsilon"] == row.epsilon and config["noise-seed"] == config["seed"] == 0  # seeded-noise
+    baseline = json.loads((tiny_sweep / "baseline" / "default" / "baseline.json").read_text())
+    assert baseline["status"] == "completed" and baseline["schedule_from"] == TINY_CELLS[0]
+    assert baseline["final_accuracy"] > 0.5  # 10 digits: chance is 0.1
+
+
+def test_report_writes_figures_and_tables_from_a_finished_sweep(tiny_sweep):
+    result = subprocess.run([sys.executable, "-m", "fedprivacy", "report", str(tiny_sweep)],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = tiny_sweep / "report"
+    stems = ("accuracy_vs_epsilon", "accuracy_vs_round", "epsilon_vs_round", "budget_use")
+    for stem in stems:
+        assert (report / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        svg = (report / f"{stem}.svg").read_text()
+        assert svg.startswith("<?xml") and "<svg" in svg[:1000]
+    markdown = (report / "report.md").read_text()
+    assert "2 cells: 2 completed, 0 failed, 0 pending" in markdown
+    for stem in stems:
+        assert f"]({stem}.png)" in markdown
+    accuracy = {float(r[1]): r for r in _markdown_rows(markdown, "## Accuracy")}
+    for row in pd.read_csv(tiny_sweep / "sweep.csv").itertuples():  # one seed per setting: the mean is the cell's
+        assert accuracy[row.epsilon][:3] == ["calibrated", f"{row.epsilon:.4f}", "1"]
+        assert float(accuracy[row.epsilon][3]) == pytest.approx(row.final_accuracy, abs=5e-5)
+    baseline = json.loads((tiny_sweep / "baseline" / "default" / "baseline.json").read_text())
+    assert f"{baseline['final_accuracy']:.4f}" in markdown
+
+
+def test_report_tables_average_over_seeds(tmp_path):
+    """A sweep folder written by hand (2 rules × 2 ε × 2 seeds): the report's means and spreads."""
+    accuracies = {("proactive", 1.0): (0.50, 0.60), ("proactive", 4.0): (0.70, 0.74),
+                  ("calibrated", 1.0): (0.62, 0.66), ("calibrated", 4.0): (0.80, 0.70)}  # fmt: skip
+    rows = []
+    for (rule, epsilon), finals in accuracies.items():
+        for seed, final in enumerate(finals):
+            name = cell_name({"rule": rule, "epsilon": epsilon, "seed": seed})
+            run = tmp_path / "cells" / name / "run"
+            run.mkdir(parents=True)
+            pd.DataFrame({"round": [1, 2], "accuracy": [final - 0.1, final], "epsilon_spent_max": [epsilon / 2, epsilon]}).to_csv(run / "rounds.csv", index=False)
+            spent = [epsilon, epsilon / 2] if rule == "calibrated" else [epsilon / 2, epsilon / 4]
+            pd.DataFrame({"client_id": ["a", "b"], "epsilon_budget": [epsilon] * 2, "epsilon_spent": spent,
+                          "status": ["exhausted", "ok"] if rule == "calibrated" else ["ok", "ok"]}).to_csv(run / "clients.csv", index=False)  # fmt: skip
+            (tmp_path / "cells" / name / "cell.json").write_text(json.dumps({"params": {"rule": rule, "epsilon": epsilon, "seed": seed}, "run_folder": "run"}))
+            rows.append({"rule": rule, "epsilon": epsilon, "seed": seed, **dict.fromkeys(RESULT_COLUMNS), "status": "completed", "final_accuracy": final,
+                         "best_accuracy": final, "epsilon_spent_max": epsilon, "all_within_budget": True, "cell": f"cells/{name}"})  # fmt: skip
+    pd.DataFrame(rows).to_csv(tmp_path / "sweep.csv", index=False)
+    (tmp_path / "sweep.json").write_text(json.dumps({"name": "by hand", "grid": {"rule": ["proactive", "calibrated"], "epsilon": [1.0, 4.0], "seed": [0, 1]}}))
+
+    code = subprocess.run([sys.executable, "-m", "fedprivacy", "report", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert code.returncode == 0, code.stderr
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    accuracy = {(r[0], float(r[1])): r for r in _markdown_rows(markdown, "## Accuracy")}
+    for key, finals in accuracies.items():
+        row = accuracy[key]
+        assert int(row[2]) == 2
+        assert float(row[3]) == pytest.approx(sum(finals) / 2, abs=5e-5)
+        assert float(row[4]) == pytest.approx(pd.Series(finals).std(), abs=5e-5)
+    budget = {(r[0], float(r[1])): r for r in _markdown_rows(markdown, "## Budget use per client")}
+    assert [float(v) for v in budget[("calibrated", 4.0)][3:6]] == [0.5, 0.75, 1.0]  # min, median, max of spent/budget
+    assert int(budget[("calibrated", 4.0)][6]) == 2 and int(budget[("proactive", 1.0)][6]) == 0  # out of budget, over seeds
+    assert (tmp_path / "report" / "accuracy_vs_epsilon.svg").is_file()
+
+
+def test_flags_and_a_scenario_file_give_the_same_cells(tmp_path, capsys, monkeypatch):
+    from_file = load_scenario(TINY)
+    raw = scenario_from_flags({"dataset": "digits", "rounds": "2"}, {"epsilons": "1,2", "rules": "calibrated"}, ["epochs=2"], [],
+                              {"clients": 2, "seeded-noise": True}, {})  # fmt: skip
+    from_flags = validate(raw, base_dir=tmp_path, default_name="tiny")
+    assert [(c.name, c.run_config, c.num_clients) for c in cells(from_flags)] == [(c.name, c.run_config, c.num_clients) for c in cells(from_file)]
+    # and through the command, which lists the cells it would run
+    _, listed_from_file, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "tiny"), "--dry-run")
+    code, listed_from_flags, _ = run_cli(capsys, monkeypatch, "sweep", "--out", str(tmp_path / "tiny"), "--dry-run", "--dataset", "digits",
+                                         "--clients", "2", "--rounds", "2", "--epsilons", "1,2", "--rules", "calibrated",
+                                         "--set", "epochs=2", "--seeded-noise")  # fmt: skip
+    assert code == 0 and listed_from_flags == listed_from_file and all(name in listed_from_file for name in TINY_CELLS)
+    assert not (tmp_path / "tiny").exists()  # a dry run writes nothing
+
+
+def test_seed_ranges_and_readable_unique_cell_names():
+    raw = scenario_from_flags({"dataset": "digits"}, {"seeds": "0-2,7"}, [], ["clip-norm=0.1,1e-05", "model=mlp"], {"clients": 2}, {})
+    spec = validate(raw, base_dir=Path.cwd(), default_name="x")
+    assert spec.grid == {"seed": (0, 1, 2, 7), "clip-norm": (0.1, 1e-05), "model": ("mlp",)}
+    assert cells(spec)[0].name == "seed=0_clip-norm=0.1_model=mlp"
+    assert cell_name({"epsilon": 1.0, "rule": "proactive"}) == "epsilon=1_rule=proactive"
+    unsafe = cell_name({"epsilons": "0.5,1/2"})
+    assert unsafe.startswith("epsilons=0.5-1-2-") and unsafe != cell_name({"epsilons": "0.5-1-2"}) != cell_name({"epsilons": "0.5,1,2"})
+
+
+def test_the_command_and_the_report_import_neither_flower_nor_sims():
+    """fedprivacy never imports flwr at module level: `sweep` imports sims inside the command."""
+    code = ("import sys, fedprivacy.cli, fedprivacy.reports.sweep_report, fedprivacy.results; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'sims', 'ray'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+BAD_SCENARIOS = {
+    "unknown grid key": ('[grid]\nepsilonn = [1, 2]\n', "grid.epsilonn"),
+    "unknown table": ('[grids]\nepsilon = [1]\n', "grids"),
+    "unknown sweep key": ('[sweep]\nengin = "flower"\n[grid]\nepsilon = [1]\n', "sweep.engin"),
+    "empty grid": ('[run]\ndataset = "digits"\n', "grid"),
+    "empty value list": ('[grid]\nepsilon = []\n', "grid.epsilon"),
+    "not a list": ('[grid]\nepsilon = 1\n', "grid.epsilon"),
+    "wrong type in the grid": ('[grid]\nepsilon = [1, "two"]\n', "grid.epsilon"),
+    "wrong type in run": ('[run]\nnum-server-rounds = 2.5\n[grid]\nepsilon = [1]\n', "run.num-server-rounds"),
+    "duplicate cell": ('[grid]\nrule = ["proactive", "proactive"]\n', "grid.rule"),
+    "duplicate after typing": ('[grid]\nepsilon = [1, 1.0]\n', "grid.epsilon"),
+    "fixed and varied": ('[run]\nepsilon = 1.0\n[grid]\nepsilon = [1, 2]\n', "grid.epsilon"),
+    "unknown engine": ('[sweep]\nengine = "fastest"\n[grid]\nepsilon = [1]\n', "sweep.engine"),
+    "set by the sweep": ('[run]\nresults-dir = "/tmp/x"\n[grid]\nepsilon = [1]\n', "run.results-dir"),
+    "out-of-range value": ('[sweep]\nclients = 2\n[grid]\nepsilon = [1, -2]\n', "epsilon"),
+    "too few clients": ('[sweep]\nclients = 1\n[grid]\nepsilon = [1]\n', "sweep.clients"),
+    "one budget per client, wrong count": ('[sweep]\nclients = 2\n[run]\nepsilons = "1,2,3"\n[grid]\nseed = [0]\n', "epsilons"),
+    "fractional CPUs": ('[resources]\nclient-cpus = 0.5\n[grid]\nepsilon = [1]\n', "resources.client-cpus"),
+    "not TOML": ('[grid\nepsilon = [1]\n', "scenario"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCENARIOS))
+def test_a_bad_scenario_is_refused_in_one_line_before_anything_runs(case, tmp_path, capsys, monkeypatch):
+    text, field = BAD_SCENARIOS[case]
+    scenario = tmp_path / "bad.toml"
+    scenario.write_text(text)
+    code, out, err = run_cli(capsys, monkeypatch, "sweep", str(scenario), "--out", str(tmp_path / "out"))
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}="), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_flags_with_a_scenario_file_or_a_bad_flag_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    for args, field in ((["--epsilons", "1,2"], "epsilons"), (["--seeds", "4-0"], "seeds"), (["--grid", "clip-norm=x"], "grid clip-norm")):
+        scenario = [str(TINY)] if field == "epsilons" else ["--dataset", "digits", "--clients", "2"]
+        code, _, err = run_cli(capsys, monkeypatch, "sweep", *scenario, "--out", str(tmp_path / "out"), *args)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: {field}="), err
+    assert not (tmp_path / "out").exists()
+
+
+class FailingEngine(InProcessEngine):
+    """The in-process engine with a fault injected into one cell."""
+
+    def __init__(self, failing: str) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def run_cell(self, cell, results_dir, on_round):
+        if cell.name == self.failing:
+            raise RuntimeError("injected fault\nwith a second line")
+        super().run_cell(cell, results_dir, on_round)
+
+
+def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "sweep"
+    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: FailingEngine(TINY_CELLS[1]))
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
+    assert code == 1 and f"failed: cells/{TINY_CELLS[1]}: RuntimeError: injected fault" in err
+    table = pd.read_csv(out / "sweep.csv")
+    assert list(table["status"]) == ["completed", "failed"]
+    assert table["error"][1] == "RuntimeError: injected fault" and pd.isna(table["error"][0])  # one line
+    first = (out / "cells" / TINY_CELLS[0] / "cell.json").stat().st_mtime_ns
+
+    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: InProcessEngine())
+    code, _, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
+    assert code == 0
+    assert list(pd.read_csv(out / "sweep.csv")["status"]) == ["completed", "completed"]
+    assert (out / "cells" / TINY_CELLS[0] / "cell.json").stat().st_mtime_ns == first  # not run again
+    assert not (out / "baseline").exists()
+
+
+class EngineThatCannotStart(InProcessEngine):
+    torn_down = False
+
+    def setup(self):
+        raise RuntimeError("no SuperLink came up (injected)")
+
+    def teardown(self):
+        EngineThatCannotStart.torn_down = True
+
+
+def test_an_engine_that_cannot_start_is_one_line_and_is_torn_down(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: EngineThatCannotStart())
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "out"), "--no-baseline")
+    assert code == 1 and err.strip().splitlines()[-1] == "error: engine inprocess could not start: RuntimeError: no SuperLink came up (injected)"
+    assert EngineThatCannotStart.torn_down
+    assert set(pd.read_csv(tmp_path / "out" / "sweep.csv")["status"]) == {"pending"}
+
+
+def test_a_finished_sweep_refuses_to_resume_with_other_settings(tiny_sweep, tmp_path, capsys, monkeypatch):
+    changed = tmp_path / "tiny.toml"
+    changed.write_text(TINY.read_text().replace("num-server-rounds = 2", "num-server-rounds = 3"))
+    before = (tiny_sweep / "sweep.csv").read_text()
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(changed), "--out", str(tiny_sweep))
+    assert code == 2 and err.startswith(f"error: out='{tiny_sweep}': its cell {TINY_CELLS[0]} ran with num-server-rounds=2")
+    assert (tiny_sweep / "sweep.csv").read_text() == before
+
+
+def _sweep_process(out: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fedprivacy", "sweep", str(TINY), "--out", str(out)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def test_a_killed_sweep_resumes_with_no_cell_duplicated_or_lost(tmp_path):
+    out = tmp_path / "sweep"
+    process = _sweep_process(out, tmp_path / "first.log")
+    first, second = (out / "cells" / name for name in TINY_CELLS)
+    deadline = time.monotonic() + 240
+    while not (second.is_dir() and (first / "cell.json").is_file()):  # the second cell has started
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    assert not (second / "cell.json").exists(), "the sweep finished its second cell before the kill"
+    assert list(pd.read_csv(out / "sweep.csv")["status"]) == ["completed", "pending"]
+    kept = {path: path.stat().st_mtime_ns for path in (first / "cell.json", out / "baseline" / "default" / "baseline.json")}
+
+    resumed = _sweep_process(out, tmp_path / "second.log")
+    assert resumed.wait(timeout=240) == 0, (tmp_path / "second.log").read_text()
+    assert "resuming" in (tmp_path / "second.log").read_text()
+    assert {path: path.stat().st_mtime_ns for path in kept} == kept  # the finished cell and baseline were not rerun
+    table = pd.read_csv(out / "sweep.csv")
+    assert list(table["cell"]) == [f"cells/{name}" for name in TINY_CELLS] and set(table["status"]) == {"completed"}
+    assert sorted(p.name for p in (out / "cells").iterdir()) == TINY_CELLS
+    for cell in (first, second):  # exactly one results folder each: the killed attempt left nothing behind
+        assert [p.name for p in cell.iterdir() if p.is_dir()] == [json.loads((cell / "cell.json").read_text())["run_folder"]]
+        read_results(cell_folder(out, cell.name)).check_budgets()
+    assert sorted(p.name for p in (out / "baseline").iterdir()) == ["default"]
