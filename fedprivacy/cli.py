@@ -231,7 +231,7 @@ def _sweep_scenario(scenario: Path | None, run_flags: dict[str, str | None], gri
 def sweep(
     scenario: Path | None = typer.Argument(None, help=SCENARIO_HELP, show_default=False),
     out: Path = typer.Option(..., "--out", help="folder for the cells, sweep.csv and the baselines; rerun to resume"),
-    engine: str | None = typer.Option(None, "--engine", help="inprocess (default: the apps in this process) | flower (a flwr run per cell)"),
+    engine: str | None = typer.Option(None, "--engine", help="inprocess (default: the apps in this process) | flower (a flwr run per cell) | fast (a round's clients trained together)"),
     baseline: bool | None = typer.Option(None, "--baseline/--no-baseline", help="also run the non-private baseline (default: yes)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the cells, run nothing"),
     dataset: str | None = typer.Option(None, "--dataset", help="digits | pums | csv | synthetic"),
@@ -250,6 +250,8 @@ def sweep(
     sets: list[str] = typer.Option([], "--set", help="KEY=VALUE: fix any run-config key (repeatable)"),
     client_cpus: int | None = typer.Option(None, "--client-cpus", help="CPUs per simulated client (flower engine; default 1)"),
     client_gpus: float | None = typer.Option(None, "--client-gpus", help="GPU fraction per simulated client (flower engine; default 0)"),
+    workers: int | None = typer.Option(None, "--workers", help="fast engine workers: 1 in this process, more as Ray actors (default 1)"),
+    worker_gpus: float | None = typer.Option(None, "--worker-gpus", help="GPU fraction per fast-engine worker (default 0: CPU)"),
 ) -> None:
     """Run a grid of federated runs, declared by a scenario file (TOML, see scenarios/) or by the
     flags, one results folder per cell and sweep.csv; rerun the same command to resume."""
@@ -259,7 +261,7 @@ def sweep(
                  "model": model, "rounds": rounds, "fraction-train": fraction_train}  # fmt: skip
     grid_flags = {"epsilons": epsilons, "rules": rules, "seeds": seeds}
     sweep_table = {"engine": engine, "baseline": baseline, "clients": clients, "seeded-noise": seeded_noise or None}
-    resources = {"client-cpus": client_cpus, "client-gpus": client_gpus}
+    resources = {"client-cpus": client_cpus, "client-gpus": client_gpus, "workers": workers, "worker-gpus": worker_gpus}
     spec = _guarded(lambda: _sweep_scenario(scenario, run_flags, grid_flags, sets, grid, sweep_table, resources, out))
     console = Console(stderr=True)
     with console.status("validating every cell"):

@@ -86,6 +86,19 @@ def test_the_tiny_scenario_runs_every_cell_in_process_and_sweep_csv_agrees_with_
     assert baseline["final_accuracy"] > 0.5  # 10 digits: chance is 0.1
 
 
+def test_the_fast_engine_gives_the_in_process_numbers_for_the_tiny_scenario(tiny_sweep, tmp_path, capsys, monkeypatch):
+    """`--engine fast` slots in as a module of sims/engines: same cells, same results to float tolerance."""
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--engine", "fast", "--no-baseline", "--out", str(tmp_path / "fast"))
+    assert code == 0, err
+    fast, apps = pd.read_csv(tmp_path / "fast" / "sweep.csv"), pd.read_csv(tiny_sweep / "sweep.csv")
+    assert set(fast["engine"]) == {"fast"} and list(fast["cell"]) == list(apps["cell"])
+    for column in ("final_accuracy", "best_accuracy"):
+        assert fast[column].to_list() == pytest.approx(apps[column].to_list(), abs=1e-4)
+    assert fast["epsilon_spent_max"].to_list() == apps["epsilon_spent_max"].to_list()  # identical accounting
+    summary = json.loads((cell_folder(tmp_path / "fast", TINY_CELLS[0]) / "summary.json").read_text())
+    assert summary["engine"] == "fast"
+
+
 def test_report_writes_figures_and_tables_from_a_finished_sweep(tiny_sweep):
     result = subprocess.run([sys.executable, "-m", "fedprivacy", "report", str(tiny_sweep)],
                             capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -7,7 +7,8 @@ A scenario has four tables; only [grid] is required:
                  seeded-noise (true: every cell's noise-seed is its seed, for reproducible experiments)
     [run]        fixed run-config keys (fedprivacy.runconfig.DEFAULTS), the same in every cell
     [grid]       run-config key = [values]: the sweep runs every combination, one cell each
-    [resources]  client-cpus, client-gpus: what each simulated client gets under the flower engine
+    [resources]  client-cpus, client-gpus: what each simulated client gets under the flower engine;
+                 workers, worker-gpus: the fast engine's workers and each one's share of a GPU
 
 Everything is checked before anything runs, and the first problem is one `InputError` naming the
 field (`grid.epsilon`), the value and what is allowed: an unknown table or key, a value of the
@@ -32,17 +33,20 @@ from sims.engines import engine_names
 
 TABLES = ("sweep", "run", "grid", "resources")
 SWEEP_KEYS = ("name", "engine", "clients", "baseline", "seeded-noise")
-RESOURCE_KEYS = ("client-cpus", "client-gpus")
+RESOURCE_KEYS = ("client-cpus", "client-gpus", "workers", "worker-gpus")
 SET_BY_THE_SWEEP = ("results-dir", "ledger-path")
 PATH_KEYS = ("data-path",)
 
 
 @dataclass(frozen=True)
 class Resources:
-    """What Flower's simulation gives each client (flower engine): whole CPUs, a fraction of a GPU."""
+    """What Flower's simulation gives each client (flower engine): whole CPUs, a fraction of a GPU;
+    and the fast engine's workers (1: in the sweep's process; more: Ray actors) and GPU share each."""
 
     client_cpus: int = 1
     client_gpus: float = 0.0
+    workers: int = 1
+    worker_gpus: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,13 @@ def _resources(raw: Mapping[str, Any]) -> Resources:
     gpus = table.get("client-gpus", 0.0)
     if isinstance(gpus, bool) or not isinstance(gpus, int | float) or not 0 <= gpus <= 1:
         raise InputError("resources.client-gpus", gpus, "must be a fraction of a GPU in [0, 1], e.g. 0.25 for four clients per GPU")
-    return Resources(client_cpus=cpus, client_gpus=float(gpus))
+    workers = table.get("workers", 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InputError("resources.workers", workers, "must be a whole number of fast-engine workers >= 1")
+    worker_gpus = table.get("worker-gpus", 0.0)
+    if isinstance(worker_gpus, bool) or not isinstance(worker_gpus, int | float) or not 0 <= worker_gpus <= 1:
+        raise InputError("resources.worker-gpus", worker_gpus, "must be a fraction of a GPU in [0, 1], e.g. 0.5 for two workers per GPU")
+    return Resources(client_cpus=cpus, client_gpus=float(gpus), workers=workers, worker_gpus=float(worker_gpus))
 
 
 def _known(table: Mapping[str, Any], prefix: str, keys: tuple[str, ...]) -> None:

@@ -1,0 +1,39 @@
+"""The fast engine: a round's clients trained together (sims.fast), the apps' rules for the rest.
+
+Each cell is one `run_fast`, with the scenario's `[resources] workers` (1: in the sweep's process;
+more: Ray actors) and `worker-gpus`. The results folder has the apps' format, with `"engine":
+"fast"` in config.json and summary.json.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from fedprivacy.training.rng import SeededRunWarning
+from sims.fast.engine import run_fast
+from sims.sweep.grid import Cell
+from sims.sweep.spec import Resources
+
+
+class FastEngine:
+    def __init__(self, resources: Resources) -> None:
+        self.resources = resources
+
+    def setup(self) -> None:
+        """Workers start with each cell: a cell's clients are dealt to them once, for the whole run."""
+
+    def run_cell(self, cell: Cell, results_dir: Path, on_round: Callable[[int], None]) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SeededRunWarning)
+            run_fast({**cell.run_config, "results-dir": str(results_dir)}, cell.num_clients,
+                     workers=self.resources.workers, gpus_per_worker=self.resources.worker_gpus,
+                     on_round=lambda row: on_round(int(row["round"])), say=lambda _: None)  # fmt: skip
+
+    def teardown(self) -> None:
+        """Nothing outlives a cell."""
+
+
+def create(resources: Resources) -> FastEngine:
+    return FastEngine(resources)
