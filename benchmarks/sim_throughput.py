@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -73,49 +72,29 @@ def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, re
         wall = _flower(config, clients)
     return {"engine": engine, "model": model, "clients": clients, "rounds": rounds, "wall_s": round(wall, 3),
             "client_rounds_per_s": round(clients * rounds / wall, 1),
-            "accounting_s": None if accounting is None else round(accounting, 3), "peak_rss_mb": round(peak_rss_mb(), 1)}  # fmt: skip
+            "accounting_s": None if accounting is None else round(accounting, 3),
+            # flower's clients run in the SuperLink's processes (Ray): this process's RSS would not be theirs
+            "peak_rss_mb": None if engine == "flower" else round(peak_rss_mb(), 1)}  # fmt: skip
 
 
 def _flower(config: dict[str, Any], clients: int) -> float:
-    """A real `flwr run` against a simulation SuperLink of our own; wall time from submit to finish."""
-    import socket
-    import urllib.request
+    """A real `flwr run` through the sweep's flower engine (its own SuperLink, judged by run
+    status); wall time of the run, SuperLink start-up excluded."""
+    from sims.engines.flower import create
+    from sims.sweep.grid import Cell
+    from sims.sweep.spec import Resources
 
-    home = Path(tempfile.mkdtemp(prefix="flwr-bench-"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # fmt: skip
-    bin_dir = Path(sys.executable).parent
-    link = subprocess.Popen([str(bin_dir / "flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1",
-                             "--port", str(port), "--database", ":flwr-in-memory:"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    engine = create(Resources(client_cpus=1))
+    engine.setup()
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        (home / "config.toml").write_text(f'[superlink]\ndefault = "b"\n[superlink.b]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
-        overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
         started = time.perf_counter()
-        submitted = subprocess.run([str(bin_dir / "flwr"), "run", ".", "b", "--run-config", overrides, "--federation-config",
-                                    f"num-supernodes={clients} client-resources-num-cpus=1", "--format", "json"],
-                                   cwd=PROJECT, env=env, capture_output=True, text=True, check=True)  # fmt: skip
-        run_id = str(json.loads(submitted.stdout)["run-id"])
-        while True:
-            listed = subprocess.run([str(bin_dir / "flwr"), "list", "--run-id", run_id, "--format", "json"], cwd=PROJECT,
-                                    env=env, capture_output=True, text=True)  # fmt: skip
-            status = json.loads(listed.stdout)["runs"][0]["status"]
-            if status.startswith("finished:"):
-                if status != "finished:completed":
-                    raise RuntimeError(f"flwr run {run_id} ended {status}")
-                return time.perf_counter() - started
-            time.sleep(1)
+        results = Path(config["results-dir"])
+        results.mkdir(parents=True, exist_ok=True)
+        run_config = {k: v for k, v in config.items() if k != "results-dir"}
+        engine.run_cell(Cell("bench", {}, run_config, clients), results, lambda _: None)
+        return time.perf_counter() - started
     finally:
-        os.killpg(link.pid, 15)
+        engine.teardown()
 
 
 # ----- the mechanism's cost inside the fast engine -----
@@ -200,8 +179,9 @@ def main() -> None:
           f"{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}")
     for r in rows:
         accounting = "" if r["accounting_s"] is None else f"{r['accounting_s']:.2f}"
+        rss = "n/a" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
         print(f"{r['engine']:<10}{r['model']:<8}{r['clients']:>8}{r['rounds']:>7}{r['wall_s']:>9.2f}{r['client_rounds_per_s']:>17.1f}"
-              f"{accounting:>14}{r['peak_rss_mb']:>13.0f}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}")
+              f"{accounting:>14}{rss:>13}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}")
     mechanism = [child(["mechanism", model, str(args.clients), "5"]) for model in args.models.split(",")]
     print("\nA fast-engine round with DP against the same round with clipping and noise off:")
     for m in mechanism:
