@@ -3,7 +3,8 @@
 The results folder is `<results-dir>/<time>-run<run id>` (results-dir from the run config,
 default ~/fedprivacy-results; it must be absolute, see fedprivacy.runconfig). It is printed at
 the start and at the end of every run. In a simulation the clients' ledger lives in it too,
-unless the run config names a `ledger-path`.
+unless the run config names a `ledger-path`; deployed clients keep theirs on their SuperNodes,
+where the server cannot see them, and config.json / summary.json say so.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedprivacy.errors import error_summary
+from fedprivacy.errors import InputError, error_summary
 from fedprivacy.participant import evaluate_model, new_model, server_test_set
 from fedprivacy.results import RunRecorder, new_run_folder
 from fedprivacy.runconfig import RunSettings, parse_run_config
@@ -26,6 +27,7 @@ from server.strategy import PrivacyFedAvg
 
 app = ServerApp()
 DIAGNOSTICS_NOTE = "not private: clients returned their raw training loss and clip fraction (simulation only)"
+DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the server cannot see them"
 
 
 def say(text: str) -> None:
@@ -58,19 +60,23 @@ def _resolved_config(settings: RunSettings, context: Context, extra: dict[str, A
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = parse_run_config(context.run_config)
-    folder = new_run_folder(settings.results_dir, context.run_id)
+    try:
+        folder = new_run_folder(settings.results_dir, context.run_id)
+    except OSError as error:
+        raise InputError("results-dir", str(settings.results_dir),
+                         f"cannot create the run's folder there ({error.strerror or error}): name a writable folder") from None
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
     extra = {
         "run_id": context.run_id,
-        "ledger_path": str(ledger_path),
+        "ledger": str(ledger_path),
         "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
     }
     if settings.diagnostics:
         say(f"diagnostics on: {DIAGNOSTICS_NOTE}")
     try:
-        _federate(grid, context, settings, recorder, ledger_path)
+        _federate(grid, context, settings, recorder, ledger_path, extra)
     except Exception as exc:
         # Keep what the run had (rounds.csv and clients.csv are already written), and say why
         # it stopped in one line; Flower then reports the run as finished:failed.
@@ -88,7 +94,9 @@ def main(grid: Grid, context: Context) -> None:
     say(f"results folder: {folder}")
 
 
-def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: RunRecorder, ledger_path: Path) -> None:
+def _federate(
+    grid: Grid, context: Context, settings: RunSettings, recorder: RunRecorder, ledger_path: Path, extra: dict[str, Any]
+) -> None:
     """The rounds: FedAvg with privacy-aware sampling, evaluation each round, then the model and figure."""
     random.seed(settings.seed)  # anything left that draws from the global RNG
     strategy = PrivacyFedAvg(
@@ -106,10 +114,12 @@ def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: Run
         say(f"data-path {settings.data_path} is not a file on the server: evaluating through the clients "
             "(as in a deployment, where each SuperNode reads its own file)")
     evaluation = "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
+    if test is None:  # the clients read their own data, so they are (or act as) deployed SuperNodes
+        extra["ledger"] = DEPLOYED_LEDGERS
     recorder.write_config(
         _resolved_config(
             settings, context,
-            {"results_folder": str(recorder.folder), "ledger_path": str(ledger_path), "clients": len(nodes), "evaluation": evaluation},
+            {"results_folder": str(recorder.folder), "ledger": extra["ledger"], "clients": len(nodes), "evaluation": evaluation},
         )
     )
     say(f"{len(nodes)} clients, {settings.num_server_rounds} rounds, dataset {settings.dataset}, rule {settings.rule}; evaluation: {evaluation}")
@@ -142,7 +152,7 @@ def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: Run
     recorder.write_figure()
     if not any(c.rounds_trained for c in recorder.clients.values()):
         # An untrained model.pt would pass for a result: no model, and the run fails saying why.
-        failed = sum(c.status.startswith("failed") for c in recorder.clients.values())
+        failed = sum(c.rounds_dropped > 0 for c in recorder.clients.values())
         exhausted = sum(c.exhausted_round is not None for c in recorder.clients.values())
         raise RuntimeError(f"no client trained in any round ({failed} failed, {exhausted} out of budget): "
                            "no model was saved; see clients.csv")

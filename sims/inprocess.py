@@ -6,11 +6,14 @@ Tests (tests/conftest.py) and simulation scenarios (sims/runner.py) both drive t
 `Context` per node that persists across rounds, exactly as the simulation engine keeps
 `context.state`. An exception in a handler becomes an error reply, as Flower does, so the
 ServerApp sees failing clients the way it would in a real run. Nodes are called one after the
-other in this process, so a run uses one core (plus torch's threads).
+other in this process, so a run uses one core (plus torch's threads). Real nodes run side by
+side, so each call gets the whole `timeout` of `send_and_receive` to itself: a call that takes
+longer gives no reply, as a hung node gives none to Flower's grid (it finishes in the background).
 """
 
 from __future__ import annotations
 
+import threading
 import tomllib
 import uuid
 from collections.abc import Iterable, Mapping
@@ -67,19 +70,34 @@ class InProcessGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+    def _call(self, message: Message) -> Message:
+        node = message.metadata.dst_node_id
+        try:
+            reply = self.client_app(message, self.contexts[node])
+        except Exception as exc:  # Flower turns a handler's exception into an error reply
+            reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+        reply.metadata.__dict__["_src_node_id"] = node
+        return reply
+
+    def _call_within(self, message: Message, timeout: float | None) -> Message | None:
+        """The node's reply, or None when it takes longer than `timeout` seconds."""
+        if timeout is None:
+            return self._call(message)
+        box: list[Message] = []
+        worker = threading.Thread(target=lambda: box.append(self._call(message)), daemon=True)
+        worker.start()
+        worker.join(timeout)
+        return box[0] if box else None
+
+    def push_messages(self, messages: Iterable[Message], timeout: float | None = None) -> Iterable[str]:
         ids = []
         for message in messages:
             message_id = uuid.uuid4().hex
             message.metadata.__dict__["_message_id"] = message_id  # the SuperLink assigns this normally
-            node = message.metadata.dst_node_id
-            self.calls.append((node, message.metadata.message_type))
-            try:
-                reply = self.client_app(message, self.contexts[node])
-            except Exception as exc:  # Flower turns a handler's exception into an error reply
-                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
-            reply.metadata.__dict__["_src_node_id"] = node
-            self.replies[message_id] = reply
+            self.calls.append((message.metadata.dst_node_id, message.metadata.message_type))
+            reply = self._call_within(message, timeout)
+            if reply is not None:
+                self.replies[message_id] = reply
             ids.append(message_id)
         return ids
 
@@ -87,7 +105,7 @@ class InProcessGrid(Grid):
         return [self.replies.pop(i) for i in message_ids if i in self.replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(self.push_messages(messages))
+        return self.pull_messages(self.push_messages(messages, timeout))
 
 
 def run_server(server_app: Any, grid: InProcessGrid, run_config: Mapping[str, Any]) -> None:
