@@ -17,6 +17,7 @@ log so the test knows what it did, even across Ray's worker processes.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import time
@@ -121,3 +122,45 @@ def faulty(real: ClientApp, faults: Faults) -> ClientApp:
         return real(message, context)
 
     return app
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def check_run(folder: Path, faults: Faults, schedule: dict[tuple[int, str], str], log_text: str) -> dict[tuple[int, str], str]:
+    """Assert what a run with injected faults must show; return the faults injected.
+
+    The run completed within budget; every injected fault, and nothing else, was dropped with the
+    outcome and reason it deserves and a log line naming the client (by its node id if it never
+    replied before); each round trained everyone else; the global model is finite.
+    """
+    import torch
+
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["all_within_budget"] is True, summary
+    injected = {(f["round"], f["client"]): f["kind"] for f in faults.injected()}
+    nodes = {f["client"]: f["node"] for f in faults.injected()}
+    assert injected and set(injected.items()) <= set(schedule.items())
+    replies = read_csv(folder / "replies.csv")
+    named = {f"node-{node}": client for client, node in nodes.items()}  # a client that never replied validly
+    dropped = {(int(r["round"]), named.get(r["client_id"], r["client_id"])): r
+               for r in replies if r["outcome"] not in ("trained", "exhausted")}
+    assert set(dropped) == set(injected), (dropped, injected)
+    for key, kind in injected.items():
+        assert dropped[key]["outcome"] == OUTCOMES[kind], (key, kind, dropped[key])
+        assert REASONS[kind] in dropped[key]["reason"], (key, kind, dropped[key])
+        names = (f"reply of client {key[1]} dropped", f"reply of client node-{nodes[key[1]]} dropped")
+        assert any(f"round {key[0]}: {name}" in log_text for name in names), key
+    clients = {named.get(r["client_id"], r["client_id"]): r for r in read_csv(folder / "clients.csv")}
+    for (server_round, client), kind in injected.items():
+        if kind == "hang":  # its node is gone for the run (a restarted SuperNode has a new id)
+            assert clients[client]["excluded_round"] == str(server_round)
+    for row in read_csv(folder / "rounds.csv"):
+        count = sum(1 for k in injected if k[0] == int(row["round"]))
+        assert int(row["clients_dropped"]) == count, row
+        assert int(row["clients_trained"]) == int(row["clients_sampled"]) - count > 0, row
+    model = torch.load(folder / "model.pt")
+    assert all(torch.isfinite(v).all() for v in model.values())  # never a NaN in the global model
+    return injected
