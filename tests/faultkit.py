@@ -51,9 +51,6 @@ class Faults:
         data = json.loads(path.read_text())
         return cls(float(data["rate"]), int(data["seed"]), float(data["hang_s"]), Path(data["log"]))
 
-    def to_file(self, path: Path) -> None:
-        path.write_text(json.dumps({"rate": self.rate, "seed": self.seed, "hang_s": self.hang_s, "log": str(self.log)}))
-
     def kind(self, server_round: int, client: str) -> str | None:
         """The fault of `client` in `server_round`, or None (a seeded draw, the same in any process)."""
         digest = hashlib.sha256(f"{self.seed}:{server_round}:{client}".encode()).digest()
