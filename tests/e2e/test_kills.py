@@ -147,3 +147,58 @@ def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(
         k["reply_reached_server"] = outcomes.get((k["round"], k["client"])) == "trained"
     (tmp_path / "kills.json").write_text(json.dumps(kills, indent=1))
     print("\n".join(json.dumps(k) for k in kills))
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.timeout(420)
+def test_a_killed_superlink_leaves_ledgers_and_finished_rounds_and_a_new_run_continues(flower, tmp_path):
+    """SIGKILL the SuperLink (with its SuperExec and ServerApp) mid-run: every finished round is in
+    the results folder, the clients' ledgers are intact, and a new run on a restarted SuperLink
+    (same port and database, created 0600) continues from the ledgers."""
+    database = tmp_path / "superlink.db"
+    os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # SQLite keeps the mode
+    configs = pums_nodes(tmp_path, {1106: 1.0, 1107: 1.0})
+    ledgers = [tmp_path / "ledger-1106.sqlite", tmp_path / "ledger-1107.sqlite"]
+    port = start_superlink(flower, None, "--database", str(database))
+    superlink = flower.processes[-1]
+    for i, config in enumerate(configs):
+        start_supernode(flower, f"supernode{i}", port, config)
+    common = "dataset='pums' min-clients=2 fraction-evaluate=0 round-timeout=60"
+    flower.submit("deployment", f"{common} num-server-rounds=8 results-dir='{tmp_path / 'r1'}'")
+    deadline = time.monotonic() + 240
+    while not ((tmp_path / "r1").is_dir() and any((tmp_path / "r1").glob("*/rounds.csv"))
+               and len(read_rows(next((tmp_path / "r1").glob("*/rounds.csv")))) >= 2):
+        assert time.monotonic() < deadline, "two rounds never finished"
+        time.sleep(0.2)
+    kill_group(superlink)
+
+    folder = only_folder(tmp_path / "r1")
+    finished = [int(r["round"]) for r in read_rows(folder / "rounds.csv")]
+    assert finished == list(range(1, len(finished) + 1)) and len(finished) >= 2
+    received = {r["client_id"]: int(r["steps_all_runs"]) for r in read_rows(folder / "clients.csv")}
+    clients = ("puma-1106", "puma-1107")
+    for ledger, client in zip(ledgers, clients):
+        state = check_ledger(ledger, received[client], 1.0)
+        assert set(finished) <= set(state["rounds"])
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in tmp_path.glob("superlink.db*"))
+
+    flower.start("superlink-restarted", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                                         "--database", str(database)])  # fmt: skip
+    flower.wait_healthy(port)
+    time.sleep(10)  # a client that was training when the server died finishes that round, then idles
+    before = {}
+    for ledger, client in zip(ledgers, clients):
+        state = check_ledger(ledger, received[client], 1.0)
+        assert set(finished) <= set(state["rounds"]) <= set(range(1, len(finished) + 2))  # + the round in flight
+        before[client] = state["steps"]
+    second = flower.submit("deployment", f"{common} num-server-rounds=1 results-dir='{tmp_path / 'r2'}'")
+    run = flower.wait_finished(second, timeout=180)
+    assert run["status"] == "finished:completed", flower.run_log(second)
+    for client, row in {r["client_id"]: r for r in read_rows(only_folder(tmp_path / "r2") / "clients.csv")}.items():
+        assert int(row["steps_all_runs"]) == before[client] + int(row["steps_this_run"]) > before[client]
+    for ledger in ledgers:
+        check_ledger(ledger, 0, 1.0)
