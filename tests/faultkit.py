@@ -21,6 +21,7 @@ import csv
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,11 +91,25 @@ def _corrupt(reply: Message, kind: str) -> Message:
     return reply
 
 
+def with_train(real: ClientApp, train: Callable[[Message, Context], Message]) -> ClientApp:
+    """A ClientApp whose train handler is `train`; evaluation and queries go to `real`."""
+    app = ClientApp()
+    app.train()(train)
+
+    @app.evaluate()
+    def evaluate(message: Message, context: Context) -> Message:
+        return real(message, context)
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        return real(message, context)
+
+    return app
+
+
 def faulty(real: ClientApp, faults: Faults) -> ClientApp:
     """A ClientApp that is `real`, except for the train replies `faults` schedules."""
-    app = ClientApp()
 
-    @app.train()
     def train(message: Message, context: Context) -> Message:
         client, server_round = _client_name(context), int(message.content["config"]["server-round"])
         kind = faults.kind(server_round, client)
@@ -110,15 +125,7 @@ def faulty(real: ClientApp, faults: Faults) -> ClientApp:
             return reply
         return _corrupt(reply, kind)
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        return real(message, context)
-
-    @app.query()
-    def query(message: Message, context: Context) -> Message:
-        return real(message, context)
-
-    return app
+    return with_train(real, train)
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:

@@ -30,6 +30,7 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from faultkit import with_train
 from fedprivacy.ledger import Ledger
 from fedprivacy.training.trainer import DPTrainer
 
@@ -86,15 +87,12 @@ def _patch(cls: type, name: str, point: str, before: bool) -> None:
     setattr(cls, name, wrapped)
 
 
-_patch(DPTrainer, "run_round", "training", before=True)
-_patch(Ledger, "record", "recorded", before=False)
-
-
 def killable(real: ClientApp) -> ClientApp:
-    """The real ClientApp, with the named points in its train handler."""
-    app = ClientApp()
+    """The real ClientApp, with the named points in its train handler (and, in this process, in the
+    trainer and the ledger: the app module runs in a clientapp process of its own)."""
+    _patch(DPTrainer, "run_round", "training", before=True)
+    _patch(Ledger, "record", "recorded", before=False)
 
-    @app.train()
     def train(message: Message, context: Context) -> Message:
         _current.update(client=str(context.node_config["client-id"]), round=int(message.content["config"]["server-round"]))
         _reach("received")
@@ -108,12 +106,4 @@ def killable(real: ClientApp) -> ClientApp:
         _reach("returning")
         return reply
 
-    @app.evaluate()
-    def evaluate(message: Message, context: Context) -> Message:
-        return real(message, context)
-
-    @app.query()
-    def query(message: Message, context: Context) -> Message:
-        return real(message, context)
-
-    return app
+    return with_train(real, train)

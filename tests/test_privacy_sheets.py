@@ -12,7 +12,7 @@ from fedprivacy.privacy.planner import plan_client
 
 @pytest.fixture(scope="module")
 def two_plans():
-    return [plan_client(800, 1.0, 1e-5, client_id=f"c{i}", rule="calibrated") for i in range(2)]
+    return [plan_client(800 + i, 1.0, 1e-5, client_id=f"c{i}", rule="calibrated") for i in range(2)]  # two distinct figures
 
 
 def test_sheet_shows_plan_certificate_conditions_and_rules(tmp_path, two_plans):
@@ -56,3 +56,15 @@ def test_a_failure_while_writing_leaves_no_partial_output(tmp_path, two_plans, m
         sheets.write_sheets(two_plans, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert list(tmp_path.iterdir()) == []  # the staging folder is gone too
+
+
+def test_clients_with_the_same_plan_share_one_drawing(tmp_path, monkeypatch):
+    """An IID split gives many clients one plan: its figure is drawn once and copied."""
+    plans = [plan_client(800, 1.0, 1e-5, client_id=f"c{i}") for i in range(3)]
+    drawn = []
+    real = sheets.draw_figure
+    monkeypatch.setattr(sheets, "draw_figure", lambda plan, curves, path: (drawn.append(plan.client_id), real(plan, curves, path)))
+    sheets.write_sheets(plans, tmp_path / "out")
+    assert drawn == ["c0"]
+    pngs = [(tmp_path / "out" / f"c{i}.png").read_bytes() for i in range(3)]
+    assert pngs[0] == pngs[1] == pngs[2] and pngs[0][:4] == b"\x89PNG"

@@ -34,6 +34,7 @@ def wrapped_app(folder: Path, kit: str, wrapper: str, settings_name: str, settin
         "HERE = Path(__file__).resolve().parent\n"
         f"app = {wrapper}\n"
     )
-    shutil.copy(PROJECT / "tests" / f"{kit}.py", folder / f"{kit}.py")
+    for module in {"faultkit", kit}:  # faultkit holds the wrapping every kit shares
+        shutil.copy(PROJECT / "tests" / f"{module}.py", folder / f"{module}.py")
     (folder / settings_name).write_text(json.dumps(settings))
     return folder
