@@ -68,3 +68,10 @@ def test_clients_with_the_same_plan_share_one_drawing(tmp_path, monkeypatch):
     assert drawn == ["c0"]
     pngs = [(tmp_path / "out" / f"c{i}.png").read_bytes() for i in range(3)]
     assert pngs[0] == pngs[1] == pngs[2] and pngs[0][:4] == b"\x89PNG"
+
+
+def test_two_clients_sharing_one_plan_get_one_sheet(tmp_path):
+    """SuperNodes on one ledger account follow the plan the first of them saved, client id included."""
+    plan = plan_client(800, 1.0, 1e-5, client_id="twin-a")
+    written = sheets.write_sheets([plan, plan], tmp_path / "out")
+    assert sorted(p.name for p in written if p.stem == "twin-a") == ["twin-a.html", "twin-a.json", "twin-a.md", "twin-a.png"]

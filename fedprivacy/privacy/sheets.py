@@ -158,7 +158,8 @@ def write_sheet(plan: Plan, out_dir: str | Path, drawn: dict[str, Path] | None =
     drawn = {} if drawn is None else drawn
     key = json.dumps({**plan.to_dict(), "client_id": None}, sort_keys=True)
     if key in drawn:
-        shutil.copyfile(drawn[key], paths["png"])
+        if drawn[key] != paths["png"]:  # two clients may share one plan, and so one sheet name
+            shutil.copyfile(drawn[key], paths["png"])
     else:
         draw_figure(plan, epsilon_curves(plan), paths["png"])
         drawn[key] = paths["png"]
