@@ -97,6 +97,7 @@ def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run
     model = build_model("logreg", 64, 10)
     model.load_state_dict(torch.load(folder / "model.pt"))
     assert (folder / "ledger.sqlite").is_file()  # a simulation's fresh ledger lives in its results folder
+    assert config["ledger"] == summary["ledger"] == str(folder / "ledger.sqlite")
 
 
 def test_pyproject_declares_the_app_and_no_federations(in_process):
@@ -256,6 +257,9 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
     folder = run_folder(Path(config["results-dir"]))
     out = capsys.readouterr().out
     assert "federated (the server has no data)" in out
+    for name in ("config.json", "summary.json"):  # the ledgers are on the SuperNodes, not in the folder
+        assert json.loads((folder / name).read_text())["ledger"].startswith("on each SuperNode (its node config's ledger-path)")
+    assert not (folder / "ledger.sqlite").exists()
     rounds = pd.read_csv(folder / "rounds.csv")
     assert rounds["accuracy"].isna().all() and rounds["federated_accuracy"].isna().all()
     evaluations = [k for _, k in grid.calls if k == "evaluate"]
