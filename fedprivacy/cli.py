@@ -177,11 +177,12 @@ def calculator(
 ) -> None:
     """List every feasible plan over a grid of epochs and sampling rates, ranked a priori."""
     from fedprivacy import errors
+    from fedprivacy.privacy import limits
     from fedprivacy.privacy.calculator import UTILITY_PROXY, feasible_plans
 
     def run() -> list[Any]:
-        errors.integer_at_least("n", n, 2)
-        errors.positive("epsilon", epsilon)
+        limits.records("n", n)
+        limits.epsilon("epsilon", epsilon)
         errors.open_unit("delta", delta)
         with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
             task = progress.add_task("certifying grid", total=None)

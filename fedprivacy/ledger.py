@@ -158,13 +158,18 @@ def _marks(chunk: list[str]) -> str:
 class Ledger:
     """One SQLite file holding the spends of any number of accounts."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, busy_timeout: float = 60.0) -> None:
+        """Open (or create, 0600) the ledger at `path`; wait up to `busy_timeout` s for another writer."""
         self.path = Path(path)
         self._seen: dict[str, tuple[int, list[NoiseEvent]]] = {}  # account → (last spend id, history)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.path.exists():
-            # Created 0600 before SQLite writes anything into it.
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        self.busy_timeout = busy_timeout
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self.path.exists():
+                # Created 0600 before SQLite writes anything into it.
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as error:
+            raise InputError("ledger-path", str(self.path), f"cannot create a ledger there ({error.strerror or error})") from None
         try:
             with self._connect() as db:
                 version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -174,15 +179,24 @@ class Ledger:
                         f"written by a newer fedprivacy (ledger schema {version}, this version reads up to "
                         f"{SCHEMA_VERSION}): upgrade fedprivacy, never downgrade a ledger",
                     )
+                tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+                if tables and "spends" not in tables:
+                    raise InputError("ledger-path", str(self.path), "is an SQLite database of another application "
+                                     f"(tables: {', '.join(sorted(tables)[:3])}…), not a fedprivacy ledger; it is left as it was")
                 db.executescript(_SCHEMA)
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error):
+                raise InputError("ledger-path", str(self.path), f"not a readable fedprivacy ledger ({error})") from None
+            raise InputError("ledger-path", str(self.path), f"locked by another process for more than {busy_timeout:g} s "
+                             "(a SuperNode writing to it?): try again when it is done") from None
         except sqlite3.DatabaseError as error:
             raise InputError("ledger-path", str(self.path), f"not a readable fedprivacy ledger ({error})") from None
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
         # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE) where they matter.
-        db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+        db = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
         try:
             db.execute("PRAGMA synchronous=FULL")
             yield db

@@ -17,8 +17,10 @@ from rich.table import Table
 
 from fedprivacy import errors
 from fedprivacy.errors import InputError
+from fedprivacy.privacy import limits
 
 app = typer.Typer(no_args_is_help=True, help=__doc__)
+OPERATOR_WAIT_S = 5.0  # an operator waits this long for a SuperNode's write, then is told the file is locked
 
 
 def _open(path: Path):
@@ -26,7 +28,7 @@ def _open(path: Path):
 
     if not path.is_file():
         raise InputError("ledger", str(path), "no such file: pass the ledger-path of a SuperNode or run")
-    return Ledger(path)
+    return Ledger(path, busy_timeout=OPERATOR_WAIT_S)
 
 
 @app.command()
@@ -62,7 +64,7 @@ def set_budget(
     from fedprivacy.cli import _guarded as guarded
 
     def change() -> None:
-        errors.positive("epsilon", epsilon)
+        limits.epsilon("epsilon", epsilon)
         errors.open_unit("delta", delta)
         ledger = _open(path)
         old = ledger.budget(account)

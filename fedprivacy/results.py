@@ -3,9 +3,11 @@
 Results are files (DESIGN.md): sweeps, reports and tests all read the same folder:
 
     config.json       the resolved run config (and where the data and ledger were)
-    rounds.csv        one row per round: accuracy, loss, ε spent (max/mean), clients trained
-                      this round, clients out of budget / failed so far…
-    clients.csv       one row per client: budget, ε spent, σ, steps, exhausted round, status
+    rounds.csv        one row per round: accuracy, loss, ε spent (max/mean), clients sampled,
+                      trained and dropped this round, clients out of budget / failed so far…
+    clients.csv       one row per client: budget, ε spent (all runs), σ, steps (this run, all
+                      runs, planned), rounds trained and dropped, exhausted round, status
+    replies.csv       one row per train reply (or missing one): round, client, outcome, reason
     plans/            every client's planning sheet (md, html, json), one figure per distinct plan, an index
     model.pt          the final global model's state_dict
     progress.png      accuracy and ε spent per round
@@ -34,14 +36,18 @@ from fedprivacy.reports.progress import draw_progress
 from fedprivacy.reports.sheets import write_sheets
 
 ROUND_COLUMNS = (
-    "round", "accuracy", "loss", "federated_accuracy", "federated_loss", "clients_trained",
-    "clients_exhausted", "clients_failed", "epsilon_spent_max", "epsilon_spent_mean",
+    "round", "accuracy", "loss", "federated_accuracy", "federated_loss", "clients_sampled", "clients_trained",
+    "clients_dropped", "clients_exhausted", "clients_failed", "epsilon_spent_max", "epsilon_spent_mean",
     "train_loss", "clip_fraction", "elapsed_s",
 )  # fmt: skip
+# Scopes: `steps_this_run` counts the steps of this run's updates the server received;
+# `steps_all_runs` and `epsilon_spent` are the client's ledger (every run on its records).
 CLIENT_COLUMNS = (
-    "client_id", "num_examples", "epsilon_budget", "epsilon_spent", "delta", "sigma", "steps_done",
-    "steps_planned", "rounds_trained", "exhausted_round", "device", "status",
+    "client_id", "num_examples", "epsilon_budget", "epsilon_spent", "delta", "sigma", "steps_planned",
+    "steps_this_run", "steps_all_runs", "rounds_trained", "rounds_dropped", "exhausted_round", "excluded_round",
+    "device", "status",
 )  # fmt: skip
+REPLY_COLUMNS = ("round", "client_id", "outcome", "reason")
 
 
 DIAGNOSTICS_NOTE = "not private: clients returned their raw training loss and clip fraction (simulation only)"
@@ -122,15 +128,18 @@ class ClientRecord:
     client_id: str
     num_examples: int = 0
     epsilon_budget: float = math.nan
-    epsilon_spent: float = 0.0
+    epsilon_spent: float = 0.0  # all runs: the client's ledger
     delta: float = math.nan
     sigma: float = math.nan
-    steps_done: int = 0
-    steps_planned: int = 0
+    steps_planned: int = 0  # this run's plan T
+    steps_this_run: int = 0  # steps of the updates this server received in this run
+    steps_all_runs: int = 0  # the client's ledger: every run on its records
     rounds_trained: int = 0
+    rounds_dropped: int = 0  # rounds whose reply was an error, invalid or missing
     exhausted_round: int | None = None
+    excluded_round: int | None = None  # the round after which it was not sampled again
     device: str = ""  # where it last trained: "gpu" or "cpu"
-    status: str = "ok"
+    status: str = "ok"  # ok, exhausted, or "failed: <why its last reply was dropped>"
 
 
 @dataclass
@@ -142,6 +151,7 @@ class RunRecorder:
     clients: dict[str, ClientRecord] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     plans: dict[str, Plan] = field(default_factory=dict)
+    replies: list[dict[str, Any]] = field(default_factory=list)
     _round: dict[str, Any] = field(default_factory=dict)
 
     def write_config(self, config: dict[str, Any]) -> None:
@@ -158,7 +168,7 @@ class RunRecorder:
         rec.epsilon_spent = float(metrics["epsilon-spent"])
         rec.delta = float(metrics["delta"])
         rec.sigma = float(metrics["sigma"])
-        rec.steps_done = int(metrics["steps-done"])
+        rec.steps_all_runs = int(metrics["steps-done"])
         rec.steps_planned = int(metrics["steps-planned"])
         if plan is not None:
             self.plans[client_id] = plan
@@ -166,15 +176,45 @@ class RunRecorder:
         if metrics["budget-exhausted"]:
             rec.exhausted_round = rec.exhausted_round or server_round
             rec.status = "exhausted"
+            self._reply(server_round, client_id, "exhausted", "")
             return
         rec.rounds_trained += 1
+        rec.status = "ok"
+        if plan is not None:
+            rec.steps_this_run += plan.steps_in_round(server_round)
         rec.device = "gpu" if metrics["on-gpu"] else "cpu"
         current.append((int(metrics["num-examples"]), metrics.get("train-loss"), metrics.get("clip-fraction")))
+        self._reply(server_round, client_id, "trained", "")
 
-    def failed(self, client_id: str, reason: str) -> None:
-        """A client whose reply was an error: it is dropped from later rounds, with its reason."""
+    def sampled(self, server_round: int, count: int) -> None:
+        """How many clients were asked to train in this round."""
+        self._round["sampled"] = count
+
+    def dropped(self, server_round: int, client_id: str, outcome: str, reason: str, excluded: bool = False) -> None:
+        """A reply left out of aggregation (`outcome`: error, invalid or no reply), and why;
+        `excluded`: the client is not sampled again in this run."""
         rec = self.client(client_id)
+        rec.rounds_dropped += 1
         rec.status = f"failed: {error_summary(reason)}"
+        if excluded:
+            rec.excluded_round = server_round
+        self._round["dropped"] = self._round.get("dropped", 0) + 1
+        self._reply(server_round, client_id, outcome, error_summary(reason))
+
+    def rename(self, old: str, new: str) -> None:
+        """A client known only by its node (it failed before it ever replied) tells its name."""
+        if old not in self.clients:
+            return
+        record = self.clients.pop(old)
+        merged = self.client(new)
+        merged.rounds_dropped += record.rounds_dropped
+        merged.excluded_round = merged.excluded_round or record.excluded_round
+        for row in self.replies:
+            if row["client_id"] == old:
+                row["client_id"] = new
+
+    def _reply(self, server_round: int, client_id: str, outcome: str, reason: str) -> None:
+        self.replies.append({"round": server_round, "client_id": client_id, "outcome": outcome, "reason": reason})
 
     def evaluated(self, key: str, accuracy: float, loss: float) -> None:
         """Round metrics from central ('') or federated ('federated_') evaluation."""
@@ -191,7 +231,9 @@ class RunRecorder:
             "loss": self._round.get("loss"),
             "federated_accuracy": self._round.get("federated_accuracy"),
             "federated_loss": self._round.get("federated_loss"),
+            "clients_sampled": self._round.get("sampled", 0),
             "clients_trained": len(trained),
+            "clients_dropped": self._round.get("dropped", 0),
             "clients_exhausted": sum(1 for c in self.clients.values() if c.exhausted_round is not None),
             "clients_failed": sum(1 for c in self.clients.values() if c.status.startswith("failed")),
             "epsilon_spent_max": max(spent, default=0.0),
@@ -204,12 +246,13 @@ class RunRecorder:
         self.rounds.append(row)
         _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
         _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(self.clients[c]) for c in sorted(self.clients)])
+        _write_csv(self.folder / "replies.csv", REPLY_COLUMNS, self.replies)
         return row
 
     def require_training(self) -> None:
         """An untrained model.pt would pass for a result: a run in which no client trained fails."""
         if not any(c.rounds_trained for c in self.clients.values()):
-            failed = sum(c.status.startswith("failed") for c in self.clients.values())
+            failed = sum(c.rounds_dropped > 0 for c in self.clients.values())
             exhausted = sum(c.exhausted_round is not None for c in self.clients.values())
             raise RuntimeError(f"no client trained in any round ({failed} failed, {exhausted} out of budget): "
                                "no model was saved; see clients.csv")

@@ -26,6 +26,7 @@ from typing import Any
 
 from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
 from fedprivacy.models import MODELS
+from fedprivacy.privacy import limits
 
 DATASETS = ("digits", "pums", "csv", "synthetic")
 PARTITIONINGS = ("auto", "iid", "dirichlet", "natural", "size")
@@ -182,7 +183,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         if not isinstance(rc[key], str):
             raise InputError(key, rc[key], "must be a string (a column name, or '' for none)")
     return RunSettings(
-        num_server_rounds=integer_at_least("num-server-rounds", rc["num-server-rounds"], 1),
+        num_server_rounds=limits.rounds("num-server-rounds", rc["num-server-rounds"]),
         dataset=dataset,
         data_path=data_path,
         synthetic_examples=integer_at_least("synthetic-examples", rc["synthetic-examples"], 2),
@@ -194,8 +195,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         size_skew=_choice("size-skew", rc["size-skew"], SIZE_SKEWS),
         test_fraction=_test_fraction(rc["test-fraction"]),
         model=_choice("model", rc["model"], tuple(MODELS)),
-        epsilon=positive("epsilon", rc["epsilon"]),
-        epsilons=_per_client("epsilons", rc["epsilons"], positive, "0.5,1,2"),
+        epsilon=limits.epsilon("epsilon", rc["epsilon"]),
+        epsilons=_per_client("epsilons", rc["epsilons"], limits.epsilon, "0.5,1,2"),
         delta=open_unit("delta", rc["delta"]),
         deltas=_per_client("deltas", rc["deltas"], open_unit, "1e-5,1e-6"),
         rule=_choice("rule", rc["rule"], RULES),
@@ -269,7 +270,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     return NodeSettings(
         client_id=client_id.strip(),
         data_path=data_path,
-        epsilon=positive("epsilon", node_config["epsilon"]),
+        epsilon=limits.epsilon("epsilon", node_config["epsilon"]),
         delta=open_unit("delta", node_config["delta"]),
         ledger_path=resolve_path("ledger-path", node_config.get("ledger-path", "")),
         test_fraction=_test_fraction(node_config.get("test-fraction", DEFAULTS["test-fraction"])),

@@ -3,7 +3,8 @@
 The results folder is `<results-dir>/<time>-run<run id>` (results-dir from the run config,
 default ~/fedprivacy-results; it must be absolute, see fedprivacy.runconfig). It is printed at
 the start and at the end of every run. In a simulation the clients' ledger lives in it too,
-unless the run config names a `ledger-path`.
+unless the run config names a `ledger-path`; deployed clients keep theirs on their SuperNodes,
+where the server cannot see them, and config.json / summary.json say so.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedprivacy.errors import error_summary
+from fedprivacy.errors import InputError, error_summary
 from fedprivacy.participant import evaluate_model, new_model, server_test_set
 from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
 from fedprivacy.runconfig import RunSettings, parse_run_config
 from server.strategy import PrivacyFedAvg
 
 app = ServerApp()
+DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the server cannot see them"
 
 
 def say(text: str) -> None:
@@ -46,20 +48,24 @@ def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, node: int, con
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = parse_run_config(context.run_config)
-    folder = new_run_folder(settings.results_dir, context.run_id)
+    try:
+        folder = new_run_folder(settings.results_dir, context.run_id)
+    except OSError as error:
+        raise InputError("results-dir", str(settings.results_dir),
+                         f"cannot create the run's folder there ({error.strerror or error}): name a writable folder") from None
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
     extra = {
         "run_id": context.run_id,
-        "ledger_path": str(ledger_path),
+        "ledger": str(ledger_path),
         "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
         "engine": "flower",
     }
     if settings.diagnostics:
         say(f"diagnostics on: {DIAGNOSTICS_NOTE}")
     try:
-        _federate(grid, context, settings, recorder, ledger_path)
+        _federate(grid, context, settings, recorder, ledger_path, extra)
     except Exception as exc:
         # Keep what the run had (rounds.csv and clients.csv are already written), and say why
         # it stopped in one line; Flower then reports the run as finished:failed.
@@ -73,7 +79,9 @@ def main(grid: Grid, context: Context) -> None:
     say(f"results folder: {folder}")
 
 
-def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: RunRecorder, ledger_path: Path) -> None:
+def _federate(
+    grid: Grid, context: Context, settings: RunSettings, recorder: RunRecorder, ledger_path: Path, extra: dict[str, Any]
+) -> None:
     """The rounds: FedAvg with privacy-aware sampling, evaluation each round, then the model and figure."""
     random.seed(settings.seed)  # anything left that draws from the global RNG
     strategy = PrivacyFedAvg(
@@ -91,10 +99,12 @@ def _federate(grid: Grid, context: Context, settings: RunSettings, recorder: Run
         say(f"data-path {settings.data_path} is not a file on the server: evaluating through the clients "
             "(as in a deployment, where each SuperNode reads its own file)")
     evaluation = "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
+    if test is None:  # the clients read their own data, so they are (or act as) deployed SuperNodes
+        extra["ledger"] = DEPLOYED_LEDGERS
     recorder.write_config(
         resolved_config(
             settings, context.run_id, context.run_config,
-            {"results_folder": str(recorder.folder), "ledger_path": str(ledger_path), "clients": len(nodes),
+            {"results_folder": str(recorder.folder), "ledger": extra["ledger"], "clients": len(nodes),
              "evaluation": evaluation, "engine": "flower", "flwr_version": flwr.__version__},
         )
     )

@@ -1,31 +1,48 @@
-"""`PrivacyFedAvg`: Flower's FedAvg that knows clients have budgets.
+"""`PrivacyFedAvg`: Flower's FedAvg that knows clients have budgets and that replies can be bad.
 
 What it adds to FedAvg (weighting by `num-examples` is unchanged):
 - seeded sampling (its own `random.Random`, not Python's global RNG that FedAvg uses);
-- clients that said they cannot afford a round, or whose reply was an error, are not sampled for
-  training again (failed clients not for evaluation either), and their replies never reach
-  aggregation, so a zero-weight reply cannot divide by zero;
+- every reply is checked (`fedprivacy.replies`) against the global model's keys, shapes and dtypes,
+  for finite numbers, public keys only, and a `num-examples` no larger than the client's own plan N;
+  a bad reply, an error reply and a missing reply (no answer within the round timeout) are each
+  dropped from aggregation with a logged reason that names the client, and recorded per round;
+- a client whose replies were dropped in `MAX_CONSECUTIVE_FAILURES` rounds in a row, or that did not
+  answer at all (its SuperNode is gone: a restarted one comes back under a new node id), is not
+  sampled again in this run; one bad round alone is retried;
+- clients that said they cannot afford a round are not sampled for training again, and their
+  zero-weight replies never reach aggregation (no division by zero);
 - clients that release no evaluation (deployed ones) are not asked to evaluate again;
-- every reply is handed to the `RunRecorder` (per-client privacy, per-round metrics).
+- an aggregate that is not finite is discarded (the global model stays as it was).
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.replies import (
+    MAX_CONSECUTIVE_FAILURES,
+    InvalidReply,
+    TrainReply,
+    check_evaluate_reply,
+    check_train_reply,
+    model_spec,
+)
 from fedprivacy.results import RunRecorder
 from fedprivacy.sampling import sample_clients
+
+NO_REPLY = "no reply within the round timeout"
 
 
 def aggregate_train_metrics(records: list[RecordDict], weight_key: str) -> MetricRecord:
@@ -38,6 +55,28 @@ def aggregate_train_metrics(records: list[RecordDict], weight_key: str) -> Metri
         if all(key in m for m in metrics):
             aggregated[key] = sum(float(m[weight_key]) * float(m[key]) for m in metrics) / total
     return MetricRecord(aggregated)
+
+
+def _numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {key: value.numpy() for key, value in record.items()}
+
+
+def _train_content(reply: Message) -> tuple[dict, dict, dict[str, np.ndarray] | None]:
+    """(metrics, client, weights) of a reply with exactly the records a ClientApp sends."""
+    content = reply.content
+    kinds = {"metrics": MetricRecord, "client": ConfigRecord, "arrays": ArrayRecord}
+    unknown = sorted(set(content.keys()) - set(kinds))
+    if unknown:
+        raise InvalidReply(f"its reply holds a record {unknown[0]!r} that clients never send")
+    for key in ("metrics", "client"):
+        if not isinstance(content.get(key), kinds[key]):
+            raise InvalidReply(f"its reply lacks the {key!r} record")
+    arrays = content.get("arrays")
+    try:
+        weights = None if arrays is None else _numpy(arrays)
+    except Exception as error:  # bytes that do not decode are the reply's fault
+        raise InvalidReply(f"its weights do not decode ({type(error).__name__})") from None
+    return dict(content["metrics"]), dict(content["client"]), weights
 
 
 class PrivacyFedAvg(FedAvg):
@@ -67,9 +106,14 @@ class PrivacyFedAvg(FedAvg):
         self.client_config = dict(client_config)
         self.wait_timeout = wait_timeout
         self.exhausted: set[int] = set()
-        self.failed: set[int] = set()
+        self.failed: set[int] = set()  # not sampled again in this run
+        self.failures: dict[int, int] = {}  # consecutive rounds with a dropped reply
+        self.dropped_now: set[int] = set()  # dropped in the current round: not asked to evaluate
         self.evaluation_off: set[int] = set()  # deployed clients, which release no evaluation
         self.names: dict[int, str] = {}
+        self.plans: dict[int, Plan] = {}
+        self.sampled: dict[str, list[int]] = {}  # message type -> nodes asked this round
+        self.model: dict[str, tuple[tuple[int, ...], str]] = {}
 
     def connected_nodes(self, grid: Grid) -> list[int]:
         """Node ids once `min_available_nodes` are connected (sorted, so seeded sampling repeats)."""
@@ -88,6 +132,7 @@ class PrivacyFedAvg(FedAvg):
 
     def _messages(self, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord, kind: str) -> list[Message]:
         # A fresh ConfigRecord per message: FedAvg shares one RecordDict between all of them.
+        self.sampled[kind] = list(nodes)
         return [
             Message(
                 RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(dict(config))}),
@@ -103,60 +148,110 @@ class PrivacyFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        self.model = model_spec(_numpy(arrays))
+        self.dropped_now = set()
         eligible = [n for n in self.connected_nodes(grid) if n not in self.exhausted | self.failed]
         if not eligible:
             log(WARNING, "round %d: no client can still train (budgets spent or clients failed)", server_round)
         nodes = self._sample(eligible, self.fraction_train)
         log(INFO, "configure_train: sampled %d of %d clients that can still train", len(nodes), len(eligible))
+        self.recorder.sampled(server_round, len(nodes))
         return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.TRAIN)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        eligible = [n for n in self.connected_nodes(grid) if n not in self.failed | self.evaluation_off]
+        left_out = self.failed | self.evaluation_off | self.dropped_now
+        eligible = [n for n in self.connected_nodes(grid) if n not in left_out]
         nodes = self._sample(eligible, self.fraction_evaluate)
         return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.EVALUATE)
 
     def _name(self, node: int) -> str:
+        """The client's id once it has sent a valid reply; its node id until then."""
         return self.names.get(node, f"node-{node}")
+
+    def _drop(self, server_round: int, node: int, outcome: str, reason: str) -> None:
+        """Leave a reply out of this round, say why, and stop sampling a client that keeps failing."""
+        self.dropped_now.add(node)
+        self.failures[node] = self.failures.get(node, 0) + 1
+        gone = outcome == "no reply" or self.failures[node] >= MAX_CONSECUTIVE_FAILURES
+        if gone:
+            self.failed.add(node)
+        self.recorder.dropped(server_round, self._name(node), outcome, reason, excluded=gone)
+        log(WARNING, "round %d: reply of client %s dropped (%s): %s%s", server_round, self._name(node), outcome,
+            reason, "; not sampled again in this run" if gone else "")
+
+    def _accept(self, server_round: int, node: int, reply: Message) -> TrainReply:
+        metrics, client, weights = _train_content(reply)
+        checked = check_train_reply(metrics, client, weights, self.model, self.plans.get(node))
+        known = self.names.get(node)
+        if known is not None and known != checked.client_id:
+            raise InvalidReply(f"it changed its client-id from {known!r} to {checked.client_id!r}")
+        if known is None:
+            self.recorder.rename(self._name(node), checked.client_id)
+        self.names[node], self.plans[node] = checked.client_id, checked.plan
+        return checked
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        trained = []
+        trained: list[RecordDict] = []
+        answered: set[int] = set()
         for reply in replies:
             node = reply.metadata.src_node_id
-            if reply.has_error():
-                self.failed.add(node)
-                self.recorder.failed(self._name(node), reply.error.reason)
-                log(WARNING, "client %s failed and is dropped from the run: %s", self._name(node), error_summary(reply.error.reason))
+            if node in answered or node not in self.sampled.get(MessageType.TRAIN, ()):
+                log(WARNING, "round %d: ignored a reply from node %s, which was not asked or already answered", server_round, node)
                 continue
-            client = reply.content["client"]
-            self.names[node] = str(client["client-id"])
-            metrics = dict(reply.content["metrics"])
-            self.recorder.trained(server_round, self.names[node], metrics, Plan.from_dict(json.loads(str(client["plan"]))))
-            if metrics["budget-exhausted"]:
+            answered.add(node)
+            if reply.has_error():
+                self._drop(server_round, node, "error", error_summary(reply.error.reason))
+                continue
+            try:
+                checked = self._accept(server_round, node, reply)
+            except InvalidReply as error:
+                self._drop(server_round, node, "invalid", str(error))
+                continue
+            self.failures[node] = 0
+            self.recorder.trained(server_round, checked.client_id, checked.metrics, checked.plan)
+            if checked.exhausted:
                 self.exhausted.add(node)
-                log(INFO, "client %s cannot afford round %d: budget spent, not sampled again", self.names[node], server_round)
+                log(INFO, "client %s cannot afford round %d: budget spent, not sampled again", checked.client_id, server_round)
             else:
-                trained.append(reply)
-        return super().aggregate_train(server_round, trained)
+                trained.append(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in checked.arrays.items()}),
+                                           "metrics": MetricRecord(checked.metrics)}))  # fmt: skip
+        for node in sorted(set(self.sampled.get(MessageType.TRAIN, ())) - answered):
+            self._drop(server_round, node, "no reply", NO_REPLY)
+        if not trained:
+            return None, None
+        # FedAvg's own weighted mean, over the checked replies only
+        arrays = aggregate_arrayrecords(trained, self.weighted_by_key)
+        metrics = aggregate_train_metrics(trained, self.weighted_by_key)
+        if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
+            log(WARNING, "round %d: the aggregate is not finite; the global model stays as it was", server_round)
+            return None, metrics
+        return arrays, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
         evaluated = []
         for reply in replies:
+            node = reply.metadata.src_node_id
             if reply.has_error():
-                log(WARNING, "evaluation failed on client %s: %s", self._name(reply.metadata.src_node_id),
-                    error_summary(reply.error.reason))
-            elif reply.content["metrics"].get("evaluation-off"):
-                self.evaluation_off.add(reply.metadata.src_node_id)
+                log(WARNING, "evaluation failed on client %s: %s", self._name(node), error_summary(reply.error.reason))
+                continue
+            try:
+                values = check_evaluate_reply(dict(reply.content["metrics"]) if "metrics" in reply.content else {})
+            except InvalidReply as error:
+                log(WARNING, "round %d: evaluation reply of client %s dropped: %s", server_round, self._name(node), error)
+                continue
+            if values.get("evaluation-off"):
+                self.evaluation_off.add(node)
             else:
-                evaluated.append(reply)
+                evaluated.append(RecordDict({"metrics": MetricRecord(values)}))
         if replies and len(self.evaluation_off) == len({r.metadata.src_node_id for r in replies}) and not evaluated:
             log(INFO, "clients release no evaluation (deployed clients keep their test rows private): "
                 "federated evaluation stops")
-        metrics = super().aggregate_evaluate(server_round, evaluated) if evaluated else None
+        metrics = self.evaluate_metrics_aggr_fn(evaluated, self.weighted_by_key) if evaluated else None
         if metrics is not None:
             self.recorder.evaluated("federated_", float(metrics["accuracy"]), float(metrics["loss"]))
         return metrics

@@ -108,7 +108,8 @@ def _federate(run_config: dict[str, Any], num_clients: int | None, name: str, pr
         "wall_time_s": round(wall, 3),
     }
     clients_rows = [
-        {"client_id": p.client_id, "epsilon_budget": p.epsilon, "epsilon_spent": p.epsilon_pld, "sigma": p.sigma, "steps_done": p.steps}
+        {"client_id": p.client_id, "epsilon_budget": p.epsilon, "epsilon_spent": p.epsilon_pld, "sigma": p.sigma,
+         "steps_this_run": p.steps, "steps_all_runs": p.steps}
         for p in plans
     ] if private else []  # fmt: skip
     if private:

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: the proxy does not reproduce {scenario.name} exactly; its seed spread is indicative", file=sys.stderr)
         mean, sd, finals = _spread(scenario.config(), args.seeds, True)
         results.append({**result.row(), "seed_mean": mean, "seed_sd": sd, "seed_finals": finals,
-                        "per_client": [{k: c[k] for k in ("client_id", "num_examples", "epsilon_budget", "epsilon_spent", "sigma", "steps_done")} for c in result.clients]})  # fmt: skip
+                        "per_client": [{k: c[k] for k in ("client_id", "num_examples", "epsilon_budget", "epsilon_spent", "sigma", "steps_all_runs")} for c in result.clients]})  # fmt: skip
         print(f"{scenario.name}: final {result.final_accuracy:.4f}, max ε spent {result.epsilon_spent_max:.4f} ({result.wall_s:.0f} s)", flush=True)
 
     print()

@@ -5,13 +5,16 @@ Tests (tests/conftest.py) and simulation scenarios (sims/runner.py) both drive t
 `InProcessGrid` implements Flower's `Grid` by calling the ClientApp object directly, one
 `Context` per node that persists across rounds, exactly as the simulation engine keeps
 `context.state`. Messages are delivered through Flower's public API (`Message`, `Metadata`); the
-one internal it needs is isolated in `act_as_serverapp`. An exception in a handler becomes an error reply, as Flower does, so the
-ServerApp sees failing clients the way it would in a real run. Nodes are called one after the
-other in this process, so a run uses one core (plus torch's threads).
+one internal it needs is isolated in `act_as_serverapp`. An exception in a handler becomes an
+error reply, as Flower does, so the ServerApp sees failing clients the way it would in a real run. Nodes are called one after the
+other in this process, so a run uses one core (plus torch's threads). Real nodes run side by
+side, so each call gets the whole `timeout` of `send_and_receive` to itself: a call that takes
+longer gives no reply, as a hung node gives none to Flower's grid (it finishes in the background).
 """
 
 from __future__ import annotations
 
+import threading
 import tomllib
 import uuid
 from collections.abc import Iterable, Mapping
@@ -78,18 +81,33 @@ class InProcessGrid(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+    def _call(self, message: Message) -> Message:
+        node = message.metadata.dst_node_id
+        try:
+            reply = self.client_app(message, self.contexts[node])
+        except Exception as exc:  # Flower turns a handler's exception into an error reply
+            reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
+        return reply
+
+    def _call_within(self, message: Message, timeout: float | None) -> Message | None:
+        """The node's reply, or None when it takes longer than `timeout` seconds."""
+        if timeout is None:
+            return self._call(message)
+        box: list[Message] = []
+        worker = threading.Thread(target=lambda: box.append(self._call(message)), daemon=True)
+        worker.start()
+        worker.join(timeout)
+        return box[0] if box else None
+
+    def push_messages(self, messages: Iterable[Message], timeout: float | None = None) -> Iterable[str]:
         ids = []
         for message in messages:
             message_id = uuid.uuid4().hex
             message = self._delivered(message, message_id)
-            node = message.metadata.dst_node_id
-            self.calls.append((node, message.metadata.message_type))
-            try:
-                reply = self.client_app(message, self.contexts[node])
-            except Exception as exc:  # Flower turns a handler's exception into an error reply
-                reply = Message(Error(code=0, reason=f"{type(exc).__name__}: {exc}"), reply_to=message)
-            self.replies[message_id] = reply  # a reply's source is the message's destination
+            self.calls.append((message.metadata.dst_node_id, message.metadata.message_type))
+            reply = self._call_within(message, timeout)
+            if reply is not None:  # a reply's source is the message's destination
+                self.replies[message_id] = reply
             ids.append(message_id)
         return ids
 
@@ -97,7 +115,7 @@ class InProcessGrid(Grid):
         return [self.replies.pop(i) for i in message_ids if i in self.replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(self.push_messages(messages))
+        return self.pull_messages(self.push_messages(messages, timeout))
 
 
 def act_as_serverapp(run_id: int) -> None:

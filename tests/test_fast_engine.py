@@ -81,7 +81,7 @@ def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkey
 
     clients_apps, clients_fast = csv(apps_folder, "clients.csv"), csv(fast_folder, "clients.csv")
     assert list(clients_apps.columns) == list(clients_fast.columns)
-    columns = ["client_id", "epsilon_budget", "epsilon_spent", "delta", "steps_done", "rounds_trained", "status"]
+    columns = ["client_id", "epsilon_budget", "epsilon_spent", "delta", "steps_this_run", "steps_all_runs", "rounds_trained", "rounds_dropped", "status"]
     pd.testing.assert_frame_equal(clients_apps[columns], clients_fast[columns])  # ε spent: identical, not close
     rounds_apps, rounds_fast = csv(apps_folder, "rounds.csv"), csv(fast_folder, "rounds.csv")
     assert list(rounds_apps.columns) == list(rounds_fast.columns)
@@ -129,5 +129,5 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_proces
                          run_id=2, say=lambda _: None)  # fmt: skip
     before, after = csv(first, "clients.csv").set_index("client_id"), csv(second, "clients.csv").set_index("client_id")
     assert (after.exhausted_round > 1).all() and (after.epsilon_spent <= after.epsilon_budget).all()
-    assert (after.steps_done > before.steps_done).all()  # the ledger carried run 1's steps
+    assert (after.steps_all_runs > before.steps_all_runs).all()  # the ledger carried run 1's steps
     assert csv(second, "rounds.csv").clients_exhausted.iloc[-1] == 2

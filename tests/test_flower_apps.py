@@ -87,7 +87,7 @@ def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run
     for row in clients:
         assert row["device"] == expected_device
         plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
-        steps = int(row["steps_done"])
+        steps = int(row["steps_all_runs"])
         assert steps == plan["steps"]  # a fresh ledger: every planned step ran
         spent = float(row["epsilon_spent"])
         assert spent <= float(row["epsilon_budget"]) == 1.0
@@ -97,6 +97,7 @@ def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run
     model = build_model("logreg", 64, 10)
     model.load_state_dict(torch.load(folder / "model.pt"))
     assert (folder / "ledger.sqlite").is_file()  # a simulation's fresh ledger lives in its results folder
+    assert config["ledger"] == summary["ledger"] == str(folder / "ledger.sqlite")
 
 
 def test_pyproject_declares_the_app_and_no_federations(in_process):
@@ -143,7 +144,7 @@ def test_each_simulated_client_plans_with_its_own_delta(simulate, run_config):
         expected = {"0": (1.0, 1e-5), "1": (2.0, 1e-7)}[row["client_id"]]
         assert (plan["epsilon"], plan["delta"]) == expected and float(row["delta"]) == expected[1]
         spent = float(row["epsilon_spent"])
-        assert spent == pytest.approx(independent_epsilon(plan, int(row["steps_done"]), expected[1]), rel=CERTIFICATE_REL_TOL)
+        assert spent == pytest.approx(independent_epsilon(plan, int(row["steps_all_runs"]), expected[1]), rel=CERTIFICATE_REL_TOL)
 
 
 def test_node_config_for_a_deployed_client(tmp_path):
@@ -177,7 +178,7 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate,
         assert 1 < stopped <= 4
         steps2 = Plan.from_dict(plan2).first_step_of_round(stopped)
         refused = Plan.from_dict(plan2).steps_in_round(stopped)
-        assert int(row["steps_done"]) == plan1["steps"] + steps2
+        assert int(row["steps_all_runs"]) == plan1["steps"] + steps2
         spent = float(row["epsilon_spent"])
         assert spent <= float(row["epsilon_budget"]) == 1.0
         assert spent == pytest.approx(independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2)], 1e-5), rel=CERTIFICATE_REL_TOL)
@@ -223,7 +224,7 @@ def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_con
     for row in rows:
         plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
         assert row["status"] == "ok" and row["rounds_trained"] == "3"
-        assert int(row["steps_done"]) == plan["steps"]
+        assert int(row["steps_all_runs"]) == plan["steps"]
         assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, plan["steps"], plan["delta"]), rel=CERTIFICATE_REL_TOL)
 
 
@@ -256,6 +257,9 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
     folder = run_folder(Path(config["results-dir"]))
     out = capsys.readouterr().out
     assert "federated (the server has no data)" in out
+    for name in ("config.json", "summary.json"):  # the ledgers are on the SuperNodes, not in the folder
+        assert json.loads((folder / name).read_text())["ledger"].startswith("on each SuperNode (its node config's ledger-path)")
+    assert not (folder / "ledger.sqlite").exists()
     rounds = pd.read_csv(folder / "rounds.csv")
     assert rounds["accuracy"].isna().all() and rounds["federated_accuracy"].isna().all()
     evaluations = [k for _, k in grid.calls if k == "evaluate"]
@@ -269,7 +273,7 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
         row = clients[node["client-id"]]
         plan = json.loads((folder / "plans" / f"{node['client-id']}.json").read_text())
         assert float(row["epsilon_budget"]) == node["epsilon"]
-        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, int(row["steps_done"]), plan["delta"]), rel=CERTIFICATE_REL_TOL)
+        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, int(row["steps_all_runs"]), plan["delta"]), rel=CERTIFICATE_REL_TOL)
         assert Path(node["ledger-path"]).is_file()
 
 
@@ -304,7 +308,7 @@ def test_a_renamed_deployed_client_keeps_the_budget_its_data_has_spent(in_proces
         config = {**run_config, "dataset": "pums", "results-dir": str(tmp_path / f"r{run}"), "noise-seed": -1}
         in_process.run_server(server_app, in_process.Grid(client_app, [node, deployment_nodes[1]], config, run_id=run), config)
         rows = {r["client_id"]: r for r in read_csv(run_folder(tmp_path / f"r{run}") / "clients.csv")}
-        steps[run] = int(rows[node["client-id"]]["steps_done"])  # the ledger's cumulative steps
+        steps[run] = int(rows[node["client-id"]]["steps_all_runs"])  # the ledger's cumulative steps
     plan = json.loads((run_folder(tmp_path / "r1") / "plans" / f"{first['client-id']}.json").read_text())
     assert steps[1] == plan["steps"] < steps[2]  # run 2 trained on top of run 1's steps
 

@@ -83,3 +83,11 @@ def test_importing_the_reports_selects_no_matplotlib_backend():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"MPLBACKEND": "svg", "PATH": ""})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["svg", "False"]
+
+
+def test_two_clients_sharing_one_plan_get_one_sheet(tmp_path):
+    """SuperNodes on one ledger account follow the plan the first of them saved, client id included."""
+    plan = plan_client(800, 1.0, 1e-5, client_id="twin-a")
+    written = sheets.write_sheets([plan, plan], tmp_path / "out")
+    assert sorted(p.name for p in written if p.stem == "twin-a") == ["twin-a.html", "twin-a.json", "twin-a.md"]
+    assert len([p for p in written if p.suffix == ".png"]) == 1

@@ -116,7 +116,8 @@ def load_csv(
 ) -> Dataset:
     """Any CSV: the user names the label column, and optionally the features and the client column.
 
-    Features default to every other numeric column; a comma-separated string (empty = default)
+    Features default to every other numeric column (a column mostly of numbers counts, and its
+    other cells are refused by name); a comma-separated string (empty = default)
     is accepted so the choice can come from a Flower run config.
     """
     file = _needs_path("csv", path)
@@ -127,7 +128,7 @@ def load_csv(
     table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])])
     if features is None:
         excluded = {label, client_column}
-        features = [c for c in table.columns if c not in excluded and pd.api.types.is_numeric_dtype(table[c])]
+        features = [c for c in table.columns if c not in excluded and _numeric_feature(table[c])]
     if not features:
         skipped = [str(c) for c in table.columns if c not in (label, client_column)]
         raise InputError(
@@ -148,6 +149,11 @@ def load_csv(
         groups=table[client_column].to_numpy() if client_column else None,
         group_name=client_column,
     )
+
+
+def _numeric_feature(values: pd.Series) -> bool:
+    """A numeric column, or one mostly of numbers: its few bad cells are errors, not a reason to drop it."""
+    return pd.api.types.is_numeric_dtype(values) or pd.to_numeric(values, errors="coerce").notna().mean() > 0.5
 
 
 def synthetic_optimum(num_features: int, seed: int) -> np.ndarray:

@@ -2,10 +2,15 @@
 
 Everything that reads a CSV (planning sheets, the PUMS and general loaders) goes through
 `read_table`, so a missing file, an empty file or a missing column reads the same everywhere.
+Files are comma-separated UTF-8 (a byte-order mark is fine). The header is checked before the
+body is read (duplicated names, another separator), and a file larger than `MAX_FILE_BYTES` is
+refused before any of it is read: every client process holds its table in memory, and pandas
+needs several times the file's size while parsing.
 """
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,14 +19,38 @@ import pandas as pd
 
 from fedprivacy.errors import InputError
 
+MAX_FILE_BYTES = 512 * 2**20
+MAX_CLASSES = 1000
+OTHER_SEPARATORS = (";", "\t", "|")
+
+
+def _check_header(file: Path, shown: str) -> None:
+    """Refuse duplicated column names (pandas would rename them silently) and other separators."""
+    with file.open(newline="", encoding="utf-8-sig", errors="replace") as handle:
+        header = next(csv.reader(handle), [])
+    duplicated = sorted({name for name in header if header.count(name) > 1})
+    if duplicated:
+        raise InputError("column", duplicated[0], f"appears {header.count(duplicated[0])} times in the header of {shown}: "
+                         "every column needs its own name")
+    if len(header) == 1:
+        for separator in OTHER_SEPARATORS:
+            if separator in header[0]:
+                raise InputError("data", shown, f"its header is one column holding {separator!r}: fedprivacy reads "
+                                 "comma-separated files; save it with ',' as the separator")
+
 
 def read_table(path: str | Path, required_columns: Iterable[str] = ()) -> pd.DataFrame:
-    """Read a CSV file; fail clearly if it is missing, empty or lacks a required column."""
+    """Read a CSV file; fail clearly if it is missing, empty, too large or lacks a required column."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise InputError("data", str(path), "no such file: pass the path of a CSV file")
+    size = file.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise InputError("data", str(path), f"is {size / 2**20:,.0f} MiB; files up to {MAX_FILE_BYTES // 2**20} MiB are "
+                         "read (each client holds its table in memory): split it or keep only the columns used")
+    _check_header(file, str(path))
     try:
-        table = pd.read_csv(file)
+        table = pd.read_csv(file, encoding="utf-8-sig")
     except pd.errors.EmptyDataError:
         raise InputError("data", str(path), "the file is empty: it needs a header and rows") from None
     except (pd.errors.ParserError, UnicodeDecodeError) as exc:
@@ -99,6 +128,10 @@ def class_labels(table: pd.DataFrame, column: str, source: str) -> tuple[np.ndar
         )
     labels = numbers.astype(np.int64)
     classes = np.unique(labels)
+    if classes.max() >= MAX_CLASSES:
+        raise InputError(f"label column {column}", int(classes.max()),
+                         f"labels must be below {MAX_CLASSES} (data row {int(np.argmax(labels)) + 1} of {source}): "
+                         "a classifier head that wide is not what these models are for")
     if classes.size < 2:
         raise InputError(
             f"label column {column}", int(classes[0]), f"is the only class in {source}; a classifier needs at least two"

@@ -18,7 +18,7 @@ import math
 
 from fedprivacy import errors
 from fedprivacy.errors import InputError, PlanRefused
-from fedprivacy.privacy import accountants, adp, classical
+from fedprivacy.privacy import accountants, adp, classical, limits
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import LR_SCHEDULES, RULES, Condition, Plan
 from fedprivacy.privacy.proactive import proactive_conditions, proactive_sigma, proactive_steps, smallest_epochs
@@ -64,6 +64,7 @@ def resolve_schedule(
         epochs = errors.positive("epochs", epochs)
     if steps is not None:
         steps = errors.integer_at_least("steps", steps, 1)
+        limits.steps("steps", steps, steps)
 
     if sampling_rate is not None and steps is not None:
         if epochs is not None and not math.isclose(epochs, sampling_rate * steps, rel_tol=1e-3):
@@ -72,9 +73,11 @@ def resolve_schedule(
     if epochs is None:
         epochs = float(smallest_epochs(n))
     if sampling_rate is not None:
+        limits.steps("sampling-rate", sampling_rate, limits.steps_for(epochs, sampling_rate))
         return sampling_rate, max(1, math.ceil(epochs / sampling_rate - 1e-9))
     if steps is None:
         steps = proactive_steps(epochs, epsilon)
+        limits.steps("epsilon", epsilon, steps)
     rate = epochs / steps
     if rate > 1.0:
         raise InputError("epochs", epochs, f"k = {epochs:g} epochs need at least {math.ceil(epochs)} steps; steps={steps} is too few")
@@ -130,11 +133,11 @@ def plan_client(
     compare: bool = True,
 ) -> Plan:
     """Plan, certify and return one client's DP-SGD parameters (see the module docstring)."""
-    n = errors.integer_at_least("n", n, 2)
-    epsilon = errors.positive("epsilon", epsilon)
+    n = limits.records("n", n)
+    epsilon = limits.epsilon("epsilon", epsilon)
     delta = below_one_over_n(delta, n)
     clip_norm = errors.positive("clip-norm", clip_norm)
-    rounds = errors.integer_at_least("rounds", rounds, 1)
+    rounds = limits.rounds("rounds", rounds)
     learning_rate = errors.positive("learning-rate", learning_rate)
     if rule not in RULES:
         raise InputError("rule", rule, f"must be one of {', '.join(RULES)}")

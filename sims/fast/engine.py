@@ -39,6 +39,7 @@ from fedprivacy.participant import (
 )
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.replies import MAX_CONSECUTIVE_FAILURES
 from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.sampling import sample_clients
@@ -66,6 +67,26 @@ class Client:
 
 
 @dataclass
+class Participation:
+    """Who may still be asked, as the strategy keeps it: out of budget, excluded after
+    `MAX_CONSECUTIVE_FAILURES` dropped replies in a row, and dropped in the current round."""
+
+    exhausted: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+    failures: dict[int, int] = field(default_factory=dict)
+    dropped_now: set[int] = field(default_factory=set)
+
+    def drop(self, recorder: RunRecorder, server_round: int, client: Client, reason: str) -> None:
+        """The client's round failed with `reason` (an error reply, in the apps)."""
+        self.dropped_now.add(client.index)
+        self.failures[client.index] = self.failures.get(client.index, 0) + 1
+        gone = self.failures[client.index] >= MAX_CONSECUTIVE_FAILURES
+        if gone:
+            self.failed.add(client.index)
+        recorder.dropped(server_round, client.name, "error", reason, excluded=gone)
+
+
+@dataclass
 class Timings:
     """Where a run's time went: accounting (plans, ledger, ε) and the rest."""
 
@@ -89,7 +110,7 @@ def run_fast(
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
-    extra = {"run_id": run_id, "ledger_path": str(ledger_path), "engine": "fast",
+    extra = {"run_id": run_id, "ledger": str(ledger_path), "engine": "fast",
              "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off"}  # fmt: skip
     timings = Timings()
     try:
@@ -121,7 +142,7 @@ def _federate(settings: RunSettings, run_config: dict[str, Any], num_clients: in
         raise ValueError("the fast engine needs the data on this machine (a simulation data set the server can read)")
     clients = [_client(settings, index, num_clients, ledger.path) for index in range(num_clients)]
     recorder.write_config(resolved_config(settings, run_id, run_config, {
-        "results_folder": str(recorder.folder), "ledger_path": str(ledger.path), "clients": num_clients,
+        "results_folder": str(recorder.folder), "ledger": str(ledger.path), "clients": num_clients,
         "evaluation": "central (union of the clients' test splits)", "engine": "fast",
         "workers": spec.workers,
     }))  # fmt: skip
@@ -135,26 +156,29 @@ def _federate(settings: RunSettings, run_config: dict[str, Any], num_clients: in
                       c.local.data.test.labels, client_noise_seed(settings, c.local.account)) for c in loaded],
         (settings.model, int(test.features[0].size), test.num_classes), spec.workers, spec.gpus_per_worker,
     )  # fmt: skip
-    exhausted: set[int] = set()
-    failed: set[int] = set()
+    state = Participation()
     try:
         for server_round in range(1, settings.num_server_rounds + 1):
-            eligible = [c.index for c in clients if c.index not in exhausted | failed]
+            state.dropped_now = set()
+            eligible = [c.index for c in clients if c.index not in state.exhausted | state.failed]
             sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
+            recorder.sampled(server_round, len(sampled))
             started = time.perf_counter()
-            ready, replies = _prepare(sampled, settings, ledger, run_id, server_round, pool, recorder, failed, exhausted)
+            ready, replies = _prepare(sampled, settings, ledger, run_id, server_round, pool, recorder, state)
             timings.accounting_s += time.perf_counter() - started
             started = time.perf_counter()
             results = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
             timings.training_s += time.perf_counter() - started
             started = time.perf_counter()
-            trained = _record(ready, results, settings, ledger, run_id, server_round, replies, exhausted)
+            trained = _record(ready, results, settings, ledger, run_id, server_round, replies, recorder, state)
             timings.accounting_s += time.perf_counter() - started
             for client in sampled:
                 if client.index in replies:
+                    state.failures[client.index] = 0
                     recorder.trained(server_round, client.name, replies[client.index], client.plan)
             global_state = _aggregate(global_state, trained, results)
-            evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in failed], settings.fraction_evaluate)
+            left_out = state.failed | state.dropped_now
+            evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in left_out], settings.fraction_evaluate)
                          if clients[i].local is not None]  # fmt: skip
             _evaluate_federated(pool, global_state, evaluated, recorder)
             _evaluate_centrally(model, global_state, test, recorder)
@@ -179,7 +203,7 @@ def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Pa
 
 
 def _prepare(sampled: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int, pool: WorkerPool,
-             recorder: RunRecorder, failed: set[int], exhausted: set[int]) -> tuple[list[Client], dict[int, dict[str, Any]]]:  # fmt: skip
+             recorder: RunRecorder, state: Participation) -> tuple[list[Client], dict[int, dict[str, Any]]]:  # fmt: skip
     """The ClientApp's steps before training, for the round's sampled clients: accounts, plans,
     affordability. Returns the clients that train and the replies of those that cannot."""
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
@@ -187,15 +211,14 @@ def _prepare(sampled: list[Client], settings: RunSettings, ledger: Ledger, run_i
     ready = []
     for client in sampled:
         if client.failure is not None:
-            failed.add(client.index)
-            recorder.failed(client.name, client.failure)
+            state.drop(recorder, server_round, client, client.failure)
             continue
         events = round_events(client.plan, server_round)
         if events and composed_epsilon([*client.history, *events], client.local.delta) <= client.local.epsilon:
             ready.append(client)
         else:
             replies[client.index] = _exhausted_reply(client)
-            exhausted.add(client.index)
+            state.exhausted.add(client.index)
     return ready, replies
 
 
@@ -227,7 +250,7 @@ def _reason(error: Exception) -> str:
 
 
 def _record(ready: list[Client], results: RoundResult, settings: RunSettings, ledger: Ledger, run_id: int, server_round: int,
-            replies: dict[int, dict[str, Any]], exhausted: set[int]) -> list[tuple[Client, int]]:  # fmt: skip
+            replies: dict[int, dict[str, Any]], recorder: RunRecorder, state: Participation) -> list[tuple[Client, int]]:  # fmt: skip
     """Record the round's spends in one transaction; only recorded updates reach aggregation (the
     clients that trained, each with its row in `results`)."""
     events = {c.index: round_events(c.plan, server_round) for c in ready}
@@ -238,10 +261,11 @@ def _record(ready: list[Client], results: RoundResult, settings: RunSettings, le
         outcome = outcomes[client.local.account]
         if isinstance(outcome, BudgetExceeded):  # another writer spent it meanwhile: the update must not leave
             replies[client.index] = _exhausted_reply(client)
-            exhausted.add(client.index)
+            state.exhausted.add(client.index)
             continue
-        if isinstance(outcome, Exception):
-            raise outcome
+        if isinstance(outcome, Exception):  # a round already recorded: the apps' client refuses it
+            state.drop(recorder, server_round, client, _reason(outcome))
+            continue
         k = by_index[client.index]
         client.history += events[client.index]
         client.state = results.states[k]
@@ -261,16 +285,16 @@ def _exhausted_reply(client: Client) -> dict[str, Any]:
 
 def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult) -> dict[str, torch.Tensor]:
     """FedAvg weighted by each client's N (as Flower's aggregation: weight factors N/ΣN in float32);
-    the previous model if nobody trained."""
+    the previous model if nobody trained or the average is not finite."""
     if not trained:
         return global_state
     rows = torch.tensor([k for _, k in trained])
     sizes = [c.local.data.num_examples for c, _ in trained]
     factors = torch.tensor([n / sum(sizes) for n in sizes], dtype=torch.float32)
-    return {
-        key: torch.tensordot(factors, stacked[rows], dims=1)
-        for key, stacked in zip(global_state, results.weights, strict=True)
-    }
+    average = {key: torch.tensordot(factors, stacked[rows], dims=1) for key, stacked in zip(global_state, results.weights, strict=True)}
+    if not all(bool(torch.isfinite(v).all()) for v in average.values()):  # as the strategy: keep the model
+        return global_state
+    return average
 
 
 def _evaluate_federated(pool: WorkerPool, global_state: dict[str, torch.Tensor], indices: list[int], recorder: RunRecorder) -> None:

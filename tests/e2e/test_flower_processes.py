@@ -152,7 +152,7 @@ def test_deployment_runs_and_a_second_run_finds_the_ledger(flower, tmp_path):
     assert run["status"] == "finished:completed", log
     run2 = clients_csv(only_folder(tmp_path / "r2"))
     for client_id, row in run2.items():
-        assert int(row["steps_done"]) >= int(run1[client_id]["steps_done"])  # the ledger carried over
+        assert int(row["steps_all_runs"]) >= int(run1[client_id]["steps_all_runs"])  # the ledger carried over
         assert float(row["epsilon_spent"]) <= float(row["epsilon_budget"]) == 1.0
     assert any(row["exhausted_round"] for row in run2.values()), log
     assert "out of budget" in log

@@ -1,0 +1,250 @@
+"""The bad-input catalogue: what a new user (or a typo) feeds fedprivacy, and the one line it gets.
+
+Every case names where the input enters (a CLI command, a run config, a node config, a CSV file,
+a ledger file, a results folder), the input, and the field its message must name. CLI cases run
+the real `fedprivacy` entry point in process: exit code 2, one line `error: field=value: allowed`
+on stderr, nothing on stdout and no file written. Library cases (the Flower apps' configs and
+loaders) must raise `InputError` whose one-line message names the field and the value.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedprivacy import cli, ledger_cli
+from fedprivacy.data.loaders import load_dataset
+from fedprivacy.errors import InputError
+from fedprivacy.runconfig import parse_node_config, parse_run_config
+from server.app import app as server_app
+from sims.inprocess import InProcessGrid, app_defaults, run_server
+
+PUMS_HEADER = "puma,sex,age,educ,employed"
+ROW = "1101,1,40,12,1"
+
+
+def write(name: str, text: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        path = folder / name
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    return make
+
+
+def sparse_gigabyte(folder: Path) -> Path:
+    """A 1 GiB CSV that costs nothing to make (a sparse file): it must be refused unread."""
+    path = folder / "huge.csv"
+    with path.open("wb") as handle:
+        handle.write(f"{PUMS_HEADER}\n".encode())
+        handle.truncate(2**30)
+    return path
+
+
+def sqlite_file(name: str, statements: str) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        path = folder / name
+        with sqlite3.connect(path) as db:
+            db.executescript(statements)
+        return path
+
+    return make
+
+
+def corrupt_ledger(folder: Path) -> Path:
+    path = folder / "corrupt.sqlite"
+    path.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 16)
+    return path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: `where` it enters, the `field` its message names, and the value it shows."""
+
+    where: str
+    args: tuple[Any, ...]
+    field: str
+    shows: str
+    make: Callable[[Path], Path] | None = None  # a file the input names ({file} in args)
+
+    @property
+    def id(self) -> str:
+        command = f"-{self.args[0]}" if self.where == "cli" else ""
+        return f"{self.where}{command}:{self.field}:{self.shows}"[:80]
+
+
+def cli_case(field: str, shows: str, *args: str, make: Callable[[Path], Path] | None = None) -> Case:
+    return Case("cli", args, field, shows, make)
+
+
+def lib_case(where: str, field: str, shows: str, value: Any, make: Callable[[Path], Path] | None = None) -> Case:
+    return Case(where, (value,), field, shows, make)
+
+
+PLAN = ("plan", "--n", "5736")
+CASES = [
+    # CLI flags: extreme but valid-looking values, refused in one line within bounded memory and time
+    cli_case("delta", "0.5", *PLAN, "--epsilon", "1", "--delta", "0.5"),
+    cli_case("epsilon", "1e-09", *PLAN, "--epsilon", "1e-9"),
+    cli_case("epsilon", "1000000000.0", *PLAN, "--epsilon", "1e9"),
+    cli_case("epsilon", "nan", *PLAN, "--epsilon", "nan"),
+    cli_case("n", "1", "plan", "--n", "1", "--epsilon", "1"),
+    cli_case("n", "10000000000", "plan", "--n", "10000000000", "--epsilon", "1", "--delta", "1e-12"),
+    cli_case("steps", "100000000", *PLAN, "--epsilon", "1", "--steps", "100000000", "--sampling-rate", "0.01"),
+    cli_case("sampling-rate", "1e-05", *PLAN, "--epsilon", "1", "--epochs", "100", "--sampling-rate", "1e-5"),
+    cli_case("rounds", "100000", *PLAN, "--epsilon", "1", "--rounds", "100000"),
+    cli_case("clip-norm", "-1.0", *PLAN, "--epsilon", "1", "--clip-norm", "-1"),
+    cli_case("rule", "magic", *PLAN, "--epsilon", "1", "--rule", "magic"),
+    cli_case("delta", "1.0", *PLAN, "--epsilon", "1", "--delta", "1"),
+    cli_case("epsilon", "1000000000.0", "calculator", "--n", "5736", "--epsilon", "1e9"),
+    cli_case("n", "0", "calculator", "--n", "0", "--epsilon", "1"),
+    # CSV files, through `fedprivacy sheets`
+    cli_case("data", "nowhere.csv", "sheets", "--data", "{folder}/nowhere.csv", "--partition-by", "puma"),
+    cli_case("data", "empty.csv", "sheets", "--data", "{file}", "--partition-by", "puma", make=write("empty.csv", "")),
+    cli_case("data", "header.csv", "sheets", "--data", "{file}", "--partition-by", "puma",
+             make=write("header.csv", PUMS_HEADER + "\n")),
+    cli_case("column", "region", "sheets", "--data", "{file}", "--partition-by", "region",
+             make=write("ok.csv", f"{PUMS_HEADER}\n{ROW}\n{ROW}\n")),
+    cli_case("column", "age", "sheets", "--data", "{file}", "--partition-by", "puma",
+             make=write("dup.csv", f"{PUMS_HEADER},age\n{ROW},41\n{ROW},42\n")),
+    cli_case("data", "semicolon.csv", "sheets", "--data", "{file}", "--partition-by", "puma",
+             make=write("semicolon.csv", PUMS_HEADER.replace(",", ";") + "\n" + ROW.replace(",", ";") + "\n")),
+    cli_case("partition-by puma", "1101", "sheets", "--data", "{file}", "--partition-by", "puma",
+             make=write("one_row_each.csv", f"{PUMS_HEADER}\n1101,1,40,12,1\n1102,0,30,16,0\n1103,1,50,10,1\n")),
+    cli_case("data", "huge.csv", "sheets", "--data", "{file}", "--partition-by", "puma", make=sparse_gigabyte),
+    cli_case("epsilons", "1,2", "sheets", "--data", "{file}", "--partition-by", "puma", "--epsilons", "1,2",
+             make=write("one_client.csv", f"{PUMS_HEADER}\n{ROW}\n{ROW}\n")),
+    # ledger files, through `fedprivacy ledger`
+    cli_case("ledger", "missing.sqlite", "ledger", "show", "{folder}/missing.sqlite"),
+    cli_case("ledger-path", "corrupt.sqlite", "ledger", "show", "{file}", make=corrupt_ledger),
+    cli_case("ledger-path", "newer.sqlite", "ledger", "show", "{file}", make=sqlite_file("newer.sqlite", "PRAGMA user_version = 99;")),
+    cli_case("ledger-path", "superlink.db", "ledger", "show", "{file}",
+             make=sqlite_file("superlink.db", "CREATE TABLE run (run_id INTEGER); CREATE TABLE node (node_id INTEGER);")),
+    cli_case("ledger-path", "locked.sqlite", "ledger", "show", "{file}", make=sqlite_file("locked.sqlite", "")),
+    cli_case("epsilon", "1000000000.0", "ledger", "set-budget", "{file}", "data:x", "--epsilon", "1e9", "--delta", "1e-5",
+             "--yes", make=sqlite_file("ledger.sqlite", "")),
+    # the run config (untrusted in a deployment; the researcher's in a simulation)
+    lib_case("run-config", "epsilon", "1000000000.0", {"epsilon": 1e9}),
+    lib_case("run-config", "epsilons", "1e-9", {"epsilons": "1,1e-9"}),
+    lib_case("run-config", "num-server-rounds", "100000000", {"num-server-rounds": 10**8}),
+    lib_case("run-config", "delta", "1.5", {"delta": 1.5}),
+    lib_case("run-config", "data-path", "data/pums.csv", {"data-path": "data/pums.csv"}),
+    lib_case("run-config", "results-dir", "''", {"results-dir": ""}),
+    lib_case("run-config", "round-timeout", "-1", {"round-timeout": -1}),
+    lib_case("run-config", "fraction-train", "0", {"fraction-train": 0}),
+    lib_case("run-config", "diagnostics", "yes", {"diagnostics": "yes"}),
+    lib_case("run-config", "epsilon-budget", "2", {"epsilon-budget": 2}),
+    lib_case("run-config", "min-clients", "0", {"min-clients": 0}),
+    lib_case("run-config", "model", "resnet", {"model": "resnet"}),
+    # the node config (a SuperNode's own)
+    lib_case("node-config", "epsilon", "None", {"client-id": "a", "data-path": "/a.csv", "delta": 1e-6}),
+    lib_case("node-config", "epsilon", "1000000000.0", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1e9, "delta": 1e-6}),
+    lib_case("node-config", "data-path", "a.csv", {"client-id": "a", "data-path": "a.csv", "epsilon": 1, "delta": 1e-6}),
+    lib_case("node-config", "budget", "3", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "budget": 3}),
+    lib_case("node-config", "num-classes", "1", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "num-classes": 1}),
+    lib_case("node-config", "test-fraction", "1", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "test-fraction": 1}),
+    lib_case("node-config", "ledger-path", "ledger.sqlite",
+             {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "ledger-path": "ledger.sqlite"}),
+    lib_case("node-config", "client-id", "' '", {"client-id": " ", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6}),
+    # CSV cells and labels, through the general loader the apps use (label column y)
+    lib_case("csv", "column x", "abc", None, write("text.csv", "x,y\n1,0\n2,1\nabc,1\n")),
+    lib_case("csv", "column x", "''", None, write("nan.csv", "x,y\n1,0\nnan,1\n")),
+    lib_case("csv", "column x", "inf", None, write("inf.csv", "x,y\n1,0\ninf,1\n")),
+    lib_case("csv", "label column y", "1", None, write("one_class.csv", "x,y\n1,1\n2,1\n3,1\n")),
+    lib_case("csv", "label column y", "9999", None, write("classes.csv", "x,y\n" + "".join(f"{i},{i}\n" for i in range(10_000)))),
+    lib_case("csv", "label column y", "0.5", None, write("fraction.csv", "x,y\n1,0\n2,0.5\n")),
+    # a results folder that cannot be written (a file stands where its parent folder should be)
+    lib_case("results-dir", "results-dir", "taken", None, write("taken", "a file, not a folder")),
+]
+
+
+def run_cli(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(sys, "argv", ["fedprivacy", *args])
+    with pytest.raises(SystemExit) as ended:
+        cli.main()
+    return int(ended.value.code)
+
+
+def attempt_library(case: Case, file: Path | None) -> None:
+    """Feed the input where the Flower apps take it; must raise InputError."""
+    if case.where == "run-config":
+        parse_run_config(case.args[0])
+    elif case.where == "node-config":
+        parse_node_config(case.args[0])
+    elif case.where == "csv":
+        load_dataset("csv", file, label="y")
+    else:  # results-dir: the ServerApp refuses before it writes anything
+        config = {**app_defaults(), "results-dir": str(file / "results")}
+        run_server(server_app, InProcessGrid.simulation(None, 2, config), config)
+
+
+def test_the_catalogue_holds_at_least_forty_cases_across_every_category():
+    assert len(CASES) >= 40
+    assert {c.where for c in CASES} == {"cli", "run-config", "node-config", "csv", "results-dir"}
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_naming_field_value_and_what_is_allowed(case, tmp_path, monkeypatch, capsys):
+    inputs, work = tmp_path / "inputs", tmp_path / "work"
+    inputs.mkdir(), work.mkdir()
+    monkeypatch.chdir(work)
+    file = case.make(inputs) if case.make else None
+    if case.where == "cli":
+        args = [a.replace("{file}", str(file)).replace("{folder}", str(inputs)) for a in case.args]
+        monkeypatch.setattr(ledger_cli, "OPERATOR_WAIT_S", 0.2)
+        holder = None
+        if file is not None and file.name == "locked.sqlite":
+            holder = sqlite3.connect(file, isolation_level=None)
+            holder.execute("BEGIN EXCLUSIVE")
+        try:
+            code = run_cli(args, monkeypatch)
+        finally:
+            if holder is not None:
+                holder.close()
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", (code, out, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        message = lines[0].removeprefix("error: ")
+    else:
+        with pytest.raises(InputError) as raised:
+            attempt_library(case, file)
+        assert raised.value.field == case.field
+        message = str(raised.value)
+        assert "\n" not in message
+    assert message.startswith(f"{case.field}="), message
+    value, allowed = message[len(case.field) + 1:].split(": ", 1)
+    assert case.shows in value and len(allowed) > 10, message
+    assert list(work.iterdir()) == [], "partial output"  # no sheets, no results folder
+    assert not list(inputs.glob("**/results*")), "partial output"
+
+
+@pytest.mark.parametrize(
+    ("n", "epsilon", "delta", "rule"),
+    [(5736, 0.01, 1e-5, "proactive"), (5736, 100.0, 1e-5, "proactive"), (5736, 100.0, 1e-5, "calibrated"),
+     (10**9, 1.0, 1e-10, "proactive"), (2, 1.0, 0.49, "proactive")],
+)  # fmt: skip
+def test_extreme_but_valid_inputs_get_a_certified_plan(n, epsilon, delta, rule):
+    """The edges of the limits (README, Bad input) get correct answers, not refusals or blow-ups
+    (their memory and time were measured by hand: README)."""
+    from fedprivacy.privacy.planner import plan_client
+
+    plan = plan_client(n, epsilon, delta, rule=rule)
+    assert plan.epsilon_pld <= epsilon and plan.steps >= 1
+
+
+def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path):
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    text = "x,y\n1,0\n2,1\n3,0\n"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    a, b = load_dataset("csv", plain, label="x"), load_dataset("csv", marked, label="x")
+    assert a.feature_names == b.feature_names == ("y",) and (a.labels == b.labels).all()
