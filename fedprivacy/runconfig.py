@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
+from fedprivacy.aggregation import AGGREGATIONS
 from fedprivacy.models import MODELS
 from fedprivacy.privacy import limits
 
@@ -32,6 +33,7 @@ DATASETS = ("digits", "pums", "csv", "synthetic")
 PARTITIONINGS = ("auto", "iid", "dirichlet", "natural", "size")
 SIZE_SKEWS = ("linear", "square", "exponential")
 RULES = ("proactive", "calibrated", "adp")
+SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
 
 DEFAULTS: dict[str, bool | int | float | str] = {
     "num-server-rounds": 3,
@@ -63,6 +65,11 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "ledger-path": "",
     "round-timeout": 600.0,
     "diagnostics": False,
+    "aggregation": "examples",
+    "server-optimizer": "none",
+    "server-learning-rate": 1.0,
+    "server-momentum": 0.0,
+    "server-tau": 1e-3,
 }
 
 PATH_RULE = (
@@ -144,6 +151,11 @@ class RunSettings:
     ledger_path: Path | None
     round_timeout: float
     diagnostics: bool
+    aggregation: str
+    server_optimizer: str
+    server_learning_rate: float
+    server_momentum: float
+    server_tau: float
 
     def budget(self, index: int, num_clients: int) -> float:
         """Client `index`'s ε: its entry of `epsilons` when given, else the common `epsilon`."""
@@ -212,7 +224,18 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         ledger_path=resolve_path("ledger-path", rc["ledger-path"]),
         round_timeout=positive("round-timeout", rc["round-timeout"]),
         diagnostics=_flag("diagnostics", rc["diagnostics"]),
+        aggregation=_choice("aggregation", rc["aggregation"], AGGREGATIONS),
+        server_optimizer=_choice("server-optimizer", rc["server-optimizer"], SERVER_OPTIMIZERS),
+        server_learning_rate=positive("server-learning-rate", rc["server-learning-rate"]),
+        server_momentum=_momentum(rc["server-momentum"]),
+        server_tau=positive("server-tau", rc["server-tau"]),
     )
+
+
+def _momentum(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise InputError("server-momentum", value, "must be a number in [0, 1) (FedAvgM's momentum; 0: none)")
+    return float(value)
 
 
 def _flag(field: str, value: Any) -> bool:

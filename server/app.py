@@ -22,6 +22,7 @@ from fedprivacy.errors import InputError, error_summary
 from fedprivacy.participant import evaluate_model, new_model, server_test_set
 from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
 from fedprivacy.runconfig import RunSettings, parse_run_config
+from server.optimizers import ServerOptimizer
 from server.strategy import PrivacyFedAvg
 
 app = ServerApp()
@@ -92,6 +93,8 @@ def _federate(
         fraction_evaluate=settings.fraction_evaluate,
         min_available_nodes=settings.min_clients,
         wait_timeout=settings.round_timeout,
+        aggregation=settings.aggregation,
+        optimizer=ServerOptimizer.from_settings(settings),
     )
     nodes = strategy.connected_nodes(grid)
     test = server_test_set(settings, len(nodes))

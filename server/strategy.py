@@ -1,6 +1,9 @@
 """`PrivacyFedAvg`: Flower's FedAvg that knows clients have budgets and that replies can be bad.
 
-What it adds to FedAvg (weighting by `num-examples` is unchanged):
+What it adds to FedAvg:
+- the average weighs each update by its client's examples, or by the inverse of its noise
+  variance (`aggregation`, from the client's public plan: `fedprivacy.aggregation`), and a server
+  optimiser (Flower's FedAvgM or FedAdam, `server.optimizers`) may then step to it;
 - seeded sampling (its own `random.Random`, not Python's global RNG that FedAvg uses);
 - every reply is checked (`fedprivacy.replies`) against the global model's keys, shapes and dtypes,
   for finite numbers, public keys only, and a `num-examples` no larger than the client's own plan N;
@@ -31,6 +34,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.replies import (
     MAX_CONSECUTIVE_FAILURES,
     InvalidReply,
@@ -41,6 +45,7 @@ from fedprivacy.replies import (
 )
 from fedprivacy.results import RunRecorder
 from fedprivacy.sampling import sample_clients
+from server.optimizers import WEIGHT_KEY, ServerOptimizer
 
 NO_REPLY = "no reply within the round timeout"
 
@@ -92,6 +97,8 @@ class PrivacyFedAvg(FedAvg):
         fraction_evaluate: float = 1.0,
         min_available_nodes: int = 2,
         wait_timeout: float = 600.0,
+        aggregation: str = "examples",
+        optimizer: ServerOptimizer | None = None,
     ) -> None:
         super().__init__(
             fraction_train=fraction_train,
@@ -114,6 +121,9 @@ class PrivacyFedAvg(FedAvg):
         self.plans: dict[int, Plan] = {}
         self.sampled: dict[str, list[int]] = {}  # message type -> nodes asked this round
         self.model: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.aggregation = aggregation
+        self.optimizer = optimizer
+        self.current: ArrayRecord | None = None  # the global model this round's clients started from
 
     def connected_nodes(self, grid: Grid) -> list[int]:
         """Node ids once `min_available_nodes` are connected (sorted, so seeded sampling repeats)."""
@@ -149,6 +159,7 @@ class PrivacyFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self.model = model_spec(_numpy(arrays))
+        self.current = arrays
         self.dropped_now = set()
         eligible = [n for n in self.connected_nodes(grid) if n not in self.exhausted | self.failed]
         if not eligible:
@@ -217,18 +228,21 @@ class PrivacyFedAvg(FedAvg):
                 self.exhausted.add(node)
                 log(INFO, "client %s cannot afford round %d: budget spent, not sampled again", checked.client_id, server_round)
             else:
+                weight = aggregation_weight(self.aggregation, checked.plan, server_round, int(checked.metrics["num-examples"]))
                 trained.append(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in checked.arrays.items()}),
-                                           "metrics": MetricRecord(checked.metrics)}))  # fmt: skip
+                                           "metrics": MetricRecord({**checked.metrics, WEIGHT_KEY: weight})}))  # fmt: skip
         for node in sorted(set(self.sampled.get(MessageType.TRAIN, ())) - answered):
             self._drop(server_round, node, "no reply", NO_REPLY)
         if not trained:
             return None, None
         # FedAvg's own weighted mean, over the checked replies only
-        arrays = aggregate_arrayrecords(trained, self.weighted_by_key)
+        arrays = aggregate_arrayrecords(trained, WEIGHT_KEY)  # by examples, or by inverse noise variance
         metrics = aggregate_train_metrics(trained, self.weighted_by_key)
         if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
             log(WARNING, "round %d: the aggregate is not finite; the global model stays as it was", server_round)
             return None, metrics
+        if self.optimizer is not None and self.current is not None:
+            arrays = self.optimizer.step(server_round, self.current, arrays)
         return arrays, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pandas as pd
 import pytest
+import torch
 
 from fedprivacy.aggregation import aggregation_weight, update_noise_variance
 from fedprivacy.errors import InputError
+from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client
 
 
@@ -36,3 +42,45 @@ def test_an_unknown_scheme_is_refused_by_name():
     plan = plan_client(1000, 1.0, 1e-5, compare=False)
     with pytest.raises(InputError, match="aggregation='median': must be one of: examples, inverse-noise"):
         aggregation_weight("median", plan, 1, 1000)
+
+
+@pytest.fixture
+def simulate(in_process, run_config):
+    from clients.app import app as client_app
+    from server.app import app as server_app
+
+    def run(overrides, nodes=4):
+        config = {**run_config, "num-server-rounds": 3, "epsilons": "0.5,1,4,8", **overrides}
+        grid = in_process.Grid.simulation(client_app, nodes, config)
+        in_process.run_server(server_app, grid, config)
+        (folder,) = Path(config["results-dir"]).iterdir()
+        return folder
+
+    return run
+
+
+def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(simulate, run_config, tmp_path, monkeypatch):
+    """The server's average with inverse-noise weights is Σ wᵢθᵢ/Σ wᵢ with wᵢ = 1/Var(plan, round)."""
+    from server import strategy as strategy_module
+
+    seen = []
+    aggregate = strategy_module.aggregate_arrayrecords
+    monkeypatch.setattr(strategy_module, "aggregate_arrayrecords", lambda records, key: (seen.append(records), aggregate(records, key))[1])
+    folder = simulate({"aggregation": "inverse-noise", "results-dir": str(tmp_path / "inv")})
+    plans = {p.stem: Plan.from_dict(json.loads(p.read_text())) for p in (folder / "plans").glob("*.json") if p.stem != "index"}
+    for server_round, records in enumerate(seen, start=1):
+        weights = [float(r["metrics"]["aggregation-weight"]) for r in records]
+        expected = sorted(1 / update_noise_variance(plan, server_round) for plan in plans.values())
+        assert sorted(weights) == pytest.approx(expected)
+    by_examples = simulate({"aggregation": "examples", "results-dir": str(tmp_path / "ex")})
+    assert not torch.equal(torch.load(folder / "model.pt")["1.weight"], torch.load(by_examples / "model.pt")["1.weight"])
+
+
+@pytest.mark.parametrize("optimizer", ["fedavgm", "fedadam"])
+def test_a_flower_server_optimizer_steps_from_the_global_model_under_the_same_budgets(simulate, tmp_path, optimizer):
+    plain = simulate({"results-dir": str(tmp_path / "plain")})
+    stepped = simulate({"server-optimizer": optimizer, "server-learning-rate": 0.5, "server-momentum": 0.9 if optimizer == "fedavgm" else 0.0,
+                        "results-dir": str(tmp_path / optimizer)})  # fmt: skip
+    assert not torch.equal(torch.load(plain / "model.pt")["1.weight"], torch.load(stepped / "model.pt")["1.weight"])
+    spent = {f: pd.read_csv(f / "clients.csv").set_index("client_id").epsilon_spent for f in (plain, stepped)}
+    assert spent[plain].equals(spent[stepped])  # post-processing: the same privacy spent

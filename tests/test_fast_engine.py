@@ -45,8 +45,8 @@ def fast_rounds(config: dict[str, Any], clients: int, monkeypatch, **options: An
     models: list[dict[str, torch.Tensor]] = []
     aggregate = fast_engine._aggregate
 
-    def spy(global_state, trained, results):
-        out = aggregate(global_state, trained, results)
+    def spy(global_state, trained, results, *rest):
+        out = aggregate(global_state, trained, results, *rest)
         models.append({k: v.clone() for k, v in out.items()})
         return out
 
@@ -66,6 +66,8 @@ def csv(folder: Path, name: str) -> pd.DataFrame:
         ("logreg", {}),
         ("mlp", {"rule": "adp"}),  # ADP-SGD: σ_t segments and the η/sqrt(20 + t) schedule
         ("mlp", {"fraction-train": 0.75, "fraction-evaluate": 0.5}),  # seeded sampling, federated evaluation
+        ("logreg", {"aggregation": "inverse-noise", "server-optimizer": "fedadam", "server-learning-rate": 0.3}),
+        ("logreg", {"server-optimizer": "fedavgm", "server-momentum": 0.9}),
         ("cnn", {"rule": "calibrated"}),  # not a Linear stack: trained client by client
     ],
 )

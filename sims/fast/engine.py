@@ -4,8 +4,9 @@ trained together by workers instead of one Flower message each.
 Everything but the arithmetic is the apps' own code: the clients (`simulation_client`), their
 ledger accounts, partitioning pins and seed rules (`open_account`), their plans
 (`plan_from_settings`, shared between clients with the same inputs), the round's noise events and
-affordability, the replies' public metrics, seeded sampling (`sample_clients`), FedAvg weighted by
-examples, central and federated evaluation, and the results folder (`RunRecorder`). What differs
+affordability, the replies' public metrics, seeded sampling (`sample_clients`), the weighted average
+(`fedprivacy.aggregation`) and Flower's server optimisers (`server.optimizers`), central and
+federated evaluation, and the results folder (`RunRecorder`). What differs
 is how: plans are made once per run, a round's ledger writes are one transaction, and the
 clients' DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after
 every round equals the apps' to float tolerance and every client's ε is identical
@@ -23,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from flwr.app import ArrayRecord
 
+from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
 from fedprivacy.ledger import BudgetExceeded, Ledger, composed_epsilon, round_events
 from fedprivacy.participant import (
@@ -44,6 +47,7 @@ from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.sampling import sample_clients
 from fedprivacy.training.rng import SeededRunWarning
+from server.optimizers import ServerOptimizer
 from sims.fast.pool import WorkerPool
 from sims.fast.worker import RoundRequest, RoundResult, WorkerClient
 
@@ -157,6 +161,7 @@ def _federate(settings: RunSettings, run_config: dict[str, Any], num_clients: in
         (settings.model, int(test.features[0].size), test.num_classes), spec.workers, spec.gpus_per_worker,
     )  # fmt: skip
     state = Participation()
+    optimizer = ServerOptimizer.from_settings(settings)
     try:
         for server_round in range(1, settings.num_server_rounds + 1):
             state.dropped_now = set()
@@ -176,7 +181,7 @@ def _federate(settings: RunSettings, run_config: dict[str, Any], num_clients: in
                 if client.index in replies:
                     state.failures[client.index] = 0
                     recorder.trained(server_round, client.name, replies[client.index], client.plan)
-            global_state = _aggregate(global_state, trained, results)
+            global_state = _aggregate(global_state, trained, results, server_round, settings, optimizer)
             left_out = state.failed | state.dropped_now
             evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in left_out], settings.fraction_evaluate)
                          if clients[i].local is not None]  # fmt: skip
@@ -283,18 +288,23 @@ def _exhausted_reply(client: Client) -> dict[str, Any]:
     return reply_metrics(client.local, client.plan, spent, sum(e.count for e in client.history), trained=False)
 
 
-def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult) -> dict[str, torch.Tensor]:
-    """FedAvg weighted by each client's N (as Flower's aggregation: weight factors N/ΣN in float32);
+def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult, server_round: int,
+               settings: RunSettings, optimizer: ServerOptimizer | None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """As the strategy: each update weighted by its client's examples or inverse noise variance
+    (weight factors w/Σw in float32, as Flower's aggregation), then the server optimiser's step;
     the previous model if nobody trained or the average is not finite."""
     if not trained:
         return global_state
     rows = torch.tensor([k for _, k in trained])
-    sizes = [c.local.data.num_examples for c, _ in trained]
-    factors = torch.tensor([n / sum(sizes) for n in sizes], dtype=torch.float32)
+    weights = [aggregation_weight(settings.aggregation, c.plan, server_round, c.local.data.num_examples) for c, _ in trained]
+    factors = torch.tensor([w / sum(weights) for w in weights], dtype=torch.float32)
     average = {key: torch.tensordot(factors, stacked[rows], dims=1) for key, stacked in zip(global_state, results.weights, strict=True)}
     if not all(bool(torch.isfinite(v).all()) for v in average.values()):  # as the strategy: keep the model
         return global_state
-    return average
+    if optimizer is None:
+        return average
+    stepped = optimizer.step(server_round, ArrayRecord(global_state), ArrayRecord(average))
+    return stepped.to_torch_state_dict()
 
 
 def _evaluate_federated(pool: WorkerPool, global_state: dict[str, torch.Tensor], indices: list[int], recorder: RunRecorder) -> None:
