@@ -55,3 +55,24 @@ def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
         if mine.shape != theirs.shape or not np.allclose(mine, theirs):
             raise AssertionError(f"client {client.client_id}: validation file does not match its training rows")
     return out
+
+
+def main() -> None:
+    """`python -m sims.validation --data FILE --partition-by COLUMN --out FILE`: write the validation file."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write the clients' training rows (never a test row) to a CSV for tuning.")
+    parser.add_argument("--data", type=Path, required=True, help="the full data file (pums or csv layout)")
+    parser.add_argument("--dataset", default="pums", choices=("pums", "csv"))
+    parser.add_argument("--partition-by", required=True, help="the client column (natural partitions)")
+    parser.add_argument("--label-column", default="", help="csv only")
+    parser.add_argument("--seed", type=int, default=0, help="the run config's seed (it decides the train/test split)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    config = {"dataset": args.dataset, "data-path": str(args.data.resolve()), "partition-by": args.partition_by,
+              "label-column": args.label_column, "seed": args.seed}  # fmt: skip
+    print(training_rows_file(config, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,10 @@ class FlowerEngine:
         self.superlink: subprocess.Popen[bytes] | None = None
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(self.home)}
+        # The SuperLink starts `flower-superexec` (and that, the run) by name: this Python's
+        # commands come first on PATH even when its environment was not activated.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        return {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(self.home), "PATH": path}
 
     def setup(self) -> None:
         if not (PROJECT / "pyproject.toml").is_file():
