@@ -1,3 +1,8 @@
-"""fedprivacy: federated, proactive DP-SGD. See README.md and ../shared/DESIGN.md."""
+"""fedprivacy: federated, proactive DP-SGD (see README.md)."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("fedprivacy")  # the one version string: pyproject.toml's
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "unknown"

@@ -26,13 +26,13 @@ from typing import Any
 
 from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
 from fedprivacy.aggregation import AGGREGATIONS
+from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
 from fedprivacy.models import MODELS
+from fedprivacy.privacy.rules import RULE_NAMES
 from fedprivacy.privacy import limits
 
 DATASETS = ("digits", "pums", "csv", "synthetic")
-PARTITIONINGS = ("auto", "iid", "dirichlet", "natural", "size")
-SIZE_SKEWS = ("linear", "square", "exponential")
-RULES = ("proactive", "calibrated", "adp")
+PARTITIONINGS = ("auto", *SCHEMES)  # auto: natural when partition-by names a column, else iid
 SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
 
 DEFAULTS: dict[str, bool | int | float | str] = {
@@ -102,13 +102,27 @@ def _fraction(field: str, value: Any) -> float:
     return unit_rate(field, value)
 
 
-def _per_client(field: str, value: Any, check: Callable[[str, Any], float], example: str) -> tuple[float, ...]:
-    """'0.5,1,2' (a string: run configs hold no lists) → one value per client, each checked."""
+def per_client_values(field: str, value: Any, check: Callable[[str, Any], float], example: str) -> tuple[float, ...]:
+    """'0.5,1,2' (a string: run configs hold no lists) → one value per client, each checked; '' → ().
+
+    The one parser of per-client lists: the run config's `epsilons`/`deltas` and the CLI's `--epsilons`.
+    """
     if not isinstance(value, str):
         raise InputError(field, value, f"must be a comma-separated string such as '{example}'")
     if value.strip() == "":
         return ()
     return tuple(check(field, part.strip()) for part in value.split(","))
+
+
+def one_per_client(field: str, values: tuple[float, ...], num_clients: int) -> tuple[float, ...]:
+    """`values` when they are exactly one per client; an error naming both counts otherwise."""
+    if len(values) != num_clients:
+        raise InputError(
+            field,
+            ",".join(f"{v:g}" for v in values),
+            f"needs one value per client: {num_clients} clients, {len(values)} values",
+        )
+    return values
 
 
 @dataclass(frozen=True)
@@ -170,13 +184,7 @@ def _client_value(field: str, values: tuple[float, ...], common: float, index: i
     """Client `index`'s entry of a per-client list (`epsilons`, `deltas`), or the common value."""
     if not values:
         return common
-    if len(values) != num_clients:
-        raise InputError(
-            field,
-            ",".join(f"{v:g}" for v in values),
-            f"needs one value per client: {num_clients} clients, {len(values)} values",
-        )
-    return values[index]
+    return one_per_client(field, values, num_clients)[index]
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
@@ -208,10 +216,10 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         test_fraction=_test_fraction(rc["test-fraction"]),
         model=_choice("model", rc["model"], tuple(MODELS)),
         epsilon=limits.epsilon("epsilon", rc["epsilon"]),
-        epsilons=_per_client("epsilons", rc["epsilons"], limits.epsilon, "0.5,1,2"),
+        epsilons=per_client_values("epsilons", rc["epsilons"], limits.epsilon, "0.5,1,2"),
         delta=open_unit("delta", rc["delta"]),
-        deltas=_per_client("deltas", rc["deltas"], open_unit, "1e-5,1e-6"),
-        rule=_choice("rule", rc["rule"], RULES),
+        deltas=per_client_values("deltas", rc["deltas"], open_unit, "1e-5,1e-6"),
+        rule=_choice("rule", rc["rule"], RULE_NAMES),
         clip_norm=positive("clip-norm", rc["clip-norm"]),
         learning_rate=positive("learning-rate", rc["learning-rate"]),
         epochs=epochs,

@@ -41,14 +41,26 @@ def test_plan_json_is_one_object_with_the_contract_fields(tmp_path):
     assert 0.99 <= plan["epsilon_pld"] <= 1.0
     assert all({"name", "met", "detail"} <= set(c) for c in plan["conditions"])
     assert {"naive", "strong", "rdp_calibrated", "pld_calibrated", "proactive", "adp"} <= set(plan["sigma_by_rule"])
-    assert len(list((tmp_path / "sheets").glob("plan-*.png"))) == 1 and (tmp_path / "sheets" / "client.md").is_file()
+    assert list(tmp_path.iterdir()) == []  # no sheet unless asked for
 
 
-def test_plan_prints_a_table_and_writes_a_sheet(tmp_path):
-    result = fedprivacy("plan", "--n", "5736", "--epsilon", "1", "--delta", "1e-5", "--out", "mysheet", cwd=tmp_path)
+def test_plan_prints_a_table_and_writes_a_sheet_only_when_asked(tmp_path):
+    result = fedprivacy("plan", "--n", "5736", "--epsilon", "1", "--delta", "1e-5", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "certified ε: PLD / RDP" in result.stdout and "epochs_vs_log_n" in result.stdout
+    assert list(tmp_path.iterdir()) == [] and "planning sheet" not in result.stdout
+    result = fedprivacy("plan", "--n", "5736", "--epsilon", "1", "--delta", "1e-5", "--out", "mysheet", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
     assert {p.suffix for p in (tmp_path / "mysheet").iterdir()} == {".md", ".html", ".png", ".json"}
+
+
+def test_version_and_choices_in_help(tmp_path):
+    version = fedprivacy("--version", cwd=tmp_path)
+    assert version.returncode == 0 and version.stdout.startswith("fedprivacy ") and "unknown" not in version.stdout
+    help_text = fedprivacy("plan", "--help", cwd=tmp_path).stdout
+    assert "proactive|calibrated|a" in help_text  # the rules, as choices
+    wrong = fedprivacy("plan", "--n", "100", "--epsilon", "1", "--rule", "magic", cwd=tmp_path)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "'magic' is not one of" in wrong.stderr
 
 
 def test_sheets_for_fulton_pums_gives_seven_clients_of_the_puma_sizes(tmp_path):

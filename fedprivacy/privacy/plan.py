@@ -15,7 +15,6 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-RULES = ("proactive", "calibrated", "adp")
 LR_SCHEDULES = ("constant", "inverse_sqrt", "adagrad_norm")
 ALPHA_SCHEDULES = ("constant", "inverse_sqrt_lr", "power")
 

@@ -1,15 +1,10 @@
 """`plan_client`: a client's a-priori DP-SGD plan from its own N, ε, δ, certified before it runs.
 
-Rules:
-- `proactive`: σ from the proactive rule, T and q chosen to meet its conditions (by default the
-  smallest k meeting the ln N condition and the smallest T ≈ 2k²/ε);
-- `calibrated`: the same q and T, with the smallest σ that PLD certifies for the target: it
-  hands back the budget the proactive rule leaves unused;
-- `adp`: ADP-SGD's noise schedule σ_t = σ·α_t/α_1 (α_t = 1/sqrt(η_t) by default, with the paper's
-  decaying step size η_t = η/sqrt(a + ct)), with the first step's σ calibrated by PLD step by step.
-
-Every plan is certified with PLD (and RDP as a cross-check); one whose certified ε exceeds the
-target raises `PlanRefused` and never reaches a trainer.
+The planner composes: the budget checked (δ < 1/N included), the schedule (q, T: by default the
+smallest k meeting the proactive ln N condition and T = ⌈2k²/ε⌉), the rule's noise, conditions and
+looser bounds (`fedprivacy.privacy.rules`, one object per rule, found by name), the certificate
+(PLD, RDP as a cross-check), the refusal of a plan whose certified ε exceeds its target (it raises
+`PlanRefused` and never reaches a trainer), and the σ every other rule would need.
 """
 
 from __future__ import annotations
@@ -20,8 +15,9 @@ from fedprivacy import errors
 from fedprivacy.errors import InputError, PlanRefused
 from fedprivacy.privacy import accountants, adp, classical, limits
 from fedprivacy.privacy.accountants import NoiseEvent
-from fedprivacy.privacy.plan import LR_SCHEDULES, RULES, Condition, Plan
-from fedprivacy.privacy.proactive import proactive_conditions, proactive_sigma, proactive_steps, smallest_epochs
+from fedprivacy.privacy.plan import LR_SCHEDULES, Condition, Plan
+from fedprivacy.privacy.proactive import proactive_sigma, proactive_steps, smallest_epochs
+from fedprivacy.privacy.rules import Budget, NoiseRule, Schedule, find_rule
 
 ADP_DEFAULT_LR_PARAMS = {"a": 20.0, "c": 1.0}  # η_t = η/sqrt(20 + t), the paper's CIFAR-10 schedule
 
@@ -84,17 +80,6 @@ def resolve_schedule(
     return rate, steps
 
 
-def _noise_segments(
-    rule: str, n: int, epsilon: float, delta: float, rate: float, steps: int, alphas_relative
-) -> tuple[float, tuple[tuple[float, int], ...]]:
-    """(σ or ADP scale s, per-step noise segments) for the rule."""
-    if rule == "proactive":
-        sigma = proactive_sigma(epsilon, delta)
-        return sigma, ((sigma, steps),)
-    scale = accountants.calibrate_pld(epsilon, delta, rate, alphas_relative)
-    return scale, tuple((scale * alpha, count) for alpha, count in alphas_relative)
-
-
 def compare_rules(epsilon: float, delta: float, rate: float, steps: int, alphas) -> tuple[dict[str, float | None], float]:
     """σ each rule needs for the same target, q and T; and the moments-accountant constant c."""
     rdp_sigma = accountants.calibrate_rdp(epsilon, delta, rate, ((1.0, steps),))
@@ -129,70 +114,36 @@ def plan_client(
     lr_schedule: str | None = None,
     lr_params: dict[str, float] | None = None,
     alpha_schedule: str | None = None,
-    alpha_power: float = 0.5,  # seed 004 §5.2: α_t² = sqrt(b0² + tC) grows as t^(1/2) under adagrad_norm
+    alpha_power: float = 0.5,  # Wu et al. §5.2: α_t² = sqrt(b0² + tC) grows as t^(1/2) under adagrad_norm
     compare: bool = True,
 ) -> Plan:
     """Plan, certify and return one client's DP-SGD parameters (see the module docstring)."""
-    n = limits.records("n", n)
-    epsilon = limits.epsilon("epsilon", epsilon)
-    delta = below_one_over_n(delta, n)
+    budget = Budget(limits.records("n", n), limits.epsilon("epsilon", epsilon), 0.0)
+    budget = Budget(budget.n, budget.epsilon, below_one_over_n(delta, budget.n))
     clip_norm = errors.positive("clip-norm", clip_norm)
     rounds = limits.rounds("rounds", rounds)
     learning_rate = errors.positive("learning-rate", learning_rate)
-    if rule not in RULES:
-        raise InputError("rule", rule, f"must be one of {', '.join(RULES)}")
-    lr_schedule = lr_schedule or ("inverse_sqrt" if rule == "adp" else "constant")
-    if lr_schedule not in LR_SCHEDULES:
-        raise InputError("lr-schedule", lr_schedule, f"must be one of {', '.join(LR_SCHEDULES)}")
-    lr_params = dict(lr_params or (ADP_DEFAULT_LR_PARAMS if lr_schedule == "inverse_sqrt" else {}))
-    if alpha_schedule is None:
-        alpha_schedule = "constant" if rule != "adp" else ("power" if lr_schedule == "adagrad_norm" else "inverse_sqrt_lr")
-    if rule != "adp" and alpha_schedule != "constant":
-        raise InputError("alpha-schedule", alpha_schedule, "adapts the noise only under rule 'adp'")
-
+    noise_rule = find_rule(rule)
+    lr_schedule, lr_params, alpha_schedule = _step_sizes(noise_rule, lr_schedule, lr_params, alpha_schedule)
     rate, steps = resolve_schedule(
-        n, epsilon, epochs=epochs, sampling_rate=sampling_rate, expected_batch_size=expected_batch_size, steps=steps
+        budget.n, budget.epsilon, epochs=epochs, sampling_rate=sampling_rate, expected_batch_size=expected_batch_size, steps=steps
     )
     alphas = adp.alpha_values(
         alpha_schedule, steps, learning_rate=learning_rate, lr_schedule=lr_schedule, lr_params=lr_params, power=alpha_power
     )
-    relative = adp.alpha_segments(alphas)
-    sigma, segments = _noise_segments(rule, n, epsilon, delta, rate, steps, relative)
+    schedule = Schedule(rate, steps, alphas, adp.alpha_segments(alphas))
+    sigma, segments = noise_rule.noise(budget, schedule)
     events = [NoiseEvent(s, rate, count) for s, count in segments]
-    epsilon_pld = accountants.pld_epsilon(events, delta)
-    epsilon_rdp = accountants.rdp_epsilon(events, delta)
-
-    conditions: list[Condition] = []
-    if rule == "proactive":
-        conditions.extend(proactive_conditions(n, epsilon, delta, rate * steps, steps))
-    if rule == "adp":
-        conditions.extend(adp.theorem41_conditions(epsilon, delta, rate, alphas))
-    conditions.append(
-        Condition("certified", epsilon_pld <= epsilon, f"PLD ε = {epsilon_pld:.4f} {'≤' if epsilon_pld <= epsilon else '>'} target {epsilon:g}")
-    )
-    if epsilon_pld > epsilon:
-        failed = [c.name for c in conditions if not c.met and c.kind == "required" and c.name != "certified"]
-        raise PlanRefused(
-            f"client {client_id}: rule {rule} with σ={sigma:.4g}, q={rate:.4g}, T={steps} certifies ε={epsilon_pld:.4f} "
-            f"> target ε={epsilon:g}" + (f" (conditions not met: {', '.join(failed)})" if failed else "")
-            + "; use rule 'calibrated' or change the epochs"
-        )
-
-    if rule == "adp":
-        lemma = adp.lemma22_epsilon(sigma, delta, rate, relative)  # None where its premise ε_t ≤ 1 fails
-        bounds = {"extended_advanced_composition": lemma if math.isfinite(lemma) else None}
-    else:
-        bounds = {
-            "naive": classical.naive_epsilon(sigma, delta, rate, steps),
-            "strong": classical.strong_epsilon(sigma, delta, rate, steps),
-        }
-    by_rule, moments_c = compare_rules(epsilon, delta, rate, steps, alphas) if compare else ({}, None)
+    epsilon_pld = accountants.pld_epsilon(events, budget.delta)
+    conditions = (*noise_rule.conditions(budget, schedule), _certified(epsilon_pld, budget.epsilon))
+    _refuse_if_over(client_id, noise_rule.name, sigma, schedule, epsilon_pld, budget.epsilon, conditions)
+    by_rule, moments_c = compare_rules(budget.epsilon, budget.delta, rate, steps, alphas) if compare else ({}, None)
     return Plan(
         client_id=str(client_id),
-        rule=rule,
-        n=n,
-        epsilon=epsilon,
-        delta=delta,
+        rule=noise_rule.name,
+        n=budget.n,
+        epsilon=budget.epsilon,
+        delta=budget.delta,
         clip_norm=clip_norm,
         sigma=sigma,
         sampling_rate=rate,
@@ -200,14 +151,46 @@ def plan_client(
         rounds=rounds,
         noise_segments=segments,
         epsilon_pld=epsilon_pld,
-        epsilon_rdp=epsilon_rdp,
-        conditions=tuple(conditions),
+        epsilon_rdp=accountants.rdp_epsilon(events, budget.delta),
+        conditions=conditions,
         sigma_by_rule=by_rule,
-        epsilon_bounds=bounds,
+        epsilon_bounds=noise_rule.looser_bounds(sigma, budget, schedule),
         moments_constant=moments_c,
         learning_rate=learning_rate,
         lr_schedule=lr_schedule,
         lr_params=lr_params,
         alpha_schedule=alpha_schedule,
         alpha_params={"power": alpha_power} if alpha_schedule == "power" else {},
+    )
+
+
+def _step_sizes(
+    noise_rule: NoiseRule, lr_schedule: str | None, lr_params: dict[str, float] | None, alpha_schedule: str | None
+) -> tuple[str, dict[str, float], str]:
+    """(learning-rate schedule, its parameters, α schedule): the caller's, or the rule's defaults."""
+    lr_schedule, default_alpha = noise_rule.default_schedules(lr_schedule)
+    if lr_schedule not in LR_SCHEDULES:
+        raise InputError("lr-schedule", lr_schedule, f"must be one of {', '.join(LR_SCHEDULES)}")
+    lr_params = dict(lr_params or (ADP_DEFAULT_LR_PARAMS if lr_schedule == "inverse_sqrt" else {}))
+    alpha_schedule = alpha_schedule or default_alpha
+    if not noise_rule.adapts_noise and alpha_schedule != "constant":
+        raise InputError("alpha-schedule", alpha_schedule, "adapts the noise only under rule 'adp'")
+    return lr_schedule, lr_params, alpha_schedule
+
+
+def _certified(epsilon_pld: float, target: float) -> Condition:
+    within = epsilon_pld <= target
+    return Condition("certified", within, f"PLD ε = {epsilon_pld:.4f} {'≤' if within else '>'} target {target:g}")
+
+
+def _refuse_if_over(client_id: str, rule: str, sigma: float, schedule: Schedule, epsilon_pld: float, target: float,
+                    conditions: tuple[Condition, ...]) -> None:  # fmt: skip
+    """A plan whose certificate exceeds its target never runs: `PlanRefused`, naming what failed."""
+    if epsilon_pld <= target:
+        return
+    failed = [c.name for c in conditions if not c.met and c.kind == "required" and c.name != "certified"]
+    raise PlanRefused(
+        f"client {client_id}: rule {rule} with σ={sigma:.4g}, q={schedule.rate:.4g}, T={schedule.steps} certifies "
+        f"ε={epsilon_pld:.4f} > target ε={target:g}" + (f" (conditions not met: {', '.join(failed)})" if failed else "")
+        + "; use rule 'calibrated' or change the epochs"
     )

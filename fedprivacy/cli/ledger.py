@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from fedprivacy import errors
+from fedprivacy.cli.common import guarded
 from fedprivacy.errors import InputError
 from fedprivacy.privacy import limits
 
-app = typer.Typer(no_args_is_help=True, help=__doc__)
+app = typer.Typer(no_args_is_help=True, help="A node operator's view of a privacy ledger, and the one way to change a budget.")
 OPERATOR_WAIT_S = 5.0  # an operator waits this long for a SuperNode's write, then is told the file is locked
 
 
@@ -37,8 +38,6 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="print the accounts as one JSON list"),
 ) -> None:
     """Each account's budget, δ, steps, ε spent, ε left and runs."""
-    from fedprivacy.cli import _guarded as guarded
-
     accounts = guarded(lambda: _open(path).accounts())
     if as_json:
         sys.stdout.write(json.dumps([{**asdict(a), "epsilon_left": a.epsilon_left} for a in accounts]) + "\n")
@@ -61,8 +60,6 @@ def set_budget(
     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
 ) -> None:
     """Change an account's (ε, δ): the data owner's decision, never the server's."""
-    from fedprivacy.cli import _guarded as guarded
-
     def change() -> None:
         limits.epsilon("epsilon", epsilon)
         errors.open_unit("delta", delta)

@@ -1,0 +1,172 @@
+"""`fedprivacy plan`, `sheets` and `calculator`: one client's plan, a sheet per client of a CSV,
+and every feasible plan ranked a priori."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fedprivacy.cli.common import RULE_HELP, AlphaSchedule, LrSchedule, Rule, guarded, value
+from fedprivacy.errors import InputError
+
+app = typer.Typer()
+
+
+def _write_sheets(plans: list[Any], out: Path, **options: Any) -> list[Path]:
+    """write_sheets, with an unwritable `--out` (a file, no permission, a full disk) as a user error."""
+    from fedprivacy.reports.sheets import write_sheets
+
+    try:
+        return write_sheets(plans, out, **options)
+    except OSError as error:
+        raise InputError("out", str(out), f"cannot write the sheets there: {error.strerror or error}") from None
+
+
+def _plan_table(plan: Any) -> Table:
+    table = Table(title=f"{plan.rule.capitalize()} plan for {plan.client_id}", show_header=True)
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    rows = [
+        ("N, ε, δ", f"{plan.n}, {plan.epsilon:g}, {plan.delta:.3g}"),
+        ("σ (noise multiplier)", f"{plan.sigma:.4f}"),
+        ("q (Poisson rate) / expected batch", f"{plan.sampling_rate:.4g} / {plan.expected_batch_size:.1f}"),
+        ("T steps / epochs k", f"{plan.steps} / {plan.epochs:.3g}"),
+        ("certified ε: PLD / RDP", f"{plan.epsilon_pld:.4f} / {plan.epsilon_rdp:.4f}"),
+        ("budget unused", f"{plan.budget_unused:.4f}"),
+        ("noise std on averaged gradient", f"{plan.noise_std_on_mean:.4g}"),
+    ]
+    rows += [(f"σ {name}", "n/a" if v is None else f"{v:.4g}") for name, v in plan.sigma_by_rule.items()]
+    rows += [(f"condition {c.name}", ("met" if c.met else "[red]NOT met[/red]") + ("" if c.kind == "required" else " (info)"))
+             for c in plan.conditions]  # fmt: skip
+    for name, cell in rows:
+        table.add_row(name, cell)
+    return table
+
+
+@app.command()
+def plan(
+    n: Annotated[int, typer.Option("--n", help="local data size N of the client")],
+    epsilon: Annotated[float, typer.Option("--epsilon", help="target ε (0.01 to 100)")],
+    delta: Annotated[float, typer.Option("--delta", help="target δ, below 1/N")] = 1e-5,
+    rule: Annotated[Rule, typer.Option("--rule", help=RULE_HELP)] = Rule("proactive"),
+    clip_norm: Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")] = 1.0,
+    epochs: Annotated[float | None, typer.Option("--epochs", help="epochs k = qT (default: the smallest k meeting the proactive ln N condition)")] = None,
+    sampling_rate: Annotated[float | None, typer.Option("--sampling-rate", help="Poisson sampling rate q in (0, 1]")] = None,
+    batch_size: Annotated[float | None, typer.Option("--batch-size", help="expected batch size qN (instead of --sampling-rate)")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="total local steps T")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", help="federated rounds the steps are split over")] = 1,
+    client_id: Annotated[str, typer.Option("--client-id", help="the name on the plan and its sheet")] = "client",
+    learning_rate: Annotated[float, typer.Option("--learning-rate", help="the step size η")] = 0.1,
+    lr_schedule: Annotated[LrSchedule | None, typer.Option("--lr-schedule", help="default: constant (adp: inverse_sqrt)")] = None,
+    alpha_schedule: Annotated[AlphaSchedule | None, typer.Option("--alpha-schedule", help="the noise schedule α_t of rule adp")] = None,
+    alpha_power: Annotated[float, typer.Option("--alpha-power", help="p in [0, 1] of the power schedule α_t² ∝ t^p")] = 0.5,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object and nothing else")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="also write the planning sheet (md, html, png, json) into this folder")] = None,
+) -> None:
+    """Plan, certify and explain one client's DP-SGD parameters."""
+    from fedprivacy.privacy.planner import plan_client
+
+    the_plan = guarded(lambda: plan_client(
+        n, epsilon, delta, rule=value(rule), clip_norm=clip_norm, epochs=epochs, sampling_rate=sampling_rate,
+        expected_batch_size=batch_size, steps=steps, rounds=rounds, client_id=client_id, learning_rate=learning_rate,
+        lr_schedule=value(lr_schedule), alpha_schedule=value(alpha_schedule), alpha_power=alpha_power,
+    ))  # fmt: skip
+    written = guarded(lambda: _write_sheets([the_plan], out, index=False)) if out is not None else []
+    if as_json:
+        sys.stdout.write(the_plan.to_json() + "\n")
+        return
+    console = Console()
+    console.print(_plan_table(the_plan))
+    if written:
+        console.print(f"planning sheet: {out / (written[0].stem + '.html')}")
+
+
+@app.command()
+def sheets(
+    data: Annotated[Path, typer.Option("--data", help="CSV file with one row per record")],
+    partition_by: Annotated[str, typer.Option("--partition-by", help="the column whose values are the clients")],
+    epsilon: Annotated[float, typer.Option("--epsilon", help="target ε of every client")] = 1.0,
+    epsilons: Annotated[str | None, typer.Option("--epsilons", help="one ε per client, comma-separated, in sorted client order")] = None,
+    delta: Annotated[float, typer.Option("--delta", help="target δ, below 1/N of every client")] = 1e-5,
+    rule: Annotated[Rule, typer.Option("--rule", help=RULE_HELP)] = Rule("proactive"),
+    clip_norm: Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")] = 1.0,
+    epochs: Annotated[float | None, typer.Option("--epochs", help="epochs k = qT")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", help="federated rounds the steps are split over")] = 1,
+    out: Annotated[Path, typer.Option("--out", help="folder for the sheets and the index")] = Path("sheets"),
+) -> None:
+    """One planning sheet per client of a CSV split by a column, plus an index."""
+    from fedprivacy.data.tables import partition_sizes, read_table
+    from fedprivacy.privacy import limits
+    from fedprivacy.privacy.planner import plan_client
+    from fedprivacy.runconfig import one_per_client, per_client_values
+
+    console = Console(stderr=True)
+
+    def build() -> list[Any]:
+        sizes = partition_sizes(read_table(data, [partition_by]), partition_by)
+        given = per_client_values("epsilons", epsilons or "", limits.epsilon, "0.5,1,2")
+        budgets = one_per_client("epsilons", given, len(sizes)) if given else (epsilon,) * len(sizes)
+        plans = []
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("planning clients", total=len(sizes))
+            for (client, size), budget in zip(sizes.items(), budgets, strict=True):
+                plans.append(plan_client(size, budget, delta, rule=value(rule), clip_norm=clip_norm, epochs=epochs,
+                                         rounds=rounds, client_id=f"{partition_by}-{client}"))  # fmt: skip
+                progress.advance(task)
+        return plans
+
+    plans = guarded(build)
+    with console.status("writing sheets"):
+        guarded(lambda: _write_sheets(plans, out))
+    table = Table(title=f"{len(plans)} clients of {data.name} by {partition_by}")
+    for column in ("client", "N", "ε", "σ", "q", "T", "PLD ε", "unused"):
+        table.add_column(column, justify="right")
+    for p in plans:
+        table.add_row(p.client_id, str(p.n), f"{p.epsilon:g}", f"{p.sigma:.3f}", f"{p.sampling_rate:.3g}",
+                      str(p.steps), f"{p.epsilon_pld:.3f}", f"{p.budget_unused:.3f}")  # fmt: skip
+    Console().print(table)
+    Console().print(f"sheets and index: {out / 'index.html'}")
+
+
+@app.command()
+def calculator(
+    n: Annotated[int, typer.Option("--n", help="local data size N of the client")],
+    epsilon: Annotated[float, typer.Option("--epsilon", help="target ε (0.01 to 100)")],
+    delta: Annotated[float, typer.Option("--delta", help="target δ, below 1/N")] = 1e-5,
+    rule: Annotated[Rule, typer.Option("--rule", help=RULE_HELP)] = Rule("calibrated"),
+    clip_norm: Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")] = 1.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the table as a JSON list")] = False,
+) -> None:
+    """List every feasible plan over a grid of epochs and sampling rates, ranked a priori."""
+    from fedprivacy.privacy import limits
+    from fedprivacy.privacy.calculator import UTILITY_PROXY, feasible_plans
+    from fedprivacy.privacy.planner import below_one_over_n
+
+    def run() -> list[Any]:
+        below_one_over_n(delta, limits.records("n", n))
+        limits.epsilon("epsilon", epsilon)
+        with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+            task = progress.add_task("certifying grid", total=None)
+            return feasible_plans(n, epsilon, delta, rule=value(rule), clip_norm=clip_norm,
+                                  on_progress=lambda done, total: progress.update(task, completed=done, total=total))  # fmt: skip
+
+    rows = guarded(run)
+    if as_json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in rows]) + "\n")
+        return
+    table = Table(title=f"Feasible plans for N={n}, ε={epsilon:g}, δ={delta:.2g} ({value(rule)}); ranked by {UTILITY_PROXY}")
+    for column in ("k", "q", "batch", "T", "σ", "σC/(qN)", "PLD ε", "rank"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        d = r.to_dict()
+        table.add_row(f"{d['epochs']:.3g}", f"{d['sampling_rate']:.3g}", f"{d['expected_batch_size']:.1f}", str(d["steps"]),
+                      f"{d['sigma']:.3f}", f"{d['noise_std_on_mean']:.3g}", f"{d['epsilon_pld']:.3f}",
+                      ("[bold green]1[/bold green]" if r.rank == 1 else str(r.rank)))  # fmt: skip
+    Console().print(table)

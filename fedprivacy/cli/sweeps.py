@@ -1,0 +1,137 @@
+"""`fedprivacy sweep` and `report`: a grid of federated runs through an engine, and its figures.
+
+The sweep machinery lives in `sims/` (it drives Flower); it is imported inside the command, so
+`fedprivacy` itself never imports flwr at module level.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fedprivacy.cli.common import choices, guarded, value
+from fedprivacy.errors import InputError
+from fedprivacy.models import MODELS
+from fedprivacy.runconfig import DATASETS, PARTITIONINGS
+
+app = typer.Typer()
+Dataset = choices("Dataset", DATASETS)
+Partitioning = choices("Partitioning", PARTITIONINGS)
+Model = choices("Model", tuple(MODELS))
+
+
+SCENARIO_HELP = "scenario file (TOML, see scenarios/); or build the grid with the flags below"
+
+
+def _sweep_scenario(scenario: Path | None, run_flags: dict[str, str | None], grid_flags: dict[str, str | None],
+                    sets: list[str], grids: list[str], sweep: dict[str, Any], resources: dict[str, Any], out: Path) -> Any:
+    """The validated scenario from a file or from the flags (not both); --engine and --no-baseline apply to either."""
+    from sims.sweep.flags import scenario_from_flags
+    from sims.sweep.spec import read_scenario, validate
+
+    if scenario is None:
+        raw = scenario_from_flags(run_flags, grid_flags, sets, grids, sweep, resources)
+        return validate(raw, base_dir=Path.cwd(), default_name=out.name)
+    inline = {**run_flags, **grid_flags, **resources, "clients": sweep["clients"], "seeded-noise": sweep["seeded-noise"],
+              "set": sets or None, "grid": grids or None}  # fmt: skip
+    given = [flag for flag, value in inline.items() if value is not None]
+    if given:
+        raise InputError(given[0], inline[given[0]], f"the scenario file {scenario} declares the grid: give it by a file or by flags, not both")
+    raw = read_scenario(scenario)
+    overrides = {key: sweep[key] for key in ("engine", "baseline") if sweep[key] is not None}
+    if overrides and isinstance(raw.get("sweep", {}), dict):
+        raw["sweep"] = {**raw.get("sweep", {}), **overrides}
+    return validate(raw, base_dir=scenario.resolve().parent, default_name=scenario.stem)
+
+
+@app.command()
+def sweep(
+    scenario: Path | None = typer.Argument(None, help=SCENARIO_HELP, show_default=False),
+    out: Path = typer.Option(..., "--out", help="folder for the cells, sweep.csv and the baselines; rerun to resume"),
+    engine: str | None = typer.Option(None, "--engine", help="inprocess (default: the apps in this process), flower (a flwr run per cell) or fast (a round's clients trained together)"),
+    baseline: bool | None = typer.Option(None, "--baseline/--no-baseline", help="also run the non-private baseline (default: yes)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the cells, run nothing"),
+    dataset: Dataset | None = typer.Option(None, "--dataset", help="the data set of every cell"),
+    data_path: str | None = typer.Option(None, "--data-path", help="data file (relative paths are taken from here)"),
+    partition_by: str | None = typer.Option(None, "--partition-by", help="column whose values are the clients, e.g. puma"),
+    partitioning: Partitioning | None = typer.Option(None, "--partitioning", help="how the rows are dealt to the clients"),
+    model: Model | None = typer.Option(None, "--model", help="the model of every cell"),
+    rounds: str | None = typer.Option(None, "--rounds", help="federated rounds of every cell"),
+    fraction_train: str | None = typer.Option(None, "--fraction-train", help="fraction of clients trained per round"),
+    clients: int | None = typer.Option(None, "--clients", help="simulated clients (default: one per natural partition)"),
+    epsilons: str | None = typer.Option(None, "--epsilons", help="grid of ε, e.g. 0.25,0.5,1,2,4,8"),
+    rules: str | None = typer.Option(None, "--rules", help="grid of rules, e.g. proactive,calibrated"),
+    seeds: str | None = typer.Option(None, "--seeds", help="grid of seeds, e.g. 0-4 or 0,3"),
+    seeded_noise: bool = typer.Option(False, "--seeded-noise", help="every cell's noise-seed is its seed (reproducible; experiments only)"),
+    grid: list[str] = typer.Option([], "--grid", help="KEY=V1,V2: vary any run-config key (repeatable)"),
+    sets: list[str] = typer.Option([], "--set", help="KEY=VALUE: fix any run-config key (repeatable)"),
+    client_cpus: int | None = typer.Option(None, "--client-cpus", help="CPUs per simulated client (flower engine; default 1)"),
+    client_gpus: float | None = typer.Option(None, "--client-gpus", help="GPU fraction per simulated client (flower engine; default 0)"),
+    workers: int | None = typer.Option(None, "--workers", help="fast engine workers: 1 in this process, more as Ray actors (default 1)"),
+    worker_gpus: float | None = typer.Option(None, "--worker-gpus", help="GPU fraction per fast-engine worker (default 0: CPU)"),
+) -> None:
+    """Run a grid of federated runs, declared by a scenario file (TOML, see scenarios/) or by the flags: one results folder per cell and sweep.csv; rerun the same command to resume."""
+    from sims.sweep.grid import cells as grid_cells
+
+    run_flags = {"dataset": value(dataset), "data-path": data_path, "partition-by": partition_by, "partitioning": value(partitioning),
+                 "model": value(model), "rounds": rounds, "fraction-train": fraction_train}  # fmt: skip
+    grid_flags = {"epsilons": epsilons, "rules": rules, "seeds": seeds}
+    sweep_table = {"engine": engine, "baseline": baseline, "clients": clients, "seeded-noise": seeded_noise or None}
+    resources = {"client-cpus": client_cpus, "client-gpus": client_gpus, "workers": workers, "worker-gpus": worker_gpus}
+    spec = guarded(lambda: _sweep_scenario(scenario, run_flags, grid_flags, sets, grid, sweep_table, resources, out))
+    console = Console(stderr=True)
+    with console.status("validating every cell"):
+        cells = guarded(lambda: grid_cells(spec))
+    if dry_run:
+        table = Table(title=f"{spec.name}: {len(cells)} cells, engine {spec.engine}")
+        for column in ("cell", "clients", "rounds"):
+            table.add_column(column)
+        for cell in cells:
+            table.add_row(cell.name, str(cell.num_clients), str(cell.run_config["num-server-rounds"]))
+        Console().print(table)
+        return
+    _run_sweep(spec, cells, out, console)
+
+
+def _run_sweep(spec: Any, cells: list[Any], out: Path, console: Console) -> None:
+    """Run it; SIGTERM is an interrupt too, so the engine is torn down (a SuperLink stopped) either way."""
+    from sims.sweep.driver import EngineUnavailable, run_sweep
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        outcome = guarded(lambda: run_sweep(spec, cells, out.resolve(), console=console))
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted: rerun the same command to resume (finished cells in {out} are kept)", err=True)
+        raise typer.Exit(code=130) from None
+    except EngineUnavailable as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    failures = outcome.failures
+    done = sum(1 for row in outcome.rows if row["status"] == "completed")
+    typer.echo(f"{done} of {len(outcome.rows)} cells completed: {out / 'sweep.csv'}; figures and tables: fedprivacy report {out}")
+    if failures:
+        for failure in failures:
+            typer.echo(f"failed: {failure}", err=True)
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def report(
+    sweep_dir: Path = typer.Argument(..., help="a sweep's --out folder"),
+    out: Path | None = typer.Option(None, "--out", help="folder for the figures and report.md (default: SWEEP_DIR/report)"),
+) -> None:
+    """Figures (PNG and SVG) and report.md from a sweep's sweep.csv and cell folders."""
+    from fedprivacy.reports.sweep_report import write_report
+
+    written = guarded(lambda: write_report(sweep_dir, out))
+    Console().print(f"{len(written)} files, report: {written[-1]}")

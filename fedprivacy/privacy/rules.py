@@ -1,0 +1,140 @@
+"""The noise rules, each a small object found by name (`RULES`), which the planner composes.
+
+A rule decides three things for a client whose budget, N and schedule (q, T, the α schedule) are
+known: the per-step noise multipliers, the validity conditions of the analysis it relies on, and
+the ε that looser analyses give for the same plan. Certification, refusal and the comparison with
+other rules are the planner's (`fedprivacy.privacy.planner`), the same for every rule.
+
+- `proactive` (van Dijk et al. 2024): σ = sqrt(2(ε + ln(1/δ))/ε), independent of T, with the
+  published conditions on T, k and N reported by name;
+- `calibrated`: the smallest σ the PLD accountant certifies for the target and schedule;
+- `adp` (Wu et al., ADP-SGD): σ_t = s·α_t for a schedule α fixed in advance (α_t = 1/sqrt(η_t) by
+  default), s calibrated by PLD step by step; Theorem 4.1's condition on T, and Lemma 2.2's ε.
+
+To add a rule, implement `NoiseRule` and add it to `RULES`: the run config, the CLI's choices and
+the planner find it there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fedprivacy.errors import InputError
+from fedprivacy.privacy import accountants, adp, classical
+from fedprivacy.privacy.plan import Condition
+from fedprivacy.privacy.proactive import proactive_conditions, proactive_sigma
+
+Segments = tuple[tuple[float, int], ...]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a client plans for: its N records and its (ε, δ)."""
+
+    n: int
+    epsilon: float
+    delta: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The steps a plan takes: Poisson rate q, T steps, and the noise schedule α (relative to α₁)."""
+
+    rate: float
+    steps: int
+    alphas: np.ndarray  # α_1..α_T as fixed in advance
+    relative: Segments  # α/α_1 floored to a grid and run-length encoded (adp.alpha_segments)
+
+
+class NoiseRule(Protocol):
+    name: str
+    adapts_noise: bool  # whether an α schedule other than constant makes sense under the rule
+
+    def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
+        """(learning-rate schedule, α schedule) when the caller names none."""
+
+    def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
+        """(σ, or the scale s of σ_t = s·α_t; the per-step noise multipliers as (σ, count) runs)."""
+
+    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
+        """The validity conditions of the analysis behind the rule, evaluated for this plan."""
+
+    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+        """The ε that classical analyses give for this same plan."""
+
+
+def _classical_bounds(sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+    """Naive and strong composition (Dwork & Roth) of T steps at a constant σ."""
+    return {
+        "naive": classical.naive_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
+        "strong": classical.strong_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
+    }
+
+
+class Proactive:
+    name = "proactive"
+    adapts_noise = False
+
+    def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
+        return lr_schedule or "constant", "constant"
+
+    def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
+        sigma = proactive_sigma(budget.epsilon, budget.delta)
+        return sigma, ((sigma, schedule.steps),)
+
+    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
+        return proactive_conditions(budget.n, budget.epsilon, budget.delta, schedule.rate * schedule.steps, schedule.steps)
+
+    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+        return _classical_bounds(sigma, budget, schedule)
+
+
+class Calibrated:
+    name = "calibrated"
+    adapts_noise = False
+
+    def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
+        return lr_schedule or "constant", "constant"
+
+    def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
+        sigma = accountants.calibrate_pld(budget.epsilon, budget.delta, schedule.rate, schedule.relative)
+        return sigma, tuple((sigma * alpha, count) for alpha, count in schedule.relative)
+
+    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
+        return ()  # the PLD certificate is the whole argument
+
+    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+        return _classical_bounds(sigma, budget, schedule)
+
+
+class Adp(Calibrated):
+    """ADP-SGD: the calibrated scale applied to the α schedule (Wu et al., Theorem 4.1)."""
+
+    name = "adp"
+    adapts_noise = True
+
+    def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
+        lr_schedule = lr_schedule or "inverse_sqrt"
+        return lr_schedule, ("power" if lr_schedule == "adagrad_norm" else "inverse_sqrt_lr")
+
+    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
+        return adp.theorem41_conditions(budget.epsilon, budget.delta, schedule.rate, schedule.alphas)
+
+    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+        lemma = adp.lemma22_epsilon(sigma, budget.delta, schedule.rate, schedule.relative)  # None where ε_t ≤ 1 fails
+        return {"extended_advanced_composition": lemma if math.isfinite(lemma) else None}
+
+
+RULES: dict[str, NoiseRule] = {rule.name: rule for rule in (Proactive(), Calibrated(), Adp())}
+RULE_NAMES = tuple(RULES)
+
+
+def find_rule(name: str) -> NoiseRule:
+    """The rule called `name`, or an error that lists the rules there are."""
+    if name not in RULES:
+        raise InputError("rule", name, f"must be one of: {', '.join(RULES)}")
+    return RULES[name]
