@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 
 from fedprivacy.data import central_split, load_dataset
 from fedprivacy.models import build_model
-from fedprivacy.participant import evaluate_model
+from fedprivacy.models import evaluate_model
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import DPTrainer

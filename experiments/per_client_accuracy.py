@@ -18,7 +18,8 @@ import pandas as pd
 import torch
 
 from fedprivacy.data.partition import load_clients
-from fedprivacy.participant import evaluate_model, new_model, partition_kwargs
+from fedprivacy.models import evaluate_model
+from fedprivacy.participant import new_model, partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 
 

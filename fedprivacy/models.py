@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
+
+from fedprivacy.data.types import Dataset
 
 
 class AsImage(nn.Module):
@@ -81,3 +84,16 @@ def build_model(name: str, num_features: int, num_classes: int) -> nn.Module:
             "and >= 2 classes"
         )
     return MODELS[name](num_features, num_classes)
+
+
+def evaluate_model(model: nn.Module, dataset: Dataset) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) of `model` on `dataset`."""
+    dev = next(model.parameters()).device
+    model.eval()
+    with torch.no_grad():
+        features = torch.as_tensor(dataset.features, dtype=torch.float32, device=dev)
+        labels = torch.as_tensor(dataset.labels, dtype=torch.long, device=dev)
+        logits = model(features)
+        loss = nn.functional.cross_entropy(logits, labels).item()
+        accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
+    return float(loss), float(accuracy)

@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from fedprivacy.data.loaders import load_dataset
-from fedprivacy.data.partition import load_client, load_clients
+from fedprivacy.data.partition import load_client
 from fedprivacy.data.splits import split_client
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
 from fedprivacy.ledger import Budget, BudgetExceeded, Ledger, RoundRepeated, round_events
-from fedprivacy.models import build_model
+from fedprivacy.models import build_model, evaluate_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client
 from fedprivacy.runconfig import NodeSettings, RunSettings, default_ledger_path
@@ -99,7 +99,7 @@ def partition_kwargs(settings: RunSettings, num_clients: int) -> dict[str, Any]:
     )
 
 
-def _data_file_missing(settings: RunSettings) -> bool:
+def data_file_missing(settings: RunSettings) -> bool:
     """A file-based data set whose run-config data-path is not a file on this machine."""
     return settings.dataset in ("pums", "csv") and (settings.data_path is None or not settings.data_path.is_file())
 
@@ -151,7 +151,7 @@ def simulation_client(settings: RunSettings, partition_id: int, num_partitions: 
     Its account is the data set's identity plus its partition; the ledger pins the partitioning
     per data set (see `open_account`), so an account always names the same rows.
     """
-    if _data_file_missing(settings):
+    if data_file_missing(settings):
         raise InputError("data-path", "" if settings.data_path is None else str(settings.data_path),
                          f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
                          "the run config's data-path (an absolute path on this machine)")
@@ -264,26 +264,6 @@ def _policy_refusal(client: LocalClient, settings: RunSettings) -> ClientRefusal
         return ClientRefusal("diagnostics=true: raw training statistics are not private; a deployed client never "
                              "returns them")
     return None
-
-
-def server_test_set(settings: RunSettings, num_clients: int) -> Dataset | None:
-    """The held-out test set for central evaluation: the union of the clients' test splits.
-
-    None when the server cannot build it (a deployment: the data lives on the clients); the
-    server then evaluates through the clients.
-    """
-    if _data_file_missing(settings):
-        return None
-    # A client too small to train fails on its own (the run goes on); it has no test rows to give.
-    clients = load_clients(**partition_kwargs(settings, num_clients), drop_too_small=True)
-    tests = [c.test for c in clients]
-    return Dataset(
-        features=np.concatenate([t.features for t in tests]),
-        labels=np.concatenate([t.labels for t in tests]),
-        feature_names=tests[0].feature_names,
-        num_classes=tests[0].num_classes,
-        name=f"{tests[0].name} (clients' test splits)",
-    )
 
 
 def device() -> torch.device:
@@ -444,19 +424,6 @@ def _exhausted(client: LocalClient, plan: Plan, ledger: Ledger) -> dict[str, int
 
 def _finite(value: float) -> float:
     return float(value) if math.isfinite(value) else 0.0
-
-
-def evaluate_model(model: nn.Module, dataset: Dataset) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) of `model` on `dataset`."""
-    dev = next(model.parameters()).device
-    model.eval()
-    with torch.no_grad():
-        features = torch.as_tensor(dataset.features, dtype=torch.float32, device=dev)
-        labels = torch.as_tensor(dataset.labels, dtype=torch.long, device=dev)
-        logits = model(features)
-        loss = nn.functional.cross_entropy(logits, labels).item()
-        accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
-    return float(loss), float(accuracy)
 
 
 def evaluate_local(client: LocalClient, settings: RunSettings, global_state: dict[str, torch.Tensor]) -> dict[str, int | float]:

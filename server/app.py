@@ -9,6 +9,7 @@ where the server cannot see them, and config.json / summary.json say so.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -19,19 +20,18 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, M
 from flwr.serverapp import Grid, ServerApp
 
 from fedprivacy.errors import InputError, error_summary
-from fedprivacy.participant import evaluate_model, new_model, server_test_set
+from fedprivacy.models import evaluate_model
+from fedprivacy.participant import new_model
 from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
 from fedprivacy.runconfig import RunSettings, parse_run_config
+from server.console import reporting
+from server.evaluation import server_test_set
 from server.optimizers import ServerOptimizer
 from server.strategy import PrivacyFedAvg
 
 app = ServerApp()
+logger = logging.getLogger(__name__)
 DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the server cannot see them"
-
-
-def say(text: str) -> None:
-    """Progress for the user: flwr streams the ServerApp's stdout (`flwr run --stream`, `flwr log`)."""
-    print(f"[fedprivacy] {text}", flush=True)
 
 
 def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, node: int, config: ConfigRecord) -> ArrayRecord:
@@ -48,13 +48,18 @@ def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, node: int, con
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    with reporting():
+        _run(grid, context)
+
+
+def _run(grid: Grid, context: Context) -> None:
     settings = parse_run_config(context.run_config)
     try:
         folder = new_run_folder(settings.results_dir, context.run_id)
     except OSError as error:
         raise InputError("results-dir", str(settings.results_dir),
                          f"cannot create the run's folder there ({error.strerror or error}): name a writable folder") from None
-    say(f"results folder: {folder}")
+    logger.info("results folder: %s", folder)
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
     extra = {
@@ -64,7 +69,7 @@ def main(grid: Grid, context: Context) -> None:
         "engine": "flower",
     }
     if settings.diagnostics:
-        say(f"diagnostics on: {DIAGNOSTICS_NOTE}")
+        logger.info("diagnostics on: %s", DIAGNOSTICS_NOTE)
     try:
         _federate(grid, context, settings, recorder, ledger_path, extra)
     except Exception as exc:
@@ -73,11 +78,11 @@ def main(grid: Grid, context: Context) -> None:
         reason = error_summary(f"{type(exc).__name__}: {exc}")
         recorder.write_plans()
         recorder.write_summary(extra, error=reason)
-        say(f"run failed: {reason}")
-        say(f"results folder: {folder} (partial)")
+        logger.info("run failed: %s", reason)
+        logger.info("results folder: %s (partial)", folder)
         raise
-    say(done_line(recorder.write_summary(extra)))
-    say(f"results folder: {folder}")
+    logger.info(done_line(recorder.write_summary(extra)))
+    logger.info("results folder: %s", folder)
 
 
 def _federate(
@@ -99,8 +104,8 @@ def _federate(
     nodes = strategy.connected_nodes(grid)
     test = server_test_set(settings, len(nodes))
     if test is None and settings.data_path is not None:
-        say(f"data-path {settings.data_path} is not a file on the server: evaluating through the clients "
-            "(as in a deployment, where each SuperNode reads its own file)")
+        logger.info("data-path %s is not a file on the server: evaluating through the clients "
+                    "(as in a deployment, where each SuperNode reads its own file)", settings.data_path)
     evaluation = "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
     if test is None:  # the clients read their own data, so they are (or act as) deployed SuperNodes
         extra["ledger"] = DEPLOYED_LEDGERS
@@ -111,7 +116,8 @@ def _federate(
              "evaluation": evaluation, "engine": "flower", "flwr_version": flwr.__version__},
         )
     )
-    say(f"{len(nodes)} clients, {settings.num_server_rounds} rounds, dataset {settings.dataset}, rule {settings.rule}; evaluation: {evaluation}")
+    logger.info("%d clients, %d rounds, dataset %s, rule %s; evaluation: %s",
+                len(nodes), settings.num_server_rounds, settings.dataset, settings.rule, evaluation)
     initial = _initial_arrays(settings, test, grid, nodes[0], strategy.round_config(ConfigRecord(), 0))
     model = None if test is None else new_model(settings, test.features, test.num_classes)
 
@@ -125,10 +131,10 @@ def _federate(
             metrics = MetricRecord({"accuracy": accuracy, "loss": loss})
         if server_round == 0:
             if metrics is not None:
-                say(f"round 0: accuracy {metrics['accuracy']:.4f} (initial model)")
+                logger.info("round 0: accuracy %.4f (initial model)", metrics["accuracy"])
             return metrics
         row = recorder.end_round(server_round)
-        say(progress_line(row, settings.num_server_rounds))
+        logger.info(progress_line(row, settings.num_server_rounds))
         return metrics
 
     result = strategy.start(

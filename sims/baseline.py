@@ -9,7 +9,7 @@ compared with:
   over rounds come from the plan its private twin makes (`plan_from_settings` with the run config's ε,
   rule, epochs and rounds, exactly as the ClientApp calls it); that plan's noise is never used;
 - the same constant learning rate and the same FedAvg weighting (by local training size N);
-- the same test set: `fedprivacy.participant.server_test_set` (the union of the clients' test splits);
+- the same test set: `server.evaluation.server_test_set` (the union of the clients' test splits);
 - the same device: local training runs where a ClientApp would (`fedprivacy.participant.device`),
   since a seeded generator draws different noise on a GPU than on the CPU.
 
@@ -35,20 +35,20 @@ from torch import nn
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.data.types import ClientData
+from fedprivacy.models import evaluate_model
 from fedprivacy.participant import (
     client_noise_seed,
     dataset_identity,
     device,
-    evaluate_model,
     new_model,
     partition_kwargs,
     plan_from_settings,
-    server_test_set,
     simulated_account,
 )
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.training.trainer import DPTrainer
+from server.evaluation import server_test_set
 from sims.runner import RunResult, natural_client_count
 
 State = dict[str, torch.Tensor]
@@ -60,7 +60,7 @@ def _plans(settings: RunSettings, clients: list[ClientData]) -> list[Plan]:
     return [plan_from_settings(settings, c.num_examples, settings.budget(i, len(clients)), settings.client_delta(i, len(clients)), c.client_id) for i, c in enumerate(clients)]
 
 
-def _federate(run_config: dict[str, Any], num_clients: int | None, name: str, private: bool, make_local: Callable[[RunSettings, list[ClientData], list[Plan]], LocalTrain]) -> RunResult:
+def _fedavg(run_config: dict[str, Any], num_clients: int | None, name: str, private: bool, make_local: Callable[[RunSettings, list[ClientData], list[Plan]], LocalTrain]) -> RunResult:
     """FedAvg over every client every round, weighted by N, evaluated on the server's test set."""
     config = {**DEFAULTS, **run_config}
     settings = parse_run_config(config)
@@ -118,7 +118,7 @@ def _federate(run_config: dict[str, Any], num_clients: int | None, name: str, pr
 
 
 def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan]) -> LocalTrain:
-    local_device = device()  # where `_federate` puts the local models: the data moves there once
+    local_device = device()  # where `_fedavg` puts the local models: the data moves there once
     tensors = [
         (torch.as_tensor(c.train.features, dtype=torch.float32).to(local_device), torch.as_tensor(c.train.labels, dtype=torch.long).to(local_device))
         for c in clients
@@ -144,7 +144,7 @@ def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Pla
 
 def nonprivate_baseline(run_config: dict[str, Any], num_clients: int | None = None, *, name: str = "non-private") -> RunResult:
     """FedAvg of plain local SGD under `run_config`'s partitions, model, schedule and test set."""
-    return _federate(run_config, num_clients, name, False, _plain_sgd)
+    return _fedavg(run_config, num_clients, name, False, _plain_sgd)
 
 
 def _dp_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan]) -> LocalTrain:
@@ -171,4 +171,4 @@ def _dp_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan])
 
 def private_proxy(run_config: dict[str, Any], num_clients: int | None = None, *, name: str = "private proxy") -> RunResult:
     """The private run's training without Flower and the ledger: for hyperparameter search only."""
-    return _federate(run_config, num_clients, name, True, _dp_sgd)
+    return _fedavg(run_config, num_clients, name, True, _dp_sgd)

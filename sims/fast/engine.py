@@ -32,14 +32,13 @@ from fedprivacy.ledger import BudgetExceeded, Ledger, composed_epsilon, round_ev
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
-    evaluate_model,
     new_model,
     open_accounts,
     reply_metrics,
     run_plans,
-    server_test_set,
     simulation_client,
 )
+from fedprivacy.models import evaluate_model
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.replies import MAX_CONSECUTIVE_FAILURES
@@ -47,6 +46,7 @@ from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.sampling import sample_clients
 from fedprivacy.training.rng import SeededRunWarning
+from server.evaluation import server_test_set
 from server.optimizers import ServerOptimizer
 from sims.fast.pool import WorkerPool
 from sims.fast.worker import RoundRequest, RoundResult, WorkerClient
@@ -118,7 +118,7 @@ def run_fast(
              "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off"}  # fmt: skip
     timings = Timings()
     try:
-        _federate(settings, {**DEFAULTS, **run_config}, num_clients, run_id, recorder, Ledger(ledger_path),
+        _run_rounds(settings, {**DEFAULTS, **run_config}, num_clients, run_id, recorder, Ledger(ledger_path),
                   WorkerPoolSpec(workers, gpus_per_worker), timings, on_round, say)  # fmt: skip
     except Exception as exc:
         reason = error_summary(f"{type(exc).__name__}: {exc}")
@@ -136,7 +136,7 @@ class WorkerPoolSpec:
     gpus_per_worker: float
 
 
-def _federate(settings: RunSettings, run_config: dict[str, Any], num_clients: int, run_id: int, recorder: RunRecorder,
+def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: int, run_id: int, recorder: RunRecorder,
               ledger: Ledger, spec: WorkerPoolSpec, timings: Timings, on_round: RoundCallback | None,
               say: Callable[[str], None]) -> None:  # fmt: skip
     random.seed(settings.seed)

@@ -1,0 +1,35 @@
+"""The server's own evaluation: a central test set when the server can read the data.
+
+In a simulation the server builds the same partitions as the clients and evaluates the global
+model on the union of their test splits. In a deployment the data lives only on the SuperNodes,
+so there is no central test set and the server evaluates through the clients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedprivacy.data.partition import load_clients
+from fedprivacy.data.types import Dataset
+from fedprivacy.participant import data_file_missing, partition_kwargs
+from fedprivacy.runconfig import RunSettings
+
+
+def server_test_set(settings: RunSettings, num_clients: int) -> Dataset | None:
+    """The held-out test set for central evaluation: the union of the clients' test splits.
+
+    None when the server cannot build it (a deployment: the data lives on the clients); the
+    server then evaluates through the clients.
+    """
+    if data_file_missing(settings):
+        return None
+    # A client too small to train fails on its own (the run goes on); it has no test rows to give.
+    clients = load_clients(**partition_kwargs(settings, num_clients), drop_too_small=True)
+    tests = [c.test for c in clients]
+    return Dataset(
+        features=np.concatenate([t.features for t in tests]),
+        labels=np.concatenate([t.labels for t in tests]),
+        feature_names=tests[0].feature_names,
+        num_classes=tests[0].num_classes,
+        name=f"{tests[0].name} (clients' test splits)",
+    )
