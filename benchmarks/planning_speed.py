@@ -1,6 +1,6 @@
 """How fast planning is: certifying one plan with PLD, calibrating σ, writing the 7 PUMS sheets.
 
-Targets (issue #2): certifying one plan ≤ 1 s for T ≤ 10⁵ on the CI machine; the 7 PUMS sheets
+Targets: certifying one plan ≤ 1 s for T ≤ 10⁵ on the CI machine; the 7 PUMS sheets
 in ≤ 30 s. Each certificate is timed beside the baseline it replaces, dp-accounting's stock
 `PLDAccountant` on the same plan and loss grid, in the same run (`speedup` = baseline / ours).
 Prints a table; `--json PATH` writes the rows. Caches are cleared before each timing so every

@@ -1,4 +1,4 @@
-"""Utility check: central DP-SGD reaches useful accuracy at modest budgets (issue #3).
+"""Utility check: central DP-SGD reaches useful accuracy at modest budgets.
 
 Central means one client holding all the training data. Every DP run uses a plan from
 `plan_client(rule="calibrated")` (δ = 1e-5; `plan.epsilon_pld <= ε` is asserted) and the DP

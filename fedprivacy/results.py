@@ -86,7 +86,7 @@ def done_line(summary: dict[str, Any]) -> str:
 
 
 def new_run_folder(results_dir: Path, run_id: int | str) -> Path:
-    """A fresh folder `<results_dir>/<UTC time>-run<run_id>` (never reuses an existing one)."""
+    """A fresh folder `<results_dir>/<local time>-run<run_id>` (never reuses an existing one)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = results_dir / f"{stamp}-run{run_id}"
     folder, n = base, 1

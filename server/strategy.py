@@ -20,14 +20,13 @@ What it adds to FedAvg:
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterable
-from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
@@ -47,6 +46,7 @@ from fedprivacy.results import RunRecorder
 from fedprivacy.sampling import sample_clients
 from server.optimizers import WEIGHT_KEY, ServerOptimizer
 
+logger = logging.getLogger(__name__)
 NO_REPLY = "no reply within the round timeout"
 
 
@@ -163,9 +163,9 @@ class PrivacyFedAvg(FedAvg):
         self.dropped_now = set()
         eligible = [n for n in self.connected_nodes(grid) if n not in self.exhausted | self.failed]
         if not eligible:
-            log(WARNING, "round %d: no client can still train (budgets spent or clients failed)", server_round)
+            logger.warning("round %d: no client can still train (budgets spent or clients failed)", server_round)
         nodes = self._sample(eligible, self.fraction_train)
-        log(INFO, "configure_train: sampled %d of %d clients that can still train", len(nodes), len(eligible))
+        logger.info("configure_train: sampled %d of %d clients that can still train", len(nodes), len(eligible))
         self.recorder.sampled(server_round, len(nodes))
         return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.TRAIN)
 
@@ -189,7 +189,7 @@ class PrivacyFedAvg(FedAvg):
         if gone:
             self.failed.add(node)
         self.recorder.dropped(server_round, self._name(node), outcome, reason, excluded=gone)
-        log(WARNING, "round %d: reply of client %s dropped (%s): %s%s", server_round, self._name(node), outcome,
+        logger.warning("round %d: reply of client %s dropped (%s): %s%s", server_round, self._name(node), outcome,
             reason, "; not sampled again in this run" if gone else "")
 
     def _accept(self, server_round: int, node: int, reply: Message) -> TrainReply:
@@ -211,7 +211,7 @@ class PrivacyFedAvg(FedAvg):
         for reply in replies:
             node = reply.metadata.src_node_id
             if node in answered or node not in self.sampled.get(MessageType.TRAIN, ()):
-                log(WARNING, "round %d: ignored a reply from node %s, which was not asked or already answered", server_round, node)
+                logger.warning("round %d: ignored a reply from node %s, which was not asked or already answered", server_round, node)
                 continue
             answered.add(node)
             if reply.has_error():
@@ -226,7 +226,7 @@ class PrivacyFedAvg(FedAvg):
             self.recorder.trained(server_round, checked.client_id, checked.metrics, checked.plan)
             if checked.exhausted:
                 self.exhausted.add(node)
-                log(INFO, "client %s cannot afford round %d: budget spent, not sampled again", checked.client_id, server_round)
+                logger.info("client %s cannot afford round %d: budget spent, not sampled again", checked.client_id, server_round)
             else:
                 weight = aggregation_weight(self.aggregation, checked.plan, server_round, int(checked.metrics["num-examples"]))
                 trained.append(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in checked.arrays.items()}),
@@ -239,7 +239,7 @@ class PrivacyFedAvg(FedAvg):
         arrays = aggregate_arrayrecords(trained, WEIGHT_KEY)  # by examples, or by inverse noise variance
         metrics = aggregate_train_metrics(trained, self.weighted_by_key)
         if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
-            log(WARNING, "round %d: the aggregate is not finite; the global model stays as it was", server_round)
+            logger.warning("round %d: the aggregate is not finite; the global model stays as it was", server_round)
             return None, metrics
         if self.optimizer is not None and self.current is not None:
             arrays = self.optimizer.step(server_round, self.current, arrays)
@@ -251,19 +251,19 @@ class PrivacyFedAvg(FedAvg):
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
-                log(WARNING, "evaluation failed on client %s: %s", self._name(node), error_summary(reply.error.reason))
+                logger.warning("evaluation failed on client %s: %s", self._name(node), error_summary(reply.error.reason))
                 continue
             try:
                 values = check_evaluate_reply(dict(reply.content["metrics"]) if "metrics" in reply.content else {})
             except InvalidReply as error:
-                log(WARNING, "round %d: evaluation reply of client %s dropped: %s", server_round, self._name(node), error)
+                logger.warning("round %d: evaluation reply of client %s dropped: %s", server_round, self._name(node), error)
                 continue
             if values.get("evaluation-off"):
                 self.evaluation_off.add(node)
             else:
                 evaluated.append(RecordDict({"metrics": MetricRecord(values)}))
         if replies and len(self.evaluation_off) == len({r.metadata.src_node_id for r in replies}) and not evaluated:
-            log(INFO, "clients release no evaluation (deployed clients keep their test rows private): "
+            logger.info("clients release no evaluation (deployed clients keep their test rows private): "
                 "federated evaluation stops")
         metrics = self.evaluate_metrics_aggr_fn(evaluated, self.weighted_by_key) if evaluated else None
         if metrics is not None:

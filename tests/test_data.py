@@ -157,7 +157,7 @@ def test_csv_defaults_to_the_other_numeric_columns(tmp_path: Path) -> None:
     data = load_dataset("csv", path, label="y", client_column="site")
     assert data.feature_names == ("x1", "x2") and data.num_classes == 2
     assert data.name == "csv:clinic.csv"
-    chosen = load_dataset("csv", path, label="y", features="x2")
+    chosen = load_dataset("csv", path, label="y", features=["x2"])
     assert chosen.features.shape == (10, 1)
 
     clients = load_clients("csv", path, scheme="natural", by="site", label="y")

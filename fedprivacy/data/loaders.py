@@ -111,20 +111,17 @@ def load_pums(path: Path | None = None, extended: bool = True, client_column: st
 def load_csv(
     path: Path | None = None,
     label: str | None = None,
-    features: Sequence[str] | str | None = None,
+    features: Sequence[str] | None = None,
     client_column: str | None = None,
 ) -> Dataset:
     """Any CSV: the user names the label column, and optionally the features and the client column.
 
     Features default to every other numeric column (a column mostly of numbers counts, and its
-    other cells are refused by name); a comma-separated string (empty = default)
-    is accepted so the choice can come from a Flower run config.
+    other cells are refused by name).
     """
     file = _needs_path("csv", path)
     if not label:
         raise InputError("label", label, "the csv dataset needs label=<the label column>")
-    if isinstance(features, str):
-        features = [f.strip() for f in features.split(",") if f.strip()] or None
     table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])])
     if features is None:
         excluded = {label, client_column}

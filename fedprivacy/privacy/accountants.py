@@ -1,6 +1,6 @@
 """Tight accountants (PLD, RDP) for Poisson-subsampled Gaussian steps, through dp-accounting.
 
-The mechanism is the one of notes/privacy.md §1: each step Poisson-samples records with
+The mechanism (the DP-SGD of Abadi et al. 2016 with Poisson sampling): each step Poisson-samples records with
 probability q and adds N(0, σ²C²) to the sum of clipped gradients; neighbouring data sets differ
 by adding or removing one record. A run is a sequence of `NoiseEvent`s (σ, q, count), so a plan
 with a constant σ is one event and an ADP-SGD plan is one event per noise segment.
@@ -32,10 +32,24 @@ from fedprivacy.privacy.gaussian_pld import gaussian_pld
 ADJACENCY = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 CERTIFICATE_DISCRETIZATION = 1e-4
 SEARCH_DISCRETIZATION = 1e-3
-CALIBRATION_TOLERANCE = 0.005  # calibrated ε lands in [(1 - tol)·target, target]
+CALIBRATION_TOLERANCE = 0.005  # bisection tolerance; a calibrated σ's certified ε lands in [(1 - 2·tol)·target, target]
 DEFAULT_LOG_TRUNCATION = -50.0  # dp-accounting's default noise-mass truncation (ln)
 TRUNCATION_SHARE_OF_DELTA = 1e-3  # all steps together leave out at most this share of δ ...
 REFERENCE_STEPS = 10**6  # ... in runs of up to this many steps (longer runs: slightly more, still pessimistic)
+
+
+class _UnconvergedOrders(logging.Filter):
+    """Drops dp-accounting's note that an RDP order failed to converge and was excluded.
+
+    Excluding an order can only make the RDP ε larger (conservative), and the note repeats for
+    every composition at small σ; its other warnings (negative divergences) stay visible.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed to converge" not in str(record.msg)
+
+
+logging.getLogger("absl").addFilter(_UnconvergedOrders())
 
 
 class NoiseEvent(NamedTuple):
@@ -134,15 +148,9 @@ def clear_caches() -> None:
 def _rdp_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float) -> float:
     if not any(e.count > 0 for e in events):
         return 0.0
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)  # orders that fail to converge are dropped: conservative
-    try:
-        accountant = rdp.RdpAccountant(neighboring_relation=ADJACENCY)
-        accountant.compose(_dp_event(events))
-        return float(accountant.get_epsilon(delta))
-    finally:
-        absl_logger.setLevel(level)
+    accountant = rdp.RdpAccountant(neighboring_relation=ADJACENCY)
+    accountant.compose(_dp_event(events))
+    return float(accountant.get_epsilon(delta))
 
 
 def pld_epsilon(
@@ -258,27 +266,21 @@ def rdp_epsilon_curve(events: Sequence[NoiseEvent], delta: float, checkpoints: S
     afresh (as `rdp_epsilon` does), with one subsampled-Gaussian computation per segment instead
     of one per checkpoint.
     """
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)  # orders that fail to converge are dropped: conservative
-    try:
-        one_step = []
-        for event in events:
-            accountant = rdp.RdpAccountant(neighboring_relation=ADJACENCY)
-            accountant.compose(_dp_event([NoiseEvent(event.sigma, event.sampling_rate, 1)]))
-            one_step.append(np.asarray(accountant.rdp, dtype=float))
-        curve = []
-        for stop in checkpoints:
-            counts, remaining = [], int(stop)
-            for event in events:  # each segment's steps among the first `stop`
-                counts.append(max(0, min(event.count, remaining)))
-                remaining -= counts[-1]
-            if not any(counts):
-                curve.append(0.0)
-                continue
-            # segments not reached add nothing (0·∞ would be NaN at orders where one step's RDP is ∞)
-            total = sum(count * values for count, values in zip(counts, one_step, strict=True) if count)
-            curve.append(float(rdp_privacy_accountant.compute_epsilon(accountant.orders, total, delta)[0]))
-        return curve
-    finally:
-        absl_logger.setLevel(level)
+    one_step = []
+    for event in events:
+        accountant = rdp.RdpAccountant(neighboring_relation=ADJACENCY)
+        accountant.compose(_dp_event([NoiseEvent(event.sigma, event.sampling_rate, 1)]))
+        one_step.append(np.asarray(accountant.rdp, dtype=float))
+    curve = []
+    for stop in checkpoints:
+        counts, remaining = [], int(stop)
+        for event in events:  # each segment's steps among the first `stop`
+            counts.append(max(0, min(event.count, remaining)))
+            remaining -= counts[-1]
+        if not any(counts):
+            curve.append(0.0)
+            continue
+        # segments not reached add nothing (0·∞ would be NaN at orders where one step's RDP is ∞)
+        total = sum(count * values for count, values in zip(counts, one_step, strict=True) if count)
+        curve.append(float(rdp_privacy_accountant.compute_epsilon(accountant.orders, total, delta)[0]))
+    return curve

@@ -1,4 +1,4 @@
-"""ADP-SGD (seed 004, Wu et al.): noise adapted to the step size, and its privacy analysis.
+"""ADP-SGD (Wu et al., Adaptive Differentially Private Empirical Risk Minimization): noise adapted to the step size, and its privacy analysis.
 
 Step t adds noise α_t·c_t to the gradient; in this project's terms the noise multiplier of step t
 is σ_t = s·α_t for a scale s. The paper's best choice is α_t = 1/sqrt(η_t). Theorem 4.1 gives s

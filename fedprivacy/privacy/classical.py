@@ -1,7 +1,8 @@
-"""The classical noise rules of seeds 000 and 003, for comparison on the planning sheet.
+"""The classical noise rules, for comparison on the planning sheet.
 
 All of them are stated for T steps of DP-SGD with sampling rate q and a total target (ε, δ).
-Following seed 000, one subsampled step that must be (ε_s, δ_s)-DP gets the Gaussian noise
+As in the usual presentation of DP-SGD (Abadi et al. 2016, Sec. 3.1, before the moments
+accountant), one subsampled step that must be (ε_s, δ_s)-DP gets the Gaussian noise
 multiplier σ = q·sqrt(2 ln(1.25 q/δ_s))/ε_s (the base Gaussian mechanism at (ε_s/q, δ_s/q),
 amplified by sampling). Naive composition spends ε/T and δ/T per step; strong composition is
 the exact Dwork–Roth advanced-composition formula, solved numerically (not its O(·) form).
@@ -15,7 +16,7 @@ from scipy.optimize import brentq, minimize_scalar
 
 
 def step_sigma(step_epsilon: float, step_delta: float, sampling_rate: float) -> float:
-    """σ that makes one subsampled Gaussian step (ε_s, δ_s)-DP, seed 000's per-step relation."""
+    """σ that makes one subsampled Gaussian step (ε_s, δ_s)-DP, the classical per-step relation."""
     return sampling_rate * math.sqrt(2.0 * math.log(1.25 * sampling_rate / step_delta)) / step_epsilon
 
 
@@ -25,7 +26,7 @@ def step_epsilon(sigma: float, step_delta: float, sampling_rate: float) -> float
 
 
 def naive_sigma(epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
-    """Seed 000 §3.1: σ = qT·sqrt(2 ln(1.25 qT/δ))/ε."""
+    """Naive (basic) composition (Dwork & Roth 2014, Thm 3.16): σ = qT·sqrt(2 ln(1.25 qT/δ))/ε."""
     return step_sigma(epsilon / steps, delta / steps, sampling_rate)
 
 
@@ -78,7 +79,8 @@ def moments_constant(sigma: float, epsilon: float, delta: float, sampling_rate: 
 
 
 def dpgd_sigma(epsilon: float, delta: float, steps: int) -> float:
-    """Seed 003 §2.3, full-batch DP-GD with basic composition, as a noise multiplier.
+    """Full-batch DP-GD with basic composition (G. Brown's lecture notes on DP gradient
+    descent, Lecture 4 §2.3), as a noise multiplier.
 
     λ = 2CT·sqrt(2 log(2T/δ))/(εn) is the noise std on the averaged gradient (replace-one
     sensitivity 2C/n); λ·n/C is the multiplier on the sum. Stated for ε ≤ 1, δ ≤ 1/2.

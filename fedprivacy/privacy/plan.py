@@ -1,6 +1,6 @@
 """The `Plan`: one client's DP-SGD parameters, decided before training and certified.
 
-A plan is the single description of the mechanism (notes/privacy.md §1): the trainer reads σ, q,
+A plan is the single description of the mechanism: the trainer reads σ, q,
 C and T from it and never recomputes them, and the accountant composes exactly the per-step
 noise multipliers in `noise_segments`. Plans serialise to the JSON contract that
 `fedprivacy plan --json`, the planning sheets and the Flower apps share.

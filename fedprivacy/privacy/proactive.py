@@ -1,4 +1,4 @@
-"""The proactive noise rule (seed 001; van Dijk et al., ICML 2024) and its validity conditions.
+"""The proactive noise rule (van Dijk et al., ICML 2024) and its validity conditions.
 
 σ_pro = sqrt(2(ε + ln(1/δ))/ε) does not depend on the number of steps T, which is what lets a
 client fix its noise a priori and split its steps over as many rounds as it likes. The published

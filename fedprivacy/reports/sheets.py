@@ -1,6 +1,6 @@
 """Planning sheets: one page per client (Markdown, HTML, JSON), a figure per distinct plan, and an index.
 
-A sheet shows what notes/privacy.md §6 asks: the inputs, the chosen plan, its certificate,
+A sheet shows the inputs, the chosen plan, its certificate,
 the budget left unused, the rule's conditions by name, the σ every other rule would need, and a
 figure of ε versus steps (PLD, RDP, naive, strong) beside a bar chart of σ by rule.
 

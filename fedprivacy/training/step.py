@@ -1,4 +1,4 @@
-"""One DP-SGD step, exactly the mechanism of notes/privacy.md §1 (after sampling).
+"""One DP-SGD step, exactly the mechanism the accountants certify (after sampling).
 
 Σ clipped per-example gradients + N(0, σ²C²·I), divided by the EXPECTED batch size q·N (not the
 realised one, so the sensitivity of the released average is C/(qN) whatever the batch), then a
