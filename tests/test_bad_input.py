@@ -236,7 +236,7 @@ def test_bad_input_is_one_line_naming_field_value_and_what_is_allowed(case, tmp_
      (10**9, 1.0, 1e-10, "proactive"), (2, 1.0, 0.49, "proactive")],
 )  # fmt: skip
 def test_extreme_but_valid_inputs_get_a_certified_plan(n, epsilon, delta, rule):
-    """The edges of the limits (README, Bad input) get correct answers, not refusals or blow-ups
+    """The edges of the limits (docs/privacy.md, "Limits") get correct answers, not refusals or blow-ups
     (their memory and time were measured by hand: README)."""
     from fedprivacy.privacy.planner import plan_client
 

@@ -4,7 +4,7 @@ The certificate composes privacy-loss distributions on a 10⁻⁴ loss grid (acc
 follows the privacy loss itself, so extreme but valid-looking inputs used to end in a traceback
 or a multi-terabyte allocation (ε = 10⁹ asked numpy for 1.8·10¹² entries; ε = 10⁻⁹ for a plan of
 3·10¹⁰ steps). These limits refuse them in one line instead, and everything inside them gets a
-correct certificate on a 2-core, 24 GB machine (the README's "Bad input" gives the measurements;
+correct certificate on a 2-core, 24 GB machine (docs/privacy.md, "Limits", gives the measurements;
 tests/test_bad_input.py plans at the edges):
 
 - ε in [0.01, 100]: below 0.01 the grid's own rounding (10⁻⁴ per step, always pessimistic)
