@@ -79,13 +79,8 @@ def unit_rate(field: str, value: Any) -> float:
 def integer_at_least(field: str, value: Any, minimum: int) -> int:
     """An integer ≥ minimum (N, steps, rounds, batch sizes)."""
     allowed = f"must be an integer >= {minimum}"
-    if isinstance(value, bool):
-        raise InputError(field, value, allowed)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise InputError(field, value, allowed) from None
-    if not math.isfinite(number) or number != int(number) or number < minimum:
+    number = _as_float(field, value, allowed)
+    if number != int(number) or number < minimum:
         raise InputError(field, value, allowed)
     return int(number)
 
