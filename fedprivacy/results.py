@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
@@ -103,14 +104,24 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
-    os.replace(tmp, path)
+def _csv_lines(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> list[str]:
+    """Each row as one CSV line (None as an empty cell), in the columns' order."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    lines = []
+    for row in rows:
+        writer.writerow(["" if row.get(k) is None else row[k] for k in columns])
+        lines.append(buffer.getvalue())
+        buffer.seek(0)
+        buffer.truncate()
+    return lines
+
+
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]], lines: list[str] | None = None) -> None:
+    """Rewrite a CSV file atomically (a reader or a crash never sees half of it). `lines`: the rows
+    already formatted, so a file that only grows formats each row once."""
+    body = lines if lines is not None else _csv_lines(columns, rows)
+    _atomic_write(path, ",".join(columns) + "\n" + "".join(body))
 
 
 def _weighted(pairs: list[tuple[int, float | None]]) -> float | None:
@@ -153,6 +164,7 @@ class RunRecorder:
     plans: dict[str, Plan] = field(default_factory=dict)
     replies: list[dict[str, Any]] = field(default_factory=list)
     _round: dict[str, Any] = field(default_factory=dict)
+    _reply_lines: list[str] = field(default_factory=list)  # replies.csv grows by a round's rows: format each once
 
     def write_config(self, config: dict[str, Any]) -> None:
         _atomic_write(self.folder / "config.json", json.dumps(config, indent=2, default=str) + "\n")
@@ -212,6 +224,7 @@ class RunRecorder:
         for row in self.replies:
             if row["client_id"] == old:
                 row["client_id"] = new
+        self._reply_lines.clear()
 
     def _reply(self, server_round: int, client_id: str, outcome: str, reason: str) -> None:
         self.replies.append({"round": server_round, "client_id": client_id, "outcome": outcome, "reason": reason})
@@ -246,7 +259,8 @@ class RunRecorder:
         self.rounds.append(row)
         _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
         _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(self.clients[c]) for c in sorted(self.clients)])
-        _write_csv(self.folder / "replies.csv", REPLY_COLUMNS, self.replies)
+        self._reply_lines += _csv_lines(REPLY_COLUMNS, self.replies[len(self._reply_lines):])
+        _write_csv(self.folder / "replies.csv", REPLY_COLUMNS, self.replies, self._reply_lines)
         return row
 
     def require_training(self) -> None:
