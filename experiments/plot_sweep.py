@@ -2,6 +2,7 @@
 of another: the figures of docs/experiments.md that `fedprivacy report` does not draw.
 
 Usage: python experiments/plot_sweep.py SWEEP_DIR --x clip-norm --series epsilon [--logx] --out FILE.png [--title T]
+       [--extra OTHER_SWEEP_DIR --extra-label LABEL]   (one more line: all of another sweep's cells)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main() -> None:
     parser.add_argument("--series", default="", help="grid key drawn as one line per value")
     parser.add_argument("--logx", action="store_true")
     parser.add_argument("--title", default="")
+    parser.add_argument("--extra", type=Path, help="another sweep drawn as one more line")
+    parser.add_argument("--extra-label", default="")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     table = pd.read_csv(args.sweep / "sweep.csv")
@@ -31,10 +34,14 @@ def main() -> None:
         stats = rows.groupby(args.x)["final_accuracy"].agg(["mean", "std"]).reset_index()
         label = f"{args.series} = {value}" if args.series else None
         axes.errorbar(stats[args.x], stats["mean"], yerr=stats["std"].fillna(0.0), marker="o", capsize=3, label=label)
+    if args.extra:
+        extra = pd.read_csv(args.extra / "sweep.csv")
+        stats = extra[extra["status"] == "completed"].groupby(args.x)["final_accuracy"].agg(["mean", "std"]).reset_index()
+        axes.errorbar(stats[args.x], stats["mean"], yerr=stats["std"].fillna(0.0), marker="s", capsize=3, label=args.extra_label or args.extra.name)
     if args.logx:
         axes.set_xscale("log")
     axes.set(xlabel=args.x, ylabel="final test accuracy (mean ± sd over seeds)", title=args.title or args.sweep.name)
-    if args.series:
+    if args.series or args.extra:
         axes.legend(fontsize=8)
     axes.grid(True, alpha=0.3)
     figure.tight_layout()
