@@ -38,9 +38,14 @@ RESULT_COLUMNS = (
     "all_within_budget", "wall_s", "engine", "cell", "error",
 )  # fmt: skip
 
-# The run-config keys that only the privacy mechanism reads: the non-private baseline of a cell
-# is the same for every value of these (its local schedule is taken from one cell, see sims.sweep).
-PRIVACY_KEYS = frozenset({"epsilon", "epsilons", "delta", "deltas", "rule", "noise-seed", "clip-norm"})
+# The run-config keys the non-private baseline does not read (sims.baseline: plain FedAvg weighted
+# by examples, no clipping, no noise, no server optimiser): a cell's baseline is the same for every
+# value of these, so cells that differ only in them share one (its local schedule is taken from
+# one cell, see sims.sweep).
+BASELINE_IGNORED_KEYS = frozenset({
+    "epsilon", "epsilons", "delta", "deltas", "rule", "noise-seed", "clip-norm",
+    "aggregation", "server-optimizer", "server-learning-rate", "server-momentum", "server-tau",
+})  # fmt: skip
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def report_markdown(data: SweepData, figures: list[Path]) -> str:
         "## Accuracy", "", _figure(pngs[0], "final accuracy"), "", _markdown(accuracy_table(data)), "",
         "### Non-private baseline", "",
         "FedAvg of plain local SGD on the same clients, model, initial weights and local schedule "
-        "(sims.baseline), once per setting outside the privacy keys; `schedule_from` is the cell whose "
+        "(sims.baseline), once per setting outside the keys it does not read (privacy, aggregation, server optimiser); `schedule_from` is the cell whose "
         "private plan gave the schedule (q and T depend on ε).", "",
         _markdown(data.baselines), "",
         "## Accuracy per round", "", _figure(pngs[1], "accuracy per round"), "",

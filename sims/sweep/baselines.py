@@ -1,8 +1,8 @@
 """The non-private baseline of a sweep: `sims.baseline.nonprivate_baseline` once per distinct
 non-privacy setting, stored under `<out>/baseline/<name>/` (baseline.json, rounds.csv).
 
-Cells that differ only in privacy keys (fedprivacy.sweepfiles.PRIVACY_KEYS: ε, δ, rule, clip
-norm, noise seed) share one baseline. The baseline takes its local schedule (each client's q and
+Cells that differ only in keys the baseline does not read (fedprivacy.sweepfiles.BASELINE_IGNORED_KEYS:
+ε, δ, rule, clip norm, noise seed, aggregation, the server optimiser) share one baseline. The baseline takes its local schedule (each client's q and
 T, and their split over rounds) from a private plan, which depends on ε; it takes it from the
 first cell of its group in grid order, and baseline.json names that cell (`schedule_from`).
 Like the cells, a baseline is written to a hidden folder and renamed into place when done, and a
@@ -22,14 +22,14 @@ from typing import Any
 import pandas as pd
 
 from fedprivacy.errors import error_summary
-from fedprivacy.sweepfiles import BASELINE_JSON, PRIVACY_KEYS, STAGING_PREFIX, read_json, write_json
+from fedprivacy.sweepfiles import BASELINE_JSON, BASELINE_IGNORED_KEYS, STAGING_PREFIX, read_json, write_json
 from sims.baseline import nonprivate_baseline
 from sims.sweep.grid import Cell, cell_name
 
 
 @dataclass(frozen=True)
 class BaselineJob:
-    """One baseline: its grid values outside the privacy keys, and the cell whose run config it takes."""
+    """One baseline: its grid values outside the keys it ignores, and the cell whose run config it takes."""
 
     name: str
     params: dict[str, Any]
@@ -40,10 +40,10 @@ def baseline_jobs(cells: list[Cell]) -> list[BaselineJob]:
     """One job per distinct non-privacy setting, in the order its first cell appears."""
     jobs: dict[str, BaselineJob] = {}
     for cell in cells:
-        setting = {key: value for key, value in cell.run_config.items() if key not in PRIVACY_KEYS}
+        setting = {key: value for key, value in cell.run_config.items() if key not in BASELINE_IGNORED_KEYS}
         key = json.dumps({**setting, "clients": cell.num_clients}, sort_keys=True)
         if key not in jobs:
-            params = {k: v for k, v in cell.params.items() if k not in PRIVACY_KEYS}
+            params = {k: v for k, v in cell.params.items() if k not in BASELINE_IGNORED_KEYS}
             jobs[key] = BaselineJob(cell_name(params), params, cell)
     return list(jobs.values())
 
