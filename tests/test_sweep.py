@@ -319,3 +319,16 @@ def test_a_killed_sweep_resumes_with_no_cell_duplicated_or_lost(tmp_path):
         assert [p.name for p in cell.iterdir() if p.is_dir()] == [json.loads((cell / "cell.json").read_text())["run_folder"]]
         read_results(cell_folder(out, cell.name)).check_budgets()
     assert sorted(p.name for p in (out / "baseline").iterdir()) == ["default"]
+
+
+def test_cells_that_differ_only_in_keys_the_baseline_ignores_share_one_baseline(tmp_path):
+    from sims.sweep.baselines import baseline_jobs
+    from sims.sweep.grid import cells
+    from sims.sweep.spec import validate
+
+    raw = {"sweep": {"clients": 2}, "run": {"dataset": "digits", "num-server-rounds": 1},
+           "grid": {"epsilon": [1, 2], "aggregation": ["examples", "inverse-noise"],
+                    "server-optimizer": ["none", "fedadam"], "seed": [0, 1]}}  # fmt: skip
+    grid_cells = cells(validate(raw, base_dir=tmp_path, default_name="t"))
+    jobs = baseline_jobs(grid_cells)
+    assert len(grid_cells) == 16 and [job.params for job in jobs] == [{"seed": 0}, {"seed": 1}]
