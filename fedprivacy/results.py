@@ -170,7 +170,10 @@ class RunRecorder:
         _atomic_write(self.folder / "config.json", json.dumps(config, indent=2, default=str) + "\n")
 
     def client(self, client_id: str) -> ClientRecord:
-        return self.clients.setdefault(client_id, ClientRecord(client_id))
+        record = self.clients.get(client_id)
+        if record is None:  # not setdefault: building a record per reply costs more than the round's accounting
+            record = self.clients[client_id] = ClientRecord(client_id)
+        return record
 
     def trained(self, server_round: int, client_id: str, metrics: dict[str, float], plan: Plan | None) -> None:
         """A training reply: `metrics` carries the ClientApp's numbers (see clients/app.py)."""
