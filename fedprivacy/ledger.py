@@ -386,7 +386,7 @@ class Ledger:
         fresh = self._histories(db, stale)
         for account in stale:
             self._seen[account] = (latest[account], fresh.get(account, []))
-        return {a: list(self._seen[a][1]) for a in accounts if a in latest}
+        return {a: self._seen[a][1] for a in accounts if a in latest}  # read-only: callers build new lists
 
     @staticmethod
     def _latest_ids(db: sqlite3.Connection, accounts: list[str]) -> dict[str, int]:
