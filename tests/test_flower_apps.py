@@ -333,3 +333,30 @@ def test_a_completed_run_says_so_in_its_summary(simulate, run_config):
     simulate({**run_config, "num-server-rounds": 1}, num_nodes=2)
     summary = json.loads((run_folder(Path(run_config["results-dir"])) / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["error"] is None
+
+
+def test_each_round_is_reported_once(simulate, run_config, capsys):
+    """fedprivacy's round line (accuracy and ε spent) is the round's one report: Flower's own
+    evaluation lines, which repeat the accuracy, are kept out of its log during the run."""
+    import logging
+
+    from flwr.common.logger import FLOWER_LOGGER
+
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    collector = Collect()
+    FLOWER_LOGGER.addHandler(collector)
+    try:
+        simulate({**run_config, "num-server-rounds": 2}, num_nodes=2)
+    finally:
+        FLOWER_LOGGER.removeHandler(collector)
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("[fedprivacy] round ")] == [
+        "[fedprivacy] round 0", "[fedprivacy] round 1/2", "[fedprivacy] round 2/2"]
+    assert any("[ROUND 1/2]" in message for message in seen)  # Flower's log is there ...
+    assert not [m for m in seen if "Global evaluation" in m or "MetricRecord: {'accuracy'" in m]  # ... without the repeats
+    assert FLOWER_LOGGER.filters == []  # and Flower's log is whole again after the run
