@@ -206,6 +206,7 @@ BAD_SCENARIOS = {
     "out-of-range value": ('[sweep]\nclients = 2\n[grid]\nepsilon = [1, -2]\n', "epsilon"),
     "too few clients": ('[sweep]\nclients = 1\n[grid]\nepsilon = [1]\n', "sweep.clients"),
     "one budget per client, wrong count": ('[sweep]\nclients = 2\n[run]\nepsilons = "1,2,3"\n[grid]\nseed = [0]\n', "epsilons"),
+    "baseline learning rate not positive": ('[sweep]\nbaseline-learning-rate = 0\n[grid]\nepsilon = [1]\n', "sweep.baseline-learning-rate"),
     "fractional CPUs": ('[resources]\nclient-cpus = 0.5\n[grid]\nepsilon = [1]\n', "resources.client-cpus"),
     "not TOML": ('[grid\nepsilon = [1]\n', "scenario"),
 }
@@ -332,3 +333,24 @@ def test_cells_that_differ_only_in_keys_the_baseline_ignores_share_one_baseline(
     grid_cells = cells(validate(raw, base_dir=tmp_path, default_name="t"))
     jobs = baseline_jobs(grid_cells)
     assert len(grid_cells) == 16 and [job.params for job in jobs] == [{"seed": 0}, {"seed": 1}]
+
+
+def test_a_sweep_can_give_its_baselines_their_own_learning_rate(tmp_path):
+    """η chosen for clipped, noisy steps can be far too large for plain SGD: the baselines take
+    `[sweep] baseline-learning-rate` when set, and the cells keep theirs."""
+    from sims.baseline import nonprivate_baseline
+    from sims.sweep.baselines import baseline_jobs
+    from sims.sweep.grid import cells
+    from sims.sweep.spec import validate
+
+    raw = {"sweep": {"clients": 2, "baseline-learning-rate": 0.05},
+           "run": {"dataset": "digits", "num-server-rounds": 1, "epochs": 1.0, "learning-rate": 3.0},
+           "grid": {"epsilon": [1, 2]}}  # fmt: skip
+    spec = validate(raw, base_dir=tmp_path, default_name="t")
+    grid_cells = cells(spec)
+    (job,) = baseline_jobs(grid_cells, spec.baseline_learning_rate)
+    assert job.run_config["learning-rate"] == 0.05 and all(c.run_config["learning-rate"] == 3.0 for c in grid_cells)
+    assert spec.to_dict()["baseline_learning_rate"] == 0.05
+    chosen = nonprivate_baseline(job.run_config, 2, name="own")
+    inherited = nonprivate_baseline(grid_cells[0].run_config, 2, name="inherited")
+    assert chosen.final_accuracy != inherited.final_accuracy  # the baseline really trained with its own η

@@ -34,17 +34,20 @@ class BaselineJob:
     name: str
     params: dict[str, Any]
     cell: Cell
+    run_config: dict[str, Any]  # the cell's, with the sweep's baseline-learning-rate if it sets one
 
 
-def baseline_jobs(cells: list[Cell]) -> list[BaselineJob]:
-    """One job per distinct non-privacy setting, in the order its first cell appears."""
+def baseline_jobs(cells: list[Cell], learning_rate: float | None = None) -> list[BaselineJob]:
+    """One job per distinct non-privacy setting, in the order its first cell appears; with
+    `learning_rate`, every baseline's plain SGD takes that η instead of its cells'."""
     jobs: dict[str, BaselineJob] = {}
     for cell in cells:
         setting = {key: value for key, value in cell.run_config.items() if key not in BASELINE_IGNORED_KEYS}
         key = json.dumps({**setting, "clients": cell.num_clients}, sort_keys=True)
         if key not in jobs:
             params = {k: v for k, v in cell.params.items() if k not in BASELINE_IGNORED_KEYS}
-            jobs[key] = BaselineJob(cell_name(params), params, cell)
+            run_config = cell.run_config if learning_rate is None else {**cell.run_config, "learning-rate": learning_rate}
+            jobs[key] = BaselineJob(cell_name(params), params, cell, run_config)
     return list(jobs.values())
 
 
@@ -53,7 +56,7 @@ def is_finished(job: BaselineJob, baseline_dir: Path) -> bool:
     if not path.is_file():
         return False
     record = read_json(path)
-    return record.get("status") == "completed" and record.get("run_config") == job.cell.run_config
+    return record.get("status") == "completed" and record.get("run_config") == job.run_config
 
 
 def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
@@ -62,9 +65,9 @@ def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     started = time.perf_counter()
-    record: dict[str, Any] = {"name": job.name, "params": job.params, "schedule_from": job.cell.name, "run_config": job.cell.run_config}
+    record: dict[str, Any] = {"name": job.name, "params": job.params, "schedule_from": job.cell.name, "run_config": job.run_config}
     try:
-        result = nonprivate_baseline(job.cell.run_config, job.cell.num_clients, name=job.name)
+        result = nonprivate_baseline(job.run_config, job.cell.num_clients, name=job.name)
         pd.DataFrame(result.rounds).to_csv(staging / "rounds.csv", index=False)
         record.update(status="completed", error=None, final_accuracy=result.final_accuracy, best_accuracy=result.best[1])
     except Exception as exc:  # a failed baseline is reported beside the cells, not a crashed sweep

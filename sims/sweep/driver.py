@@ -162,7 +162,7 @@ def run_sweep(spec: SweepSpec, cells: list[Cell], out: Path, *, engine: Engine |
         raise InputError("out", str(out), f"cannot write the sweep there: {error.strerror or error}") from None
     check_resumable(out, cells)
     write_json(out / SWEEP_JSON, {**spec.to_dict(), "cells": [c.name for c in cells]})
-    jobs = baseline_jobs(cells) if spec.baseline else []
+    jobs = baseline_jobs(cells, spec.baseline_learning_rate) if spec.baseline else []
     pending = [cell for cell in cells if (cell_record(out, cell.name) or {}).get("status") != "completed"]
     write_sweep_csv(out, spec, cells)
     with SweepProgress(len(cells), len(cells) - len(pending), console) as progress:

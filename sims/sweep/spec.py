@@ -4,6 +4,8 @@ A scenario has four tables; only [grid] is required:
 
     [sweep]      name, engine (a module of sims/engines), clients (simulated clients; omitted:
                  one per natural partition), baseline (true: also run the non-private baseline),
+                 baseline-learning-rate (the baseline's η; default the cells' own, which may suit
+                 clipped, noisy steps better than plain SGD),
                  seeded-noise (true: every cell's noise-seed is its seed, for reproducible experiments)
     [run]        fixed run-config keys (fedprivacy.runconfig.DEFAULTS), the same in every cell
     [grid]       run-config key = [values]: the sweep runs every combination, one cell each
@@ -20,6 +22,7 @@ ledger (each cell gets its own), so a scenario may not.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -32,7 +35,7 @@ from fedprivacy.runconfig import DEFAULTS
 from sims.engines import engine_names
 
 TABLES = ("sweep", "run", "grid", "resources")
-SWEEP_KEYS = ("name", "engine", "clients", "baseline", "seeded-noise")
+SWEEP_KEYS = ("name", "engine", "clients", "baseline", "baseline-learning-rate", "seeded-noise")
 RESOURCE_KEYS = ("client-cpus", "client-gpus", "workers", "worker-gpus")
 SET_BY_THE_SWEEP = ("results-dir", "ledger-path")
 PATH_KEYS = ("data-path",)
@@ -59,6 +62,7 @@ class SweepSpec:
     engine: str = "inprocess"
     clients: int | None = None
     baseline: bool = True
+    baseline_learning_rate: float | None = None  # None: each baseline takes its cells' learning-rate
     seeded_noise: bool = False
     resources: Resources = field(default_factory=Resources)
 
@@ -66,7 +70,7 @@ class SweepSpec:
         """The scenario as plain data (sweep.json), grid values as lists."""
         return {
             "name": self.name, "engine": self.engine, "clients": self.clients, "baseline": self.baseline,
-            "seeded_noise": self.seeded_noise, "resources": vars(self.resources), "run": self.run,
+            "baseline_learning_rate": self.baseline_learning_rate, "seeded_noise": self.seeded_noise, "resources": vars(self.resources), "run": self.run,
             "grid": {key: list(values) for key, values in self.grid.items()},
         }  # fmt: skip
 
@@ -204,7 +208,17 @@ def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Sw
     return SweepSpec(
         name=name.strip(), run=run, grid=grid, engine=engine, clients=clients,
         baseline=_flag(sweep, "sweep", "baseline", True), seeded_noise=seeded_noise, resources=_resources(raw),
+        baseline_learning_rate=_baseline_learning_rate(sweep),
     )  # fmt: skip
+
+
+def _baseline_learning_rate(sweep: Mapping[str, Any]) -> float | None:
+    value = sweep.get("baseline-learning-rate")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InputError("sweep.baseline-learning-rate", value, "must be a number > 0 (omit it to use the cells' learning-rate)")
+    return float(value)
 
 
 def load_scenario(path: Path) -> SweepSpec:
