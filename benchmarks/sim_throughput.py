@@ -13,7 +13,8 @@ Subsets are scaled per client-round (client-rounds per second). Python imports h
 clock starts for `fast` and `inprocess` (a sweep pays them once); `flower` is timed from `flwr run`
 to the run's end. Also measured: a DP round of the
 fast engine against the same engine's round with clipping and noise off (same sampling, same
-steps), and the fast engine's peak RSS at 10,000 clients.
+steps), a steady round's split into accounting and training, and the fast engine's peak RSS at
+10,000 clients.
 
 Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]
        [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1] [--json PATH]
@@ -98,6 +99,31 @@ def _flower(config: dict[str, Any], clients: int) -> float:
         engine.teardown()
 
 
+# ----- a steady round of the fast engine: where its time goes -----
+def steady_round(model: str, clients: int, rounds: int) -> dict[str, Any]:
+    """Rounds 2..R of a run: wall time per round from the engine's end-of-round callback, and the
+    accounting in them (the run's accounting minus that of a 1-round run, whose only round also
+    plans: accounting depends on the clients, not on how many steps a round holds)."""
+    import warnings
+
+    import fedprivacy.results as results_module
+    from sims.fast.engine import run_fast
+
+    warnings.filterwarnings("ignore")
+    results_module.RunRecorder.write_plans = lambda self: []  # sheets are not part of a round
+    accounting, ends = {}, []
+    for count in (1, 1, rounds):  # the first run warms the shared plan cache, as a sweep's first cell does
+        with tempfile.TemporaryDirectory() as results:
+            ends = []
+            _, timings = run_fast(scenario(model, clients, count, Path(results)), clients, say=lambda _: None,
+                                  on_round=lambda row: ends.append(time.perf_counter()))  # fmt: skip
+            accounting[count] = timings.accounting_s
+    wall = (ends[-1] - ends[0]) / (rounds - 1)
+    per_round = (accounting[rounds] - accounting[1]) / (rounds - 1)
+    return {"model": model, "clients": clients, "round_ms": round(1000 * wall, 1),
+            "accounting_ms": round(1000 * per_round, 1), "accounting_share": round(per_round / wall, 3)}  # fmt: skip
+
+
 # ----- the mechanism's cost inside the fast engine -----
 def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
     """Rounds of the fast engine's worker with DP and with clipping and noise off, interleaved."""
@@ -159,6 +185,8 @@ def main() -> None:
         kind, *rest = args.child
         if kind == "mechanism":
             print(json.dumps(mechanism_cost(rest[0], int(rest[1]), int(rest[2]))))
+        elif kind == "steady":
+            print(json.dumps(steady_round(rest[0], int(rest[1]), int(rest[2]))))
         else:
             engine, model, clients, rounds, workers = rest
             with tempfile.TemporaryDirectory() as results:
@@ -187,13 +215,18 @@ def main() -> None:
     print("\nA fast-engine round with DP against the same round with clipping and noise off:")
     for m in mechanism:
         print(f"  {m['model']:<8} {m['clients']} clients: DP {m['dp_round_s']:.3f} s, non-private {m['nonprivate_round_s']:.3f} s, ratio {m['ratio']:.2f}")
+    steady = [child(["steady", model, str(args.clients), str(args.rounds)]) for model in args.models.split(",")]
+    print("\nA steady fast-engine round (after the first round's planning):")
+    for s in steady:
+        print(f"  {s['model']:<8} {s['clients']} clients: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
+              f"({s['accounting_share']:.0%})")
     memory = None
     if args.memory_clients:
         memory = child(["run", "fast", "logreg", str(args.memory_clients), "2", "1"])
         print(f"\nfast engine, {args.memory_clients} clients × {ROWS_PER_CLIENT} rows, 2 rounds: peak RSS {memory['peak_rss_mb']:.0f} MB, "
               f"{memory['client_rounds_per_s']:.0f} client-rounds/s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "mechanism": mechanism, "memory": memory}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "mechanism": mechanism, "steady": steady, "memory": memory}, indent=2))
 
 
 if __name__ == "__main__":
