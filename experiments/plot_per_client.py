@@ -12,6 +12,8 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
+from fedprivacy.reports.sweep_figures import groups, label, save
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -23,17 +25,16 @@ def main() -> None:
     clients = table.groupby("client")["epsilon_budget"].first().sort_index()
     figure = Figure(figsize=(6.5, 3.8))
     axes = figure.subplots()
-    for key, rows in table.groupby(settings):
+    for values, rows in groups(table, settings):
         stats = rows.groupby("client")["accuracy"].agg(["mean", "std"]).reindex(clients.index)
-        label = ", ".join(f"{name}={value}" for name, value in zip(settings, key if isinstance(key, tuple) else (key,)))
-        axes.errorbar(range(len(clients)), stats["mean"], yerr=stats["std"], marker="o", capsize=3, label=label)
+        axes.errorbar(range(len(clients)), stats["mean"], yerr=stats["std"], marker="o", capsize=3, label=label(settings, values))
     axes.set_xticks(range(len(clients)), [f"{c}\nε={e:g}" for c, e in clients.items()])
     axes.set(xlabel="client (PUMA) and its budget", ylabel="test accuracy on its own rows", title="per-client accuracy of the final global model")
     axes.legend(fontsize=7)
     axes.grid(True, alpha=0.3)
     figure.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(args.out, dpi=100)
+    save(figure, args.out.parent, args.out.stem, formats=("png",))
 
 
 if __name__ == "__main__":

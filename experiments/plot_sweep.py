@@ -11,7 +11,16 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+from fedprivacy.reports.sweep_figures import save
+
+
+def accuracy_line(axes: Axes, rows: pd.DataFrame, x: str, label: str | None, marker: str) -> None:
+    """Final accuracy against `x`: mean ± sd over the rows (seeds) at each value."""
+    stats = rows.groupby(x)["final_accuracy"].agg(["mean", "std"]).reset_index()
+    axes.errorbar(stats[x], stats["mean"], yerr=stats["std"].fillna(0.0), marker=marker, capsize=3, label=label)
 
 
 def main() -> None:
@@ -31,13 +40,10 @@ def main() -> None:
     figure = Figure(figsize=(6.0, 3.8))
     axes = figure.subplots()
     for value, rows in groups:
-        stats = rows.groupby(args.x)["final_accuracy"].agg(["mean", "std"]).reset_index()
-        label = f"{args.series} = {value}" if args.series else None
-        axes.errorbar(stats[args.x], stats["mean"], yerr=stats["std"].fillna(0.0), marker="o", capsize=3, label=label)
+        accuracy_line(axes, rows, args.x, f"{args.series} = {value}" if args.series else None, "o")
     if args.extra:
         extra = pd.read_csv(args.extra / "sweep.csv")
-        stats = extra[extra["status"] == "completed"].groupby(args.x)["final_accuracy"].agg(["mean", "std"]).reset_index()
-        axes.errorbar(stats[args.x], stats["mean"], yerr=stats["std"].fillna(0.0), marker="s", capsize=3, label=args.extra_label or args.extra.name)
+        accuracy_line(axes, extra[extra["status"] == "completed"], args.x, args.extra_label or args.extra.name, "s")
     if args.logx:
         axes.set_xscale("log")
     axes.set(xlabel=args.x, ylabel="final test accuracy (mean ± sd over seeds)", title=args.title or args.sweep.name)
@@ -46,7 +52,7 @@ def main() -> None:
     axes.grid(True, alpha=0.3)
     figure.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(args.out, dpi=100)
+    save(figure, args.out.parent, args.out.stem, formats=("png",))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ PANEL_WIDTH, PANEL_HEIGHT = 5.0, 3.6
 LOG_SPAN = 8.0
 
 
-def save(fig: Figure, out: Path, stem: str) -> list[Path]:
-    paths = [out / f"{stem}.{fmt}" for fmt in FORMATS]
+def save(fig: Figure, out: Path, stem: str, formats: Sequence[str] = FORMATS) -> list[Path]:
+    paths = [out / f"{stem}.{fmt}" for fmt in formats]
     for path in paths:
         fig.savefig(path, dpi=120)
     return paths
