@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -38,6 +38,14 @@ Rule = choices("Rule", RULE_NAMES)
 LrSchedule = choices("LrSchedule", LR_SCHEDULES)
 AlphaSchedule = choices("AlphaSchedule", ALPHA_SCHEDULES)
 RULE_HELP = "proactive: σ of the proactive rule; calibrated: the smallest σ PLD certifies; adp: ADP-SGD's schedule"
+
+# The options every planning command takes, declared once.
+SizeOption = Annotated[int, typer.Option("--n", help="local data size N of the client")]
+EpsilonOption = Annotated[float, typer.Option("--epsilon", help="target ε (0.01 to 100)")]
+DeltaOption = Annotated[float, typer.Option("--delta", help="target δ, below 1/N")]
+RuleOption = Annotated[Rule, typer.Option("--rule", help=RULE_HELP)]
+ClipNormOption = Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")]
+RoundsOption = Annotated[int, typer.Option("--rounds", help="federated rounds the steps are split over")]
 
 
 def value(choice: Enum | None) -> str | None:

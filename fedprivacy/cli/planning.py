@@ -13,7 +13,19 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fedprivacy.cli.common import RULE_HELP, AlphaSchedule, LrSchedule, Rule, guarded, value
+from fedprivacy.cli.common import (
+    AlphaSchedule,
+    ClipNormOption,
+    DeltaOption,
+    EpsilonOption,
+    LrSchedule,
+    RoundsOption,
+    Rule,
+    RuleOption,
+    SizeOption,
+    guarded,
+    value,
+)
 from fedprivacy.errors import InputError
 
 app = typer.Typer()
@@ -52,16 +64,16 @@ def _plan_table(plan: Any) -> Table:
 
 @app.command()
 def plan(
-    n: Annotated[int, typer.Option("--n", help="local data size N of the client")],
-    epsilon: Annotated[float, typer.Option("--epsilon", help="target ε (0.01 to 100)")],
-    delta: Annotated[float, typer.Option("--delta", help="target δ, below 1/N")] = 1e-5,
-    rule: Annotated[Rule, typer.Option("--rule", help=RULE_HELP)] = Rule("proactive"),
-    clip_norm: Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")] = 1.0,
+    n: SizeOption,
+    epsilon: EpsilonOption,
+    delta: DeltaOption = 1e-5,
+    rule: RuleOption = Rule("proactive"),
+    clip_norm: ClipNormOption = 1.0,
     epochs: Annotated[float | None, typer.Option("--epochs", help="epochs k = qT (default: the smallest k meeting the proactive ln N condition)")] = None,
     sampling_rate: Annotated[float | None, typer.Option("--sampling-rate", help="Poisson sampling rate q in (0, 1]")] = None,
     batch_size: Annotated[float | None, typer.Option("--batch-size", help="expected batch size qN (instead of --sampling-rate)")] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="total local steps T")] = None,
-    rounds: Annotated[int, typer.Option("--rounds", help="federated rounds the steps are split over")] = 1,
+    rounds: RoundsOption = 1,
     client_id: Annotated[str, typer.Option("--client-id", help="the name on the plan and its sheet")] = "client",
     learning_rate: Annotated[float, typer.Option("--learning-rate", help="the step size η")] = 0.1,
     lr_schedule: Annotated[LrSchedule | None, typer.Option("--lr-schedule", help="default: constant (adp: inverse_sqrt)")] = None,
@@ -95,10 +107,10 @@ def sheets(
     epsilon: Annotated[float, typer.Option("--epsilon", help="target ε of every client")] = 1.0,
     epsilons: Annotated[str | None, typer.Option("--epsilons", help="one ε per client, comma-separated, in sorted client order")] = None,
     delta: Annotated[float, typer.Option("--delta", help="target δ, below 1/N of every client")] = 1e-5,
-    rule: Annotated[Rule, typer.Option("--rule", help=RULE_HELP)] = Rule("proactive"),
-    clip_norm: Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")] = 1.0,
+    rule: RuleOption = Rule("proactive"),
+    clip_norm: ClipNormOption = 1.0,
     epochs: Annotated[float | None, typer.Option("--epochs", help="epochs k = qT")] = None,
-    rounds: Annotated[int, typer.Option("--rounds", help="federated rounds the steps are split over")] = 1,
+    rounds: RoundsOption = 1,
     out: Annotated[Path, typer.Option("--out", help="folder for the sheets and the index")] = Path("sheets"),
 ) -> None:
     """One planning sheet per client of a CSV split by a column, plus an index."""
@@ -137,11 +149,11 @@ def sheets(
 
 @app.command()
 def calculator(
-    n: Annotated[int, typer.Option("--n", help="local data size N of the client")],
-    epsilon: Annotated[float, typer.Option("--epsilon", help="target ε (0.01 to 100)")],
-    delta: Annotated[float, typer.Option("--delta", help="target δ, below 1/N")] = 1e-5,
-    rule: Annotated[Rule, typer.Option("--rule", help=RULE_HELP)] = Rule("calibrated"),
-    clip_norm: Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")] = 1.0,
+    n: SizeOption,
+    epsilon: EpsilonOption,
+    delta: DeltaOption = 1e-5,
+    rule: RuleOption = Rule("calibrated"),
+    clip_norm: ClipNormOption = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="print the table as a JSON list")] = False,
 ) -> None:
     """List every feasible plan over a grid of epochs and sampling rates, ranked a priori."""
