@@ -31,6 +31,10 @@ _PUMS_COLUMNS = (
 )  # fmt: skip
 _PUMS_EXTRA_COLUMNS = ("age", "latino", "divorced", "children")
 _PUMS_NOT_BINARY = ("educ", "age")
+# Life stages with employment rates far apart (study, prime age, early and full retirement ages):
+# fixed in advance, not fitted to any records, so the encoding itself reveals nothing.
+PUMS_AGE_BANDS = (25, 35, 45, 55, 62, 67, 75)
+PUMS_AGE_ENCODINGS = ("linear", "bands")
 
 
 def _flag(field: str, value: Any) -> bool:
@@ -71,13 +75,19 @@ def load_digits(path: Path | None = None, images: bool = False) -> Dataset:
     )
 
 
-def load_pums(path: Path | None = None, extended: bool = True, client_column: str | None = "puma") -> Dataset:
+def load_pums(
+    path: Path | None = None, extended: bool = True, client_column: str | None = "puma", age: str = "linear"
+) -> Dataset:
     """The census PUMS layout: predict `employed`; 10 binary features, 15 with `extended`.
 
-    `client_column` (default the PUMA) is kept as each row's natural client.
+    `client_column` (default the PUMA) is kept as each row's natural client. `age="bands"` replaces
+    the single age/100 feature by one indicator per band of `PUMS_AGE_BANDS`: employment rises and
+    falls with age, which a linear feature cannot express.
     """
     file = _needs_path("pums", path)
     extended = _flag("extended", extended)
+    if age not in PUMS_AGE_ENCODINGS:
+        raise InputError("pums-age", age, f"must be one of: {', '.join(PUMS_AGE_ENCODINGS)}")
     needed = _PUMS_COLUMNS + (_PUMS_EXTRA_COLUMNS if extended else ())
     table = read_table(file, needed + ((client_column,) if client_column else ()))
     col = {c: numeric_column(table, c, str(file)) for c in needed}
@@ -95,6 +105,11 @@ def load_pums(path: Path | None = None, extended: bool = True, client_column: st
     if extended:
         columns += [col["age"] / 100, col["educ"] / 16, col["latino"], col["divorced"], col["children"]]
         names += PUMS_EXTRA_FEATURES
+        if age == "bands":
+            del columns[len(PUMS_BASE_FEATURES)]
+            bands = _age_bands(col["age"])
+            columns[len(PUMS_BASE_FEATURES) : len(PUMS_BASE_FEATURES)] = list(bands.values())
+            names = PUMS_BASE_FEATURES + tuple(bands) + PUMS_EXTRA_FEATURES[1:]
     features = np.clip(np.column_stack(columns).astype(np.float32), 0.0, 1.0)
     labels, num_classes = class_labels(table, PUMS_LABEL, str(file))
     return Dataset(
@@ -106,6 +121,16 @@ def load_pums(path: Path | None = None, extended: bool = True, client_column: st
         groups=table[client_column].to_numpy() if client_column else None,
         group_name=client_column,
     )
+
+
+def _age_bands(age: np.ndarray) -> dict[str, np.ndarray]:
+    """One 0/1 column per age band, named by its range (`age<25`, `25<=age<35`, ..., `age>=75`)."""
+    edges = (-np.inf, *PUMS_AGE_BANDS, np.inf)
+    bands = {}
+    for low, high in zip(edges[:-1], edges[1:]):
+        name = f"age<{high:g}" if low == -np.inf else f"age>={low:g}" if high == np.inf else f"{low:g}<=age<{high:g}"
+        bands[name] = ((age >= low) & (age < high)).astype(np.float32)
+    return bands
 
 
 def load_csv(
