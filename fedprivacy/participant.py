@@ -40,6 +40,7 @@ from fedprivacy.ledger import Budget, BudgetExceeded, Ledger, RoundRepeated, rou
 from fedprivacy.models import build_model, evaluate_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client
+from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig import NodeSettings, RunSettings, default_ledger_path
 from fedprivacy.training.trainer import DPTrainer, check_finite
 
@@ -72,6 +73,8 @@ def _data_options(settings: RunSettings) -> dict[str, Any]:
         return {"label": settings.label_column}
     if settings.dataset == "synthetic":
         return {"num_examples": settings.synthetic_examples, "num_features": settings.synthetic_features}
+    if settings.dataset == "pums":
+        return {"age": settings.pums_age}
     return {}
 
 
@@ -279,7 +282,8 @@ def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float,
     """The plan a client makes from the run config: one place, so the ClientApp, the engines and
     the baselines agree. Clients with the same inputs share one planning (and certification)."""
     inputs = (num_examples, epsilon, delta, settings.rule, settings.clip_norm, settings.epochs,
-              settings.num_server_rounds, settings.learning_rate)  # fmt: skip
+              settings.num_server_rounds, settings.learning_rate, settings.lr_schedule or None,
+              (settings.lr_offset, settings.lr_decay))  # fmt: skip
     try:
         return replace(_shared_plan(*inputs), client_id=client_id)
     except PlanRefused:
@@ -287,9 +291,14 @@ def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float,
 
 
 def _plan(n: int, epsilon: float, delta: float, rule: str, clip_norm: float, epochs: float | None, rounds: int,
-          learning_rate: float, client_id: str = "") -> Plan:  # fmt: skip
+          learning_rate: float, lr_schedule: str | None, inverse_sqrt: tuple[float, float],
+          client_id: str = "") -> Plan:  # fmt: skip
+    """`inverse_sqrt` = (a, c) of η_t = η/sqrt(a + c·t), used when the schedule is inverse_sqrt."""
+    schedule = lr_schedule or find_rule(rule).default_schedules(None)[0]
+    lr_params = {"a": inverse_sqrt[0], "c": inverse_sqrt[1]} if schedule == "inverse_sqrt" else None
     return plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, rounds=rounds,
-                       client_id=client_id, learning_rate=learning_rate)  # fmt: skip
+                       client_id=client_id, learning_rate=learning_rate, lr_schedule=lr_schedule,
+                       lr_params=lr_params)  # fmt: skip
 
 
 _shared_plan = functools.lru_cache(maxsize=4096)(_plan)

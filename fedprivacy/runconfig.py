@@ -26,8 +26,10 @@ from typing import Any
 
 from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
 from fedprivacy.aggregation import AGGREGATIONS
+from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
 from fedprivacy.models import MODELS
+from fedprivacy.privacy.plan import LR_SCHEDULES
 from fedprivacy.privacy.rules import RULE_NAMES
 from fedprivacy.privacy import limits
 
@@ -41,6 +43,7 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "data-path": "",
     "synthetic-examples": 2000,
     "synthetic-features": 10,
+    "pums-age": "linear",
     "label-column": "",
     "partitioning": "auto",
     "partition-by": "",
@@ -55,6 +58,9 @@ DEFAULTS: dict[str, bool | int | float | str] = {
     "rule": "proactive",
     "clip-norm": 1.0,
     "learning-rate": 1.0,
+    "lr-schedule": "",
+    "lr-offset": 20.0,
+    "lr-decay": 1.0,
     "epochs": 0.0,
     "seed": 0,
     "noise-seed": -1,
@@ -141,6 +147,7 @@ class RunSettings:
     data_path: Path | None
     synthetic_examples: int
     synthetic_features: int
+    pums_age: str
     label_column: str
     partitioning: str
     partition_by: str
@@ -155,6 +162,9 @@ class RunSettings:
     rule: str
     clip_norm: float
     learning_rate: float
+    lr_schedule: str  # '' = the rule's default (constant; inverse_sqrt for adp)
+    lr_offset: float
+    lr_decay: float
     epochs: float | None
     seed: int
     noise_seed: int
@@ -208,6 +218,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         data_path=data_path,
         synthetic_examples=integer_at_least("synthetic-examples", rc["synthetic-examples"], 2),
         synthetic_features=integer_at_least("synthetic-features", rc["synthetic-features"], 1),
+        pums_age=_choice("pums-age", rc["pums-age"], PUMS_AGE_ENCODINGS),
         label_column=rc["label-column"],
         partitioning=_choice("partitioning", rc["partitioning"], PARTITIONINGS),
         partition_by=rc["partition-by"],
@@ -222,6 +233,9 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         rule=_choice("rule", rc["rule"], RULE_NAMES),
         clip_norm=positive("clip-norm", rc["clip-norm"]),
         learning_rate=positive("learning-rate", rc["learning-rate"]),
+        lr_schedule=_choice("lr-schedule", rc["lr-schedule"], ("", *LR_SCHEDULES)),
+        lr_offset=positive("lr-offset", rc["lr-offset"]),
+        lr_decay=_non_negative("lr-decay", rc["lr-decay"]),
         epochs=epochs,
         seed=integer_at_least("seed", rc["seed"], 0),
         noise_seed=integer_at_least("noise-seed", rc["noise-seed"], -1),
@@ -238,6 +252,12 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         server_momentum=_momentum(rc["server-momentum"]),
         server_tau=positive("server-tau", rc["server-tau"]),
     )
+
+
+def _non_negative(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+        raise InputError(field, value, "must be a finite number ≥ 0")
+    return float(value)
 
 
 def _momentum(value: Any) -> float:

@@ -68,6 +68,7 @@ def csv(folder: Path, name: str) -> pd.DataFrame:
         ("mlp", {"fraction-train": 0.75, "fraction-evaluate": 0.5}),  # seeded sampling, federated evaluation
         ("logreg", {"aggregation": "inverse-noise", "server-optimizer": "fedadam", "server-learning-rate": 0.3}),
         ("logreg", {"server-optimizer": "fedavgm", "server-momentum": 0.9}),
+        ("logreg", {"rule": "calibrated", "lr-schedule": "inverse_sqrt", "lr-offset": 1.0, "lr-decay": 0.5}),  # η_t = η/sqrt(1 + t/2)
         ("cnn", {"rule": "calibrated"}),  # not a Linear stack: trained client by client
     ],
 )

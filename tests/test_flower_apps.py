@@ -118,6 +118,10 @@ def test_pyproject_declares_the_app_and_no_federations(in_process):
         ("epsilons", "1,x", "finite number"),
         ("deltas", "1e-5,2", "open interval"),
         ("no-such-key", 1, "not a run-config key"),
+        ("pums-age", "cubic", "must be one of: linear, bands"),
+        ("lr-schedule", "cosine", "must be one of: , constant, inverse_sqrt, adagrad_norm"),
+        ("lr-offset", 0, "finite number > 0"),
+        ("lr-decay", -0.1, "finite number ≥ 0"),
     ],
 )
 def test_bad_run_config_names_the_key(key, value, message):
