@@ -8,7 +8,9 @@ compared with:
 - the same local schedule: each client's Poisson sampling rate q, total steps T and their split
   over rounds come from the plan its private twin makes (`plan_from_settings` with the run config's ε,
   rule, epochs and rounds, exactly as the ClientApp calls it); that plan's noise is never used;
-- the same constant learning rate and the same FedAvg weighting (by local training size N);
+- the same step sizes (the plan's schedule, η_t at each client's step t; AdaGrad-norm, which adapts
+  to the released noisy gradients, falls back to its base η) and the same FedAvg weighting (by
+  local training size N);
 - the same test set: `server.evaluation.server_test_set` (the union of the clients' test splits);
 - the same device: local training runs where a ClientApp would (`fedprivacy.participant.device`),
   since a seeded generator draws different noise on a GPU than on the CPU.
@@ -130,10 +132,12 @@ def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Pla
         x, y = tensors[index]
         optimizer = torch.optim.SGD(model.parameters(), lr=settings.learning_rate)
         model.train()
-        for _ in range(plan.steps_in_round(server_round)):
+        first = plan.first_step_of_round(server_round)
+        for step in range(first, first + plan.steps_in_round(server_round)):
             batch = torch.nonzero(torch.rand(plan.n, generator=generators[index]) < plan.sampling_rate).flatten()
             if batch.numel() == 0:
                 continue
+            optimizer.param_groups[0]["lr"] = plan.learning_rate_at(step)
             optimizer.zero_grad()
             batch = batch.to(x.device)
             nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()

@@ -43,6 +43,16 @@ def test_the_baseline_uses_the_private_schedule_and_learns(tmp_path):
     baseline.check_budgets()  # nothing to check for a non-private run, and it says so by passing
 
 
+def test_the_baseline_follows_the_step_size_schedule(tmp_path):
+    """η_t = η/sqrt(a + c·t) with a huge a is η/1e6 at every step: the same run as a constant η/1e6."""
+    decayed = nonprivate_baseline({**TINY, "results-dir": str(tmp_path), "lr-schedule": "inverse_sqrt", "lr-offset": 1e12}, 2)
+    tiny_constant = nonprivate_baseline({**TINY, "results-dir": str(tmp_path), "learning-rate": 1e-6}, 2)
+    full_constant = nonprivate_baseline({**TINY, "results-dir": str(tmp_path)}, 2)
+    accuracy = lambda run: [r["accuracy"] for r in run.rounds]  # noqa: E731
+    assert accuracy(decayed) == pytest.approx(accuracy(tiny_constant), abs=1e-9)
+    assert accuracy(full_constant) != pytest.approx(accuracy(tiny_constant), abs=1e-3)
+
+
 def test_a_budget_overrun_is_caught(tmp_path):
     result = run_scenario(Scenario("over", TINY, num_clients=2), tmp_path, quiet=True)
     result.clients[0]["epsilon_spent"] = result.clients[0]["epsilon_budget"] + 1e-9
