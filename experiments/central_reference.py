@@ -6,7 +6,8 @@ federated runs train and test on, for each seed (the seed fixes every client's 8
 Nothing is tuned: scikit-learn's defaults (MLP: Adam, α = 1e-4, up to 500 iterations); the seed
 also seeds the MLP. Prints mean ± sd over the seeds, writes JSON.
 
-Usage: python experiments/central_reference.py [--data ../shared/data/pums/fulton_pums5_full.csv] [--seeds 0,1,2,3,4] [--out FILE.json]
+Usage: python experiments/central_reference.py [--data ../shared/data/pums/fulton_pums5_full.csv] [--seeds 0,1,2,3,4]
+       [--pums-age linear|bands] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from fedprivacy.participant import partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 
 
-def pooled(data: Path, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    settings = parse_run_config({**DEFAULTS, "dataset": "pums", "data-path": str(data.resolve()), "partition-by": "puma", "seed": seed})
+def pooled(data: Path, seed: int, age: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    settings = parse_run_config({**DEFAULTS, "dataset": "pums", "data-path": str(data.resolve()), "partition-by": "puma",
+                                 "seed": seed, "pums-age": age})  # fmt: skip
     clients = load_clients(**partition_kwargs(settings, 7))
     stack = lambda split, part: np.concatenate([np.asarray(getattr(getattr(c, split), part)) for c in clients])  # noqa: E731
     return stack("train", "features"), stack("train", "labels"), stack("test", "features"), stack("test", "labels")
@@ -37,11 +39,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=Path("../shared/data/pums/fulton_pums5_full.csv"))
     parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--pums-age", default="linear", choices=("linear", "bands"), help="the run-config key pums-age")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     scores: dict[str, list[float]] = {"logreg": [], "mlp": []}
     for seed in (int(s) for s in args.seeds.split(",")):
-        x, y, xt, yt = pooled(args.data, seed)
+        x, y, xt, yt = pooled(args.data, seed, args.pums_age)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             scores["logreg"].append(float(LogisticRegression(max_iter=2000).fit(x, y).score(xt, yt)))
