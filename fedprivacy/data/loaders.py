@@ -103,13 +103,9 @@ def load_pums(
     ]  # fmt: skip
     names = PUMS_BASE_FEATURES
     if extended:
-        columns += [col["age"] / 100, col["educ"] / 16, col["latino"], col["divorced"], col["children"]]
-        names += PUMS_EXTRA_FEATURES
-        if age == "bands":
-            del columns[len(PUMS_BASE_FEATURES)]
-            bands = _age_bands(col["age"])
-            columns[len(PUMS_BASE_FEATURES) : len(PUMS_BASE_FEATURES)] = list(bands.values())
-            names = PUMS_BASE_FEATURES + tuple(bands) + PUMS_EXTRA_FEATURES[1:]
+        ages = {"age/100": col["age"] / 100} if age == "linear" else _age_bands(col["age"])
+        columns += [*ages.values(), col["educ"] / 16, col["latino"], col["divorced"], col["children"]]
+        names += (*ages, *PUMS_EXTRA_FEATURES[1:])
     features = np.clip(np.column_stack(columns).astype(np.float32), 0.0, 1.0)
     labels, num_classes = class_labels(table, PUMS_LABEL, str(file))
     return Dataset(
