@@ -141,10 +141,16 @@ def simulated_account(dataset_id: str, client_id: str) -> str:
     return f"{dataset_id}/{client_id}"
 
 
+# Loader options that change how a row is encoded, not which rows a client holds or trains on.
+_ENCODING_ONLY = ("age",)
+
+
 def partitioning_of(settings: RunSettings, num_clients: int) -> dict[str, Any]:
-    """Everything that decides which rows each simulated client holds, and which it trains on."""
+    """Everything that decides which rows each simulated client holds, and which it trains on
+    (not how a row is encoded: the same records under another encoding are the same accounts)."""
     options = partition_kwargs(settings, num_clients)
-    options.pop("path")
+    for key in ("path", *_ENCODING_ONLY):
+        options.pop(key, None)
     return options
 
 

@@ -96,6 +96,22 @@ def test_a_ledger_refuses_another_partitioning_of_the_same_records(in_process, r
     assert len(_accounts(ledger)) == 2
 
 
+@pytest.mark.skipif(not PUMS.is_file(), reason=f"PUMS file missing: {PUMS}")
+def test_another_encoding_of_the_same_records_spends_from_the_same_accounts(in_process, run_config, tmp_path):
+    """`pums-age` changes the features, not the rows: the second run is neither refused as another
+    partitioning nor given fresh accounts, and starts from the first run's spend."""
+    ledger = tmp_path / "ledger.sqlite"
+    config = {**run_config, "dataset": "pums", "data-path": str(PUMS), "partition-by": "puma", "ledger-path": str(ledger),
+              "num-server-rounds": 1, "noise-seed": -1, "epochs": 2.0}  # fmt: skip
+    in_process.run_server(server_app, in_process.Grid.simulation(client_app, 7, config, run_id=1), config)
+    spent = {a: Ledger(ledger).steps_spent(a) for a in _accounts(ledger)}
+    banded = {**config, "pums-age": "bands", "results-dir": str(tmp_path / "results2")}
+    in_process.run_server(server_app, in_process.Grid.simulation(client_app, 7, banded, run_id=2), banded)
+    assert _accounts(ledger) == sorted(spent) and len(spent) == 7
+    assert all(Ledger(ledger).steps_spent(a) > spent[a] > 0 for a in spent)  # run 2 spent from run 1's accounts
+    assert {row["status"] for row in clients_csv(run_folder(tmp_path / "results2")).values()} == {"ok"}
+
+
 @pytest.fixture
 def puma_file(tmp_path) -> Path:
     if not PUMS.is_file():
