@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from fedprivacy.reports.sweep_figures import groups, label, save
+from fedprivacy.reports.sweep_figures import groups, label, save_png
 
 
 def main() -> None:
@@ -32,9 +32,7 @@ def main() -> None:
     axes.set(xlabel="client (PUMA) and its budget", ylabel="test accuracy on its own rows", title="per-client accuracy of the final global model")
     axes.legend(fontsize=7)
     axes.grid(True, alpha=0.3)
-    figure.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    save(figure, args.out.parent, args.out.stem, formats=("png",))
+    save_png(figure, args.out)
 
 
 if __name__ == "__main__":

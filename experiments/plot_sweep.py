@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from fedprivacy.reports.sweep_figures import save
+from fedprivacy.reports.sweep_figures import save_png
 
 
 def accuracy_line(axes: Axes, rows: pd.DataFrame, x: str, label: str | None, marker: str) -> None:
@@ -50,9 +50,7 @@ def main() -> None:
     if args.series or args.extra:
         axes.legend(fontsize=8)
     axes.grid(True, alpha=0.3)
-    figure.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    save(figure, args.out.parent, args.out.stem, formats=("png",))
+    save_png(figure, args.out)
 
 
 if __name__ == "__main__":

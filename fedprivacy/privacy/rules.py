@@ -67,20 +67,24 @@ class NoiseRule(Protocol):
         """The ε that classical analyses give for this same plan."""
 
 
-def _classical_bounds(sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
-    """Naive and strong composition (Dwork & Roth) of T steps at a constant σ."""
-    return {
-        "naive": classical.naive_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
-        "strong": classical.strong_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
-    }
+class _ConstantNoise:
+    """What the rules with one σ for every step share: a constant α schedule, and naive and strong
+    composition (Dwork & Roth) of T steps as the looser analyses."""
 
-
-class Proactive:
-    name = "proactive"
     adapts_noise = False
 
     def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
         return lr_schedule or "constant", "constant"
+
+    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+        return {
+            "naive": classical.naive_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
+            "strong": classical.strong_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
+        }
+
+
+class Proactive(_ConstantNoise):
+    name = "proactive"
 
     def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
         sigma = proactive_sigma(budget.epsilon, budget.delta)
@@ -89,16 +93,9 @@ class Proactive:
     def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
         return proactive_conditions(budget.n, budget.epsilon, budget.delta, schedule.rate * schedule.steps, schedule.steps)
 
-    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
-        return _classical_bounds(sigma, budget, schedule)
 
-
-class Calibrated:
+class Calibrated(_ConstantNoise):
     name = "calibrated"
-    adapts_noise = False
-
-    def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
-        return lr_schedule or "constant", "constant"
 
     def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
         sigma = accountants.calibrate_pld(budget.epsilon, budget.delta, schedule.rate, schedule.relative)
@@ -106,9 +103,6 @@ class Calibrated:
 
     def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
         return ()  # the PLD certificate is the whole argument
-
-    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
-        return _classical_bounds(sigma, budget, schedule)
 
 
 class Adp(Calibrated):

@@ -28,11 +28,19 @@ PANEL_WIDTH, PANEL_HEIGHT = 5.0, 3.6
 LOG_SPAN = 8.0
 
 
-def save(fig: Figure, out: Path, stem: str, formats: Sequence[str] = FORMATS) -> list[Path]:
-    paths = [out / f"{stem}.{fmt}" for fmt in formats]
+def save(fig: Figure, out: Path, stem: str) -> list[Path]:
+    paths = [out / f"{stem}.{fmt}" for fmt in FORMATS]
     for path in paths:
         fig.savefig(path, dpi=120)
     return paths
+
+
+def save_png(fig: Figure, path: Path) -> Path:
+    """One laid-out PNG at `path`, its folder made if missing (the experiments' figures)."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def label(keys: Sequence[str], values: Sequence[object]) -> str:
