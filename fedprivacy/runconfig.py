@@ -30,7 +30,7 @@ from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
 from fedprivacy.models import MODELS
 from fedprivacy.privacy.plan import LR_SCHEDULES
-from fedprivacy.privacy.rules import RULE_NAMES
+from fedprivacy.privacy.rules import RULE_NAMES, find_rule
 from fedprivacy.privacy import limits
 
 DATASETS = ("digits", "pums", "csv", "synthetic")
@@ -212,7 +212,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
     for key in ("label-column", "partition-by"):
         if not isinstance(rc[key], str):
             raise InputError(key, rc[key], "must be a string (a column name, or '' for none)")
-    return RunSettings(
+    settings = RunSettings(
         num_server_rounds=limits.rounds("num-server-rounds", rc["num-server-rounds"]),
         dataset=dataset,
         data_path=data_path,
@@ -252,6 +252,17 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         server_momentum=_momentum(rc["server-momentum"]),
         server_tau=positive("server-tau", rc["server-tau"]),
     )
+    _inverse_sqrt_keys_need_their_schedule(settings)
+    return settings
+
+
+def _inverse_sqrt_keys_need_their_schedule(settings: RunSettings) -> None:
+    """lr-offset and lr-decay shape only the inverse_sqrt schedule: set under another, refuse them
+    rather than run a schedule the user did not ask for."""
+    schedule = settings.lr_schedule or find_rule(settings.rule).default_schedules(None)[0]
+    for key, value in (("lr-offset", settings.lr_offset), ("lr-decay", settings.lr_decay)):
+        if schedule != "inverse_sqrt" and value != DEFAULTS[key]:
+            raise InputError(key, value, f"shapes only lr-schedule='inverse_sqrt'; this run's schedule is {schedule!r}")
 
 
 def _non_negative(field: str, value: Any) -> float:

@@ -122,6 +122,7 @@ def test_pyproject_declares_the_app_and_no_federations(in_process):
         ("lr-schedule", "cosine", "must be one of: , constant, inverse_sqrt, adagrad_norm"),
         ("lr-offset", 0, "finite number > 0"),
         ("lr-decay", -0.1, "finite number ≥ 0"),
+        ("lr-decay", 0.5, "shapes only lr-schedule='inverse_sqrt'; this run's schedule is 'constant'"),
     ],
 )
 def test_bad_run_config_names_the_key(key, value, message):
