@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS spends (
     recorded_at TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS spends_account ON spends(account);
+CREATE INDEX IF NOT EXISTS spends_round ON spends(run_id, server_round, account);
 CREATE TABLE IF NOT EXISTS plans (
     account TEXT NOT NULL,
     run_id TEXT NOT NULL,
@@ -161,7 +162,9 @@ class Ledger:
     def __init__(self, path: str | Path, busy_timeout: float = 60.0) -> None:
         """Open (or create, 0600) the ledger at `path`; wait up to `busy_timeout` s for another writer."""
         self.path = Path(path)
-        self._seen: dict[str, tuple[int, list[NoiseEvent]]] = {}  # account → (last spend id, history)
+        # Histories read or written before, current as of spend id `_synced` (ids only grow: AUTOINCREMENT)
+        self._seen: dict[str, list[NoiseEvent]] = {}
+        self._synced: int | None = None
         self.busy_timeout = busy_timeout
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -342,6 +345,7 @@ class Ledger:
         """`record` for every account of a round, in one transaction: each account gets its new ε,
         or the refusal that kept its spend out (the others are written regardless)."""
         outcomes: dict[str, float | RoundRepeated | BudgetExceeded] = {}
+        written: dict[str, list[NoiseEvent]] = {}
         rows = []
         now = _now()
         with self._transaction() as db:
@@ -358,11 +362,13 @@ class Ledger:
                 if account in repeated:
                     outcomes[account] = RoundRepeated(f"round {server_round} of run {run_id} was already trained by this client")
                     continue
-                epsilon = composed_epsilon([*histories.get(account, []), *new_events], budget.delta)
+                history = [*histories[account], *new_events]
+                epsilon = composed_epsilon(history, budget.delta)
                 if epsilon > budget.epsilon:
                     outcomes[account] = BudgetExceeded(f"account {account!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
                     continue
                 outcomes[account] = epsilon
+                written[account] = history
                 rows += [(account, run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now)
                          for e in new_events]  # fmt: skip
             db.executemany(
@@ -370,31 +376,32 @@ class Ledger:
                 " epsilon_after, delta, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
-            written = [a for a, outcome in outcomes.items() if not isinstance(outcome, Exception)]
-            latest = self._latest_ids(db, written)
-            for account in written:
-                events = [e for e in spends[account] if e.count > 0]
-                self._seen[account] = (latest[account], [*histories.get(account, []), *events])
+            last = self._last_id(db)  # the write lock is ours: every id up to it is known here
+        self._seen.update(written)  # only once committed
+        self._synced = last
         return outcomes
 
     def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, list[NoiseEvent]]:
-        """The accounts' histories inside a transaction, read again only for accounts whose last
-        spend is not the one this object last saw (another writer, a first call): a round costs one
-        small query instead of re-reading every account's whole history."""
-        latest = self._latest_ids(db, accounts)
-        stale = [a for a in accounts if a in latest and self._seen.get(a, (None, []))[0] != latest[a]]
-        fresh = self._histories(db, stale)
-        for account in stale:
-            self._seen[account] = (latest[account], fresh.get(account, []))
-        return {a: self._seen[a][1] for a in accounts if a in latest}  # read-only: callers build new lists
+        """The accounts' histories inside a transaction. Those seen before are kept unless another
+        writer spent from them since (spends with a larger id): a steady round costs one lookup of
+        the last id instead of reading every account's history or last spend."""
+        last = self._last_id(db)
+        if last != self._synced:
+            if self._synced is None or last < self._synced:  # first use, or not the file seen before
+                self._seen.clear()
+            else:
+                for (account,) in db.execute("SELECT DISTINCT account FROM spends NOT INDEXED WHERE id > ?", (self._synced,)):
+                    self._seen.pop(account, None)
+            self._synced = last
+        unknown = [a for a in accounts if a not in self._seen]
+        fresh = self._histories(db, unknown)
+        for account in unknown:
+            self._seen[account] = fresh.get(account, [])
+        return {a: self._seen[a] for a in accounts}  # read-only: callers build new lists
 
     @staticmethod
-    def _latest_ids(db: sqlite3.Connection, accounts: list[str]) -> dict[str, int]:
-        found: dict[str, int] = {}
-        for chunk in _chunks(accounts):
-            rows = db.execute(f"SELECT account, MAX(id) FROM spends WHERE account IN ({_marks(chunk)}) GROUP BY account", chunk)
-            found.update({account: int(last) for account, last in rows})
-        return found
+    def _last_id(db: sqlite3.Connection) -> int:
+        return int(db.execute("SELECT COALESCE(MAX(id), 0) FROM spends").fetchone()[0])
 
     def histories(self, accounts: list[str]) -> dict[str, list[NoiseEvent]]:
         """Every recorded event of each account, oldest first (one query for all of them)."""

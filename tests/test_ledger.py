@@ -135,6 +135,22 @@ def test_concurrent_writers_never_overshoot(tmp_path):
     assert Ledger(path).steps_spent("a") == 30
 
 
+def test_a_writer_sees_what_another_writer_spent_since_its_last_round(tmp_path):
+    """A ledger object keeps the histories it has seen between rounds: a spend by another writer
+    (another process, a twin) must still count in its next check."""
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    budget = ledger_accounting([NoiseEvent(1.5, 0.2, 20)], DELTA) + 1e-6  # room for exactly 2 spends
+    first, second = Ledger(path), Ledger(path)
+    first.open_accounts({"a": Budget(budget, DELTA), "b": Budget(budget, DELTA)})
+    assert not any(isinstance(o, Exception) for o in first.record_round("run", 1, {"a": step, "b": step}).values())
+    second.record("a", "other-run", 1, step)  # the other writer spends a's second share
+    outcomes = first.record_round("run", 2, {"a": step, "b": step})
+    assert isinstance(outcomes["a"], BudgetExceeded)
+    assert outcomes["b"] == pytest.approx(pld_epsilon([(1.5, 0.2, 20)], DELTA), rel=CERTIFICATE_REL_TOL)
+    assert (Ledger(path).steps_spent("a"), Ledger(path).steps_spent("b")) == (20, 20)
+
+
 def test_round_events_follow_the_plan_slices():
     plan = Plan(
         client_id="c", rule="adp", n=100, epsilon=1.0, delta=DELTA, clip_norm=1.0, sigma=3.0,

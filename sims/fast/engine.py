@@ -65,6 +65,7 @@ class Client:
     failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
     plan: Plan | None = None
     history: list[NoiseEvent] = field(default_factory=list)  # everything its account ever spent
+    steps_done: int = 0  # the steps in `history`
     state: dict[str, Any] | None = None  # its trainer state between rounds
 
     @property
@@ -186,13 +187,13 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
             sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
             recorder.sampled(server_round, len(sampled))
             started = time.perf_counter()
-            ready, replies = _prepare(sampled, settings, ledger, run_id, server_round, pool, recorder, state)
+            ready, spent, replies = _spend(sampled, settings, ledger, run_id, server_round, pool, recorder, state)
             timings.accounting_s += time.perf_counter() - started
             started = time.perf_counter()
             results = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
             timings.training_s += time.perf_counter() - started
             started = time.perf_counter()
-            trained = _record(ready, results, settings, ledger, run_id, server_round, replies, recorder, state)
+            trained = _replies(ready, spent, results, settings, replies)
             timings.accounting_s += time.perf_counter() - started
             for client in sampled:
                 if client.index in replies:
@@ -224,24 +225,41 @@ def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Pa
         return Client(index, failure=_reason(exc))
 
 
-def _prepare(sampled: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int, pool: WorkerPool,
-             recorder: RunRecorder, state: Participation) -> tuple[list[Client], dict[int, dict[str, Any]]]:  # fmt: skip
-    """The ClientApp's steps before training, for the round's sampled clients: accounts, plans,
-    affordability. Returns the clients that train and the replies of those that cannot."""
+def _spend(sampled: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int, pool: WorkerPool,
+           recorder: RunRecorder, state: Participation) -> tuple[list[Client], dict[int, float], dict[int, dict[str, Any]]]:  # fmt: skip
+    """The ClientApp's steps before its update leaves, for the round's sampled clients: accounts,
+    plans, and the round's spends recorded in one ledger transaction, which refuses what the
+    budget cannot afford. Only recorded clients train (recording first spends for a client whose
+    training then crashes the run: never less than the apps). Returns the clients that train,
+    their ε after this round, and the replies of those that do not."""
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
     replies: dict[int, dict[str, Any]] = {}
-    ready = []
+    asking: dict[str, tuple[Client, list[NoiseEvent]]] = {}
     for client in sampled:
         if client.failure is not None:
             state.drop(recorder, server_round, client, client.failure)
             continue
         events = round_events(client.plan, server_round)
-        if events and composed_epsilon([*client.history, *events], client.local.delta) <= client.local.epsilon:
-            ready.append(client)
-        else:
+        if events:
+            asking[client.local.account] = (client, events)
+        else:  # its plan has no steps left
             replies[client.index] = _exhausted_reply(client)
             state.exhausted.add(client.index)
-    return ready, replies
+    outcomes = ledger.record_round(str(run_id), server_round, {account: events for account, (_, events) in asking.items()})
+    ready, spent = [], {}
+    for account, (client, events) in asking.items():
+        outcome = outcomes[account]
+        if isinstance(outcome, BudgetExceeded):
+            replies[client.index] = _exhausted_reply(client)
+            state.exhausted.add(client.index)
+        elif isinstance(outcome, Exception):  # a round already recorded: the apps' client refuses it
+            state.drop(recorder, server_round, client, _reason(outcome))
+        else:
+            client.history += events
+            client.steps_done += sum(e.count for e in events)
+            spent[client.index] = outcome
+            ready.append(client)
+    return ready, spent, replies
 
 
 def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, pool: WorkerPool) -> None:
@@ -264,6 +282,7 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
             continue
         client.plan = outcome
         client.history = histories.get(client.local.account, [])
+        client.steps_done = sum(e.count for e in client.history)
     pool.add_plans({c.index: c.plan for c in opened if c.plan is not None})
 
 
@@ -271,28 +290,15 @@ def _reason(error: Exception) -> str:
     return error_summary(f"{type(error).__name__}: {error}")
 
 
-def _record(ready: list[Client], results: RoundResult, settings: RunSettings, ledger: Ledger, run_id: int, server_round: int,
-            replies: dict[int, dict[str, Any]], recorder: RunRecorder, state: Participation) -> list[tuple[Client, int]]:  # fmt: skip
-    """Record the round's spends in one transaction; only recorded updates reach aggregation (the
-    clients that trained, each with its row in `results`)."""
-    events = {c.index: round_events(c.plan, server_round) for c in ready}
-    outcomes = ledger.record_round(str(run_id), server_round, {c.local.account: events[c.index] for c in ready})
+def _replies(ready: list[Client], spent: dict[int, float], results: RoundResult, settings: RunSettings,
+             replies: dict[int, dict[str, Any]]) -> list[tuple[Client, int]]:  # fmt: skip
+    """The trained clients' replies and new trainer states; returns (client, row in `results`)."""
     by_index = {index: k for k, index in enumerate(results.indices)}
     trained = []
     for client in ready:
-        outcome = outcomes[client.local.account]
-        if isinstance(outcome, BudgetExceeded):  # another writer spent it meanwhile: the update must not leave
-            replies[client.index] = _exhausted_reply(client)
-            state.exhausted.add(client.index)
-            continue
-        if isinstance(outcome, Exception):  # a round already recorded: the apps' client refuses it
-            state.drop(recorder, server_round, client, _reason(outcome))
-            continue
         k = by_index[client.index]
-        client.history += events[client.index]
         client.state = results.states[k]
-        reply = reply_metrics(client.local, client.plan, outcome, sum(e.count for e in client.history), trained=True,
-                              on_gpu=results.on_gpu)  # fmt: skip
+        reply = reply_metrics(client.local, client.plan, spent[client.index], client.steps_done, trained=True, on_gpu=results.on_gpu)
         if settings.diagnostics:
             reply.update(results.diagnostics[k])
         replies[client.index] = reply
@@ -302,7 +308,7 @@ def _record(ready: list[Client], results: RoundResult, settings: RunSettings, le
 
 def _exhausted_reply(client: Client) -> dict[str, Any]:
     spent = composed_epsilon(client.history, client.local.delta)
-    return reply_metrics(client.local, client.plan, spent, sum(e.count for e in client.history), trained=False)
+    return reply_metrics(client.local, client.plan, spent, client.steps_done, trained=False)
 
 
 def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult, server_round: int,
