@@ -299,12 +299,13 @@ def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float,
 def _plan(n: int, epsilon: float, delta: float, rule: str, clip_norm: float, epochs: float | None, rounds: int,
           learning_rate: float, lr_schedule: str | None, inverse_sqrt: tuple[float, float],
           client_id: str = "") -> Plan:  # fmt: skip
-    """`inverse_sqrt` = (a, c) of η_t = η/sqrt(a + c·t), used when the schedule is inverse_sqrt."""
+    """`inverse_sqrt` = (a, c) of η_t = η/sqrt(a + c·t), used when the schedule is inverse_sqrt.
+    Without the rule comparison: the sheets add it when they are written."""
     schedule = lr_schedule or find_rule(rule).default_schedules(None)[0]
     lr_params = {"a": inverse_sqrt[0], "c": inverse_sqrt[1]} if schedule == "inverse_sqrt" else None
     return plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, rounds=rounds,
                        client_id=client_id, learning_rate=learning_rate, lr_schedule=lr_schedule,
-                       lr_params=lr_params)  # fmt: skip
+                       lr_params=lr_params, compare=False)  # fmt: skip
 
 
 _shared_plan = functools.lru_cache(maxsize=4096)(_plan)

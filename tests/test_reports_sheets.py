@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -37,6 +38,19 @@ def test_clients_with_the_same_plan_share_one_figure_and_others_get_their_own(tm
     assert links["s800"] == links["s900"] != links["c1"]
     # the same inputs give the same figure file in another folder, another time
     assert sheets.write_sheet(same[1], tmp_path / "again")["png"].name == links["s800"]
+
+
+def test_a_plan_made_without_the_rule_comparison_gets_it_on_its_sheet(tmp_path):
+    """Clients of a run plan without the comparison (it is sheet content); the sheet adds it."""
+    plan = plan_client(800, 1.0, 1e-5, client_id="p", rule="proactive", compare=False)
+    assert plan.sigma_by_rule == {} and plan.moments_constant is None
+    sheets.write_sheets([plan], tmp_path / "out")
+    shown = json.loads((tmp_path / "out" / "p.json").read_text())
+    calibrated = plan_client(800, 1.0, 1e-5, rule="calibrated", sampling_rate=plan.sampling_rate, steps=plan.steps)
+    assert shown["sigma_by_rule"]["proactive"] == plan.sigma
+    assert shown["sigma_by_rule"]["pld_calibrated"] == pytest.approx(calibrated.sigma)
+    assert shown["moments_constant"] is not None
+    assert "| rdp_calibrated |" in (tmp_path / "out" / "p.md").read_text()
 
 
 def test_epsilon_curves_end_at_the_certificate(two_plans):

@@ -5,11 +5,18 @@ smallest k meeting the proactive ln N condition and T = ⌈2k²/ε⌉), the rule
 looser bounds (`fedprivacy.privacy.rules`, one object per rule, found by name), the certificate
 (PLD, RDP as a cross-check), the refusal of a plan whose certified ε exceeds its target (it raises
 `PlanRefused` and never reaches a trainer), and the σ every other rule would need.
+
+That last part, the rule comparison, is what a planning sheet shows beside the plan; nothing
+trains or certifies with it, and it costs more than the plan itself (two calibrations, about
+0.25 s per distinct plan). Clients of a run plan without it (`compare=False`); the sheets add it
+(`with_rule_comparison`) when they are written.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import replace
 
 from fedprivacy import errors
 from fedprivacy.errors import InputError, PlanRefused
@@ -137,8 +144,7 @@ def plan_client(
     epsilon_pld = accountants.pld_epsilon(events, budget.delta)
     conditions = (*noise_rule.conditions(budget, schedule), _certified(epsilon_pld, budget.epsilon))
     _refuse_if_over(client_id, noise_rule.name, sigma, schedule, epsilon_pld, budget.epsilon, conditions)
-    by_rule, moments_c = compare_rules(budget.epsilon, budget.delta, rate, steps, alphas) if compare else ({}, None)
-    return Plan(
+    plan = Plan(
         client_id=str(client_id),
         rule=noise_rule.name,
         n=budget.n,
@@ -153,15 +159,34 @@ def plan_client(
         epsilon_pld=epsilon_pld,
         epsilon_rdp=accountants.rdp_epsilon(events, budget.delta),
         conditions=conditions,
-        sigma_by_rule=by_rule,
         epsilon_bounds=noise_rule.looser_bounds(sigma, budget, schedule),
-        moments_constant=moments_c,
         learning_rate=learning_rate,
         lr_schedule=lr_schedule,
         lr_params=lr_params,
         alpha_schedule=alpha_schedule,
         alpha_params={"power": alpha_power} if alpha_schedule == "power" else {},
     )
+    return with_rule_comparison(plan) if compare else plan
+
+
+def with_rule_comparison(plan: Plan) -> Plan:
+    """`plan` with the σ each rule needs for its ε, δ, q and T and the moments-accountant constant
+    (unchanged if it has them); computed once per distinct comparison."""
+    if plan.sigma_by_rule:
+        return plan
+    by_rule, moments_c = _comparison(plan.epsilon, plan.delta, plan.sampling_rate, plan.steps, plan.alpha_schedule,
+                                     plan.learning_rate, plan.lr_schedule, tuple(sorted(plan.lr_params.items())),
+                                     plan.alpha_params.get("power", 0.5))  # fmt: skip
+    return replace(plan, sigma_by_rule=dict(by_rule), moments_constant=moments_c)
+
+
+@functools.lru_cache(maxsize=1024)
+def _comparison(epsilon: float, delta: float, rate: float, steps: int, alpha_schedule: str, learning_rate: float,
+                lr_schedule: str, lr_params: tuple[tuple[str, float], ...], power: float) -> tuple[tuple[tuple[str, float | None], ...], float]:  # fmt: skip
+    alphas = adp.alpha_values(alpha_schedule, steps, learning_rate=learning_rate, lr_schedule=lr_schedule,
+                              lr_params=dict(lr_params), power=power)  # fmt: skip
+    by_rule, moments_c = compare_rules(epsilon, delta, rate, steps, alphas)
+    return tuple(by_rule.items()), moments_c
 
 
 def _step_sizes(

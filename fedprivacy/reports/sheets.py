@@ -1,7 +1,8 @@
 """Planning sheets: one page per client (Markdown, HTML, JSON), a figure per distinct plan, and an index.
 
 A sheet shows the inputs, the chosen plan, its certificate,
-the budget left unused, the rule's conditions by name, the σ every other rule would need, and a
+the budget left unused, the rule's conditions by name, the σ every other rule would need (added
+here when a run's plans came without it), and a
 figure of ε versus steps (PLD, RDP, naive, strong) beside a bar chart of σ by rule.
 
 The figure is the only costly part (about 0.6 s of accounting and drawing, against about 1 ms for
@@ -32,6 +33,7 @@ from matplotlib.figure import Figure
 from fedprivacy.privacy import accountants, classical
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.privacy.planner import with_rule_comparison
 
 CURVE_POINTS = 24
 
@@ -194,6 +196,7 @@ def write_sheet(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
     (`png`, shared with every client of the same figure) unless it is there already."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    plan = with_rule_comparison(plan)
     stem = _safe_name(plan.client_id)
     paths = {kind: out / f"{stem}.{kind}" for kind in ("md", "html", "json")}
     paths["png"] = write_figure(plan, out)
@@ -252,6 +255,7 @@ def write_index(plans: Sequence[Plan], out_dir: str | Path) -> dict[str, Path]:
 
 def write_sheets(plans: Sequence[Plan], out_dir: str | Path, *, index: bool = True) -> list[Path]:
     """Write every plan's sheet (and the index) all-or-nothing into out_dir."""
+    plans = [with_rule_comparison(plan) for plan in plans]
     target = Path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".sheets-", dir=target.parent))
