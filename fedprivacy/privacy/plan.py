@@ -12,7 +12,7 @@ import bisect
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 LR_SCHEDULES = ("constant", "inverse_sqrt", "adagrad_norm")
@@ -115,7 +115,7 @@ class Plan:
         for name in ("sigma_by_rule", "epsilon_bounds", "lr_params", "alpha_params"):
             data[name] = dict(data[name])
         data["noise_segments"] = [list(seg) for seg in self.noise_segments]
-        data["conditions"] = [asdict(c) for c in self.conditions]
+        data["conditions"] = [dict(vars(c)) for c in self.conditions]  # flat: no deep copy needed
         data.update(
             expected_batch_size=self.expected_batch_size,
             epochs=self.epochs,
