@@ -94,6 +94,21 @@ def test_many_clients_drawn_together_get_exactly_their_own_streams():
     assert row == keep.shape[0] == noise.shape[0]
 
 
+def test_clients_of_one_width_drawn_into_one_buffer_get_exactly_their_own_streams():
+    """Clients whose steps read the same number of blocks (the usual round) share one buffer; some
+    take no step this round. Each must still see what it alone would, seeded or not."""
+    clients = [(StepRandomness(f"7:same-{i}" if i % 4 else None), 5 * i, i % 3, 160 - i % 5, 0.02 * (i + 1)) for i in range(9)]
+    keep, noise = draw_batch([DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients], 32)
+    row = 0
+    for randomness, first, steps, n, q in clients:
+        if randomness.seeded:
+            alone = randomness.draws(first, steps, n, q, 32)
+            assert torch.equal(keep[row : row + steps, :n], alone.keep) and torch.equal(noise[row : row + steps], alone.noise)
+        assert not keep[row : row + steps, n:].any()
+        row += steps
+    assert row == keep.shape[0] == noise.shape[0] == sum(steps for _, _, steps, _, _ in clients)
+
+
 def test_steps_that_span_several_nonces_read_the_same_bytes_in_any_split(monkeypatch):
     """A step's bytes start at block t·⌈size/64⌉; past 2³² blocks the nonce moves on. With a tiny
     counter range (three steps per nonce here) every split must still give every step the same bytes."""

@@ -97,11 +97,11 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64) -> np.ndarray:
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
-def _keystream(key: bytes, nonce: int, block: int, size: int) -> bytes:
-    """`size` bytes of ChaCha20 under `key` and a 64-bit `nonce`, from 64-byte block `block` on
+def _keystream_into(key: bytes, nonce: int, block: int, out: memoryview) -> None:
+    """Fill `out` with ChaCha20 under `key` and a 64-bit `nonce`, from 64-byte block `block` on
     (`cryptography` takes the 32-bit block counter and a 96-bit nonce as one 16-byte value)."""
     value = int(block).to_bytes(4, "little") + int(nonce).to_bytes(8, "little") + bytes(4)
-    return Cipher(algorithms.ChaCha20(key, value), mode=None).encryptor().update(bytes(size))
+    Cipher(algorithms.ChaCha20(key, value), mode=None).encryptor().update_into(bytes(len(out)), out)
 
 
 @dataclass(frozen=True)
@@ -136,14 +136,38 @@ def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.d
     whole round of a batched engine): (keep [rows, max n] bool, noise [rows, noise_count]), one
     row per step, requests in order. Each row is exactly what its client's own stream gives."""
     pairs = (noise_count + 1) // 2
-    streams = [r.randomness.stream_words(r.first_step, r.steps, 2 * pairs + r.n) for r in requests]
-    noise = box_muller(np.concatenate([s[:, : 2 * pairs] for s in streams]), _NUMPY_DTYPES.get(dtype, np.float64))
+    widths = {_blocks(2 * pairs + r.n) for r in requests}
+    if len(widths) == 1:  # the usual round: every client's steps fill one buffer, no copies
+        words = _filled_rows(requests, widths.pop())
+        ends = np.cumsum([r.steps for r in requests]).tolist()
+        noise_words = words[:, : 2 * pairs]
+        poisson = [words[end - r.steps : end, 2 * pairs :] for r, end in zip(requests, ends, strict=True)]
+    else:
+        streams = [r.randomness.stream_words(r.first_step, r.steps, 2 * pairs + r.n) for r in requests]
+        noise_words, poisson = np.concatenate([s[:, : 2 * pairs] for s in streams]), [s[:, 2 * pairs :] for s in streams]
+    noise = box_muller(noise_words, _NUMPY_DTYPES.get(dtype, np.float64))
     keep = np.zeros((noise.shape[0], max((r.n for r in requests), default=0)), dtype=bool)
     row = 0
-    for r, s in zip(requests, streams, strict=True):
-        np.less(s[:, 2 * pairs :], np.uint64(sampling_threshold(r.q)), out=keep[row : row + r.steps, : r.n])
+    for r, words in zip(requests, poisson, strict=True):
+        np.less(words[:, : r.n], np.uint64(sampling_threshold(r.q)), out=keep[row : row + r.steps, : r.n])
         row += r.steps
     return torch.from_numpy(keep), torch.from_numpy(noise[:, :noise_count]).to(dtype)
+
+
+def _blocks(width: int) -> int:
+    """64-byte ChaCha20 blocks a step of `width` words reads (its words, then padding)."""
+    return -(-width // 8)
+
+
+def _filled_rows(requests: Sequence[DrawRequest], blocks: int) -> np.ndarray:
+    """[rows, 8·blocks] 53-bit uniforms: each request's steps in order, written straight into one buffer."""
+    buffer = bytearray(sum(r.steps for r in requests) * blocks * 64)
+    view, start = memoryview(buffer), 0
+    for r in requests:
+        end = start + r.steps * blocks * 64
+        r.randomness.fill_steps(r.first_step, r.steps, blocks, view[start:end])
+        start = end
+    return uniform53(buffer).reshape(-1, blocks * 8)
 
 
 class StepRandomness:
@@ -166,25 +190,31 @@ class StepRandomness:
 
     def stream_words(self, first_step: int, steps: int, width: int) -> np.ndarray:
         """[steps, width] 53-bit uniforms (uint64), one row per step: its noise words, then its
-        Poisson words (see the module docstring).
+        Poisson words (see the module docstring)."""
+        blocks = _blocks(width)
+        buffer = bytearray(steps * blocks * 64)
+        self.fill_steps(first_step, steps, blocks, memoryview(buffer))
+        return uniform53(buffer).reshape(steps, blocks * 8)[:, :width]
 
-        Seeded: step t's words start at keystream block t·⌈8·width/64⌉ (nonce and 32-bit block
-        counter split the position), so any split of the steps into calls gives the same words,
-        and a client's round needs one cipher, not one per step. Unseeded: one keystream under a
-        fresh OS key for the whole call.
+    def fill_steps(self, first_step: int, steps: int, blocks: int, out: memoryview) -> None:
+        """The raw keystream of `steps` steps of `blocks` blocks each, into `out` (steps·blocks·64 bytes).
+
+        Seeded: step t's bytes start at keystream block t·blocks (nonce and 32-bit block counter
+        split the position), so any split of the steps into calls gives the same bytes, and a
+        client's round needs one cipher, not one per step. Unseeded: one keystream under a fresh
+        OS key for the whole call.
         """
         if self._key is None:
-            return uniform53(_keystream(os.urandom(32), 0, 0, steps * width * 8)).reshape(steps, width)
-        blocks = -(-width // 8)  # 64-byte blocks per step
+            _keystream_into(os.urandom(32), 0, 0, out)
+            return
         per_nonce = max(1, COUNTER_BLOCKS // blocks)  # steps whose blocks fit one 32-bit counter
-        parts, step, end = [], first_step, first_step + steps
+        step, end, start = first_step, first_step + steps, 0
         while step < end:
             nonce, offset = divmod(step, per_nonce)
             count = min(end, (nonce + 1) * per_nonce) - step
-            stream = uniform53(_keystream(self._key, nonce, offset * blocks, count * blocks * 64))
-            parts.append(stream.reshape(count, blocks * 8)[:, :width])
+            _keystream_into(self._key, nonce, offset * blocks, out[start : start + count * blocks * 64])
+            start += count * blocks * 64
             step += count
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def draws(
         self,

@@ -174,9 +174,13 @@ class LocalWorker:
         batch = [DrawRequest(self.randomness[self.position[r.index]], first, count, int(rows), plan.sampling_rate)
                  for r, plan, first, count, rows in zip(requests, plans, firsts, counts, n.tolist(), strict=True)]  # fmt: skip
         keep_rows, noise_rows = draw_batch(batch, parameters)
+        rows = self.train_x.shape[1]
+        if min(counts) == max(counts) and keep_rows.shape[1] == rows:  # rows already in [client, step] order
+            shape = (len(requests), counts[0])
+            return keep_rows.reshape(*shape, rows).to(self.device), noise_rows.reshape(*shape, parameters).to(self.device)
         owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
         step = torch.from_numpy(np.concatenate([np.arange(c) for c in counts]))
-        keep = torch.zeros(len(requests), max(counts), self.train_x.shape[1], dtype=torch.bool)
+        keep = torch.zeros(len(requests), max(counts), rows, dtype=torch.bool)
         normals = torch.zeros(len(requests), max(counts), parameters)
         keep[owner, step, : keep_rows.shape[1]] = keep_rows
         normals[owner, step] = noise_rows
