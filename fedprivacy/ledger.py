@@ -156,6 +156,42 @@ def _marks(chunk: list[str]) -> str:
     return ", ".join("?" * len(chunk))
 
 
+class _SharedHistories:
+    """Accounts with the same spends hold one history tuple, and each history's ε is computed once:
+    a round of 1,000 clients under one plan asks for one ε, not 1,000 (each hashing a whole
+    history for the accountant's cache). Forgotten wholesale past `LIMIT` entries."""
+
+    LIMIT = 200_000
+
+    def __init__(self) -> None:
+        self._by_value: dict[tuple[NoiseEvent, ...], tuple[NoiseEvent, ...]] = {}
+        self._extended: dict[tuple[int, tuple[NoiseEvent, ...]], tuple[tuple[NoiseEvent, ...], tuple[NoiseEvent, ...]]] = {}
+        self._epsilon: dict[tuple[int, float], tuple[tuple[NoiseEvent, ...], float]] = {}
+
+    def intern(self, events: Sequence[NoiseEvent]) -> tuple[NoiseEvent, ...]:
+        if len(self._by_value) + len(self._extended) + len(self._epsilon) > self.LIMIT:
+            self._by_value, self._extended, self._epsilon = {}, {}, {}
+        events = tuple(events)
+        return self._by_value.setdefault(events, events)
+
+    def extend(self, history: tuple[NoiseEvent, ...], events: tuple[NoiseEvent, ...]) -> tuple[NoiseEvent, ...]:
+        """`history` + `events`, shared with every account that had the same history and spends the same."""
+        if not events:
+            return history
+        hit = self._extended.get((id(history), events))
+        if hit is None or hit[0] is not history:  # ids are only trusted for the object they were taken from
+            hit = (history, self.intern(history + events))
+            self._extended[(id(history), events)] = hit
+        return hit[1]
+
+    def epsilon(self, history: tuple[NoiseEvent, ...], delta: float) -> float:
+        hit = self._epsilon.get((id(history), delta))
+        if hit is None or hit[0] is not history:
+            hit = (history, composed_epsilon(history, delta))
+            self._epsilon[(id(history), delta)] = hit
+        return hit[1]
+
+
 class Ledger:
     """One SQLite file holding the spends of any number of accounts."""
 
@@ -163,8 +199,9 @@ class Ledger:
         """Open (or create, 0600) the ledger at `path`; wait up to `busy_timeout` s for another writer."""
         self.path = Path(path)
         # Histories read or written before, current as of spend id `_synced` (ids only grow: AUTOINCREMENT)
-        self._seen: dict[str, list[NoiseEvent]] = {}
+        self._seen: dict[str, tuple[NoiseEvent, ...]] = {}
         self._synced: int | None = None
+        self._shared = _SharedHistories()
         self.busy_timeout = busy_timeout
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -345,7 +382,7 @@ class Ledger:
         """`record` for every account of a round, in one transaction: each account gets its new ε,
         or the refusal that kept its spend out (the others are written regardless)."""
         outcomes: dict[str, float | RoundRepeated | BudgetExceeded] = {}
-        written: dict[str, list[NoiseEvent]] = {}
+        written: dict[str, tuple[NoiseEvent, ...]] = {}
         rows = []
         now = _now()
         with self._transaction() as db:
@@ -357,13 +394,13 @@ class Ledger:
             histories = self._current_histories(db, accounts)
             repeated = self._rounds_recorded(db, accounts, run_id, server_round)
             for account, new_events in spends.items():
-                new_events = [e for e in new_events if e.count > 0]
+                new_events = tuple(e for e in new_events if e.count > 0)
                 budget = budgets[account]
                 if account in repeated:
                     outcomes[account] = RoundRepeated(f"round {server_round} of run {run_id} was already trained by this client")
                     continue
-                history = [*histories[account], *new_events]
-                epsilon = composed_epsilon(history, budget.delta)
+                history = self._shared.extend(histories[account], new_events)
+                epsilon = self._shared.epsilon(history, budget.delta)
                 if epsilon > budget.epsilon:
                     outcomes[account] = BudgetExceeded(f"account {account!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
                     continue
@@ -381,7 +418,7 @@ class Ledger:
         self._synced = last
         return outcomes
 
-    def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, list[NoiseEvent]]:
+    def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, tuple[NoiseEvent, ...]]:
         """The accounts' histories inside a transaction. Those seen before are kept unless another
         writer spent from them since (spends with a larger id): a steady round costs one lookup of
         the last id instead of reading every account's history or last spend."""
@@ -396,8 +433,8 @@ class Ledger:
         unknown = [a for a in accounts if a not in self._seen]
         fresh = self._histories(db, unknown)
         for account in unknown:
-            self._seen[account] = fresh.get(account, [])
-        return {a: self._seen[a] for a in accounts}  # read-only: callers build new lists
+            self._seen[account] = self._shared.intern(fresh.get(account, ()))
+        return {a: self._seen[a] for a in accounts}
 
     @staticmethod
     def _last_id(db: sqlite3.Connection) -> int:

@@ -10,6 +10,7 @@ from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, GaussianPriv
 
 from fedprivacy.privacy import accountants
 from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
+from fedprivacy.privacy.pld_epsilon import epsilon_for_delta
 from fedprivacy.privacy.planner import plan_client
 from independent import CERTIFICATE_REL_TOL, pld_epsilon, pld_epsilon_lower_bound, plan_prefix_events, rdp_epsilon
 
@@ -128,6 +129,24 @@ def test_vectorised_hockey_stick_equals_dp_accounting_point_by_point(adjacency, 
     epsilons = np.linspace(bounds.epsilon_lower - 0.1 * span, bounds.epsilon_upper + 0.1 * span, 4001)
     np.testing.assert_allclose(ours.get_delta_for_epsilon(epsilons), reference.get_delta_for_epsilon(epsilons), rtol=1e-9, atol=1e-15)
     assert ours.get_delta_for_epsilon(0.5) == pytest.approx(reference.get_delta_for_epsilon(0.5), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "sigma, q, steps, delta, grid",
+    [(5.0, 0.125, 20, 1e-5, 1e-3), (1.1, 0.01, 300, 1e-5, 1e-3), (0.6, 0.2, 3, 1e-6, 1e-3), (2.0, 1.0, 50, 1e-5, 1e-3),
+     (0.02, 1.0, 1, 1e-5, 0.1),  # losses so large that e^-loss underflows: ε is the loss reached
+     (60.0, 0.01, 1, 0.5, 1e-3),  # a δ the distribution meets at ε = 0
+     (0.3, 0.5, 40, 1e-16, 1e-3)],  # more mass at infinity than δ: no finite ε
+)
+def test_vectorised_epsilon_for_delta_equals_dp_accounting(sigma, q, steps, delta, grid):
+    """The ledger's and the calibrations' ε(δ) is dp-accounting's get_epsilon_for_delta on the same
+    composed PLD (dp-accounting's own PLD here, both adjacencies), to rounding."""
+    from dp_accounting.pld.privacy_loss_distribution import from_gaussian_mechanism
+
+    distribution = from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid).self_compose(steps)
+    reference = distribution.get_epsilon_for_delta(delta)
+    ours = epsilon_for_delta(distribution, delta)
+    assert ours == reference or ours == pytest.approx(reference, rel=1e-12, abs=1e-15)
 
 
 @pytest.mark.parametrize("rule", ["calibrated", "adp"])

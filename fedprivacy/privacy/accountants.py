@@ -28,6 +28,7 @@ from dp_accounting import dp_event, pld, rdp
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedprivacy.privacy.gaussian_pld import gaussian_pld
+from fedprivacy.privacy.pld_epsilon import epsilon_for_delta
 
 ADJACENCY = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 CERTIFICATE_DISCRETIZATION = 1e-4
@@ -134,7 +135,7 @@ def _pld_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float, discretiza
         return 0.0
     if any(e.sigma <= 0 for e in active):
         return math.inf
-    return float(_composed_pld(active, delta, discretization).get_epsilon_for_delta(delta))
+    return epsilon_for_delta(_composed_pld(active, delta, discretization), delta)
 
 
 def clear_caches() -> None:

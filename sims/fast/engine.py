@@ -320,7 +320,8 @@ def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client
         return global_state
     rows = torch.tensor([k for _, k in trained])
     weights = [aggregation_weight(settings.aggregation, c.plan, server_round, c.local.data.num_examples) for c, _ in trained]
-    factors = torch.tensor([w / sum(weights) for w in weights], dtype=torch.float32)
+    total = sum(weights)
+    factors = torch.tensor([w / total for w in weights], dtype=torch.float32)
     average = {key: torch.tensordot(factors, stacked[rows], dims=1) for key, stacked in zip(global_state, results.weights, strict=True)}
     if not all(bool(torch.isfinite(v).all()) for v in average.values()):  # as the strategy: keep the model
         return global_state
