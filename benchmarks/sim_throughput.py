@@ -5,7 +5,8 @@ DP on (proactive plans, seeded noise), every client every round, no federated ev
 server evaluates centrally every round). Each engine runs in its own child process, so its peak
 RSS is its own:
 
-- `fast`: every client, every round (`sims.fast.run_fast`), planning sheets drawn after the timed part;
+- `fast`: every client, every round (`sims.fast.run_fast`); its planning sheets (their rule comparison
+  and figures) are written after the clock stops, and timed on their own (`sheets_s`);
 - `inprocess`: the ServerApp and ClientApp in process (`sims.runner`) on a subset of the clients;
 - `flower`: `flwr run` against a simulation SuperLink started here, on a 50-client subset.
 
@@ -59,14 +60,18 @@ def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, re
     from sims.runner import Scenario, run_scenario
 
     started = time.perf_counter()
-    accounting = None
+    accounting = sheets = None
     if engine == "fast":
-        write_plans = results_module.RunRecorder.write_plans
-        results_module.RunRecorder.write_plans = lambda self: []  # sheets after the timed part
+        write_plans, deferred = results_module.RunRecorder.write_plans, []
+        results_module.RunRecorder.write_plans = lambda self: deferred.append(self) or []  # sheets after the timed part
         folder, timings = run_fast(config, clients, workers=workers, say=lambda _: None)
         wall = time.perf_counter() - started
         accounting = timings.accounting_s
         results_module.RunRecorder.write_plans = write_plans
+        started = time.perf_counter()
+        for recorder in deferred:
+            recorder.write_plans()
+        sheets = time.perf_counter() - started
     elif engine == "inprocess":
         run_scenario(Scenario("bench", config, num_clients=clients), results, quiet=True)
         wall = time.perf_counter() - started
@@ -75,6 +80,7 @@ def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, re
     return {"engine": engine, "model": model, "clients": clients, "rounds": rounds, "wall_s": round(wall, 3),
             "client_rounds_per_s": round(clients * rounds / wall, 1),
             "accounting_s": None if accounting is None else round(accounting, 3),
+            "sheets_s": None if sheets is None else round(sheets, 3),  # fast only: written after the clock stops
             # flower's clients run in the SuperLink's processes (Ray): this process's RSS would not be theirs
             "peak_rss_mb": None if engine == "flower" else round(peak_rss_mb(), 1)}  # fmt: skip
 
@@ -205,12 +211,13 @@ def main() -> None:
             row["ratio_vs_inprocess"] = round(row["client_rounds_per_s"] / runs["inprocess"]["client_rounds_per_s"], 1)
             rows.append(row)
     print(f"{'engine':<10}{'model':<8}{'clients':>8}{'rounds':>7}{'wall s':>9}{'client-rounds/s':>17}{'accounting s':>14}"
-          f"{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}")
+          f"{'sheets s':>10}{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}")
     for r in rows:
         accounting = "" if r["accounting_s"] is None else f"{r['accounting_s']:.2f}"
+        sheets = "" if r["sheets_s"] is None else f"{r['sheets_s']:.2f}"
         rss = "n/a" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
         print(f"{r['engine']:<10}{r['model']:<8}{r['clients']:>8}{r['rounds']:>7}{r['wall_s']:>9.2f}{r['client_rounds_per_s']:>17.1f}"
-              f"{accounting:>14}{rss:>13}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}")
+              f"{accounting:>14}{sheets:>10}{rss:>13}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}")
     mechanism = [child(["mechanism", model, str(args.clients), "5"]) for model in args.models.split(",")]
     print("\nA fast-engine round with DP against the same round with clipping and noise off:")
     for m in mechanism:

@@ -139,7 +139,6 @@ class LocalWorker:
         firsts = [p.first_step_of_round(server_round) for p in plans]
         counts = [p.steps_in_round(server_round) for p in plans]
         n = self.train_n[positions.cpu()]
-        x, y = self.train_x[positions], self.train_y[positions]
         keep, normals = self._draws(requests, plans, firsts, counts, n)
         most = max(counts)
         sigma, rate = np.zeros((len(requests), most)), np.zeros((len(requests), most))
@@ -155,7 +154,7 @@ class LocalWorker:
         weights = [global_state[key].to(self.device).expand(len(requests), *global_state[key].shape).clone() for key in self.keys]
         totals = {"nonfinite": 0, "loss": 0, "clipped": 0, "examples": 0}
         for s in range(most):
-            inputs = _gather(x, y, keep[:, s])
+            inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
             step = stack.StepInputs(*inputs, normals[:, s], sigma[:, s], clip, expected, steps > s)
             report = stack.dp_step(weights, step, lambda released, s=s: adaptive.rate(released, step.active, rate[:, s]),
                                    self.repair, private=self.private)  # fmt: skip
@@ -229,8 +228,10 @@ class AdaptiveRates:
         return [{**s, "b_squared": float(b)} for s, b in zip(steps, self.b_squared.tolist(), strict=True)]
 
 
-def _gather(x: Tensor, y: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Each client's sampled rows, in row order, padded to the largest batch: (x, y, valid)."""
+def _gather(x: Tensor, y: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The sampled rows of the clients at `positions` of the worker's padded data (x, y), in row
+    order, padded to the largest batch: (x, y, valid). Read straight from the worker's tensors: no
+    copy of the clients' whole data per round."""
     clients = keep.shape[0]
     rank = keep.cumsum(1) - 1
     width = max(1, int(keep.sum(1).max()))
@@ -239,7 +240,7 @@ def _gather(x: Tensor, y: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]
     valid = torch.zeros(clients, width, dtype=torch.bool, device=x.device)
     index[rows, rank[rows, cols]] = cols
     valid[rows, rank[rows, cols]] = True
-    owner = torch.arange(clients, device=x.device).unsqueeze(1)
+    owner = positions.unsqueeze(1)
     return x[owner, index], y[owner, index], valid
 
 
