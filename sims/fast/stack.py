@@ -89,11 +89,12 @@ def _forward(weights: list[Tensor], x: Tensor) -> tuple[list[Tensor], list[Tenso
     return inputs, outputs
 
 
-def _backward(weights: list[Tensor], outputs: list[Tensor], d_logits: Tensor) -> list[Tensor]:
+def _backward(weights: list[Tensor], inputs: list[Tensor], d_logits: Tensor) -> list[Tensor]:
     """Gradients of the summed loss with respect to each layer's output, from the last one back."""
     grads = [d_logits]
-    for layer in range(len(outputs) - 1, 0, -1):
-        d = torch.bmm(grads[0], weights[2 * layer]) * (outputs[layer - 1] > 0)
+    for layer in range(len(inputs) - 1, 0, -1):
+        # ReLU's derivative as 1.0/0.0: the sign of its output (a float multiply, not a cast bool mask)
+        d = torch.bmm(grads[0], weights[2 * layer]) * torch.sign(inputs[layer])
         grads.insert(0, d)
     return grads
 
@@ -108,7 +109,7 @@ def clipped_sums(weights: list[Tensor], step: StepInputs, clip_examples: bool = 
     log_p = torch.log_softmax(logits, dim=-1)
     losses = -log_p.gather(-1, step.labels.unsqueeze(-1)).squeeze(-1)
     d_logits = (log_p.exp() - F.one_hot(step.labels, logits.shape[-1]).to(logits.dtype)) * valid.unsqueeze(-1)
-    deltas = _backward(weights, outputs, d_logits)
+    deltas = _backward(weights, inputs, d_logits)
     sq = torch.zeros_like(losses)
     for a, d in zip(inputs, deltas, strict=True):
         d_sq = torch.linalg.vecdot(d, d)
