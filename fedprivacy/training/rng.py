@@ -64,9 +64,11 @@ def sampling_threshold(q: float) -> int:
     return math.floor(q * (1 << UNIFORM_BITS))  # q·2⁵³ is exact in binary floating point
 
 
-def uniform53(buffer: bytes) -> np.ndarray:
-    """The buffer's little-endian 64-bit words, each reduced to its top 53 bits (uint64)."""
-    return np.frombuffer(buffer, dtype="<u8") >> np.uint64(64 - UNIFORM_BITS)
+def uniform53(buffer: bytearray) -> np.ndarray:
+    """The buffer's little-endian 64-bit words, each reduced to its top 53 bits (uint64), in place."""
+    words = np.frombuffer(buffer, dtype="<u8")
+    words >>= np.uint64(64 - UNIFORM_BITS)
+    return words
 
 
 def box_muller(uniforms: np.ndarray, dtype: type = np.float64) -> np.ndarray:
