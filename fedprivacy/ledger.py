@@ -292,9 +292,12 @@ class Ledger:
     @staticmethod
     def _budgets(db: sqlite3.Connection, accounts: list[str]) -> dict[str, Budget]:
         found: dict[str, Budget] = {}
+        shared: dict[tuple[float, float], Budget] = {}  # one object per distinct budget: a round reads them all
         for chunk in _chunks(accounts):
             rows = db.execute(f"SELECT account, epsilon, delta FROM accounts WHERE account IN ({_marks(chunk)})", chunk)
-            found.update({a: Budget(float(e), float(d)) for a, e, d in rows})
+            for account, epsilon, delta in rows:
+                budget = shared.get((epsilon, delta))
+                found[account] = budget if budget is not None else shared.setdefault((epsilon, delta), Budget(float(epsilon), float(delta)))
         return found
 
     def set_budget(self, account: str, epsilon: float, delta: float) -> Budget:
