@@ -39,7 +39,7 @@ from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
 from fedprivacy.ledger import Budget, BudgetExceeded, Ledger, RoundRepeated, round_events
 from fedprivacy.models import build_model, evaluate_model
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.privacy.planner import plan_client
+from fedprivacy.privacy.planner import plan_client, with_rule_comparison
 from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig import NodeSettings, RunSettings, default_ledger_path
 from fedprivacy.training.trainer import DPTrainer, check_finite
@@ -284,14 +284,20 @@ def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> 
     return build_model(settings.model, int(np.prod(features.shape[1:])), num_classes)
 
 
-def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float, delta: float, client_id: str) -> Plan:
+def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float, delta: float, client_id: str, *,
+                       compare: bool = True) -> Plan:  # fmt: skip
     """The plan a client makes from the run config: one place, so the ClientApp, the engines and
-    the baselines agree. Clients with the same inputs share one planning (and certification)."""
+    the baselines agree. Clients with the same inputs share one planning (and certification).
+
+    `compare=False` leaves out the rule comparison (sheet content, about 0.25 s per distinct
+    plan): the ClientApp computes it for its own plan, so that a deployment's clients share the
+    work; one process simulating them all (the fast engine) or training without noise (the
+    baselines) leaves it to the sheets."""
     inputs = (num_examples, epsilon, delta, settings.rule, settings.clip_norm, settings.epochs,
               settings.num_server_rounds, settings.learning_rate, settings.lr_schedule or None,
               (settings.lr_offset, settings.lr_decay))  # fmt: skip
     try:
-        return replace(_shared_plan(*inputs), client_id=client_id)
+        return replace((_shared_compared_plan if compare else _shared_plan)(*inputs), client_id=client_id)
     except PlanRefused:
         return _plan(*inputs, client_id=client_id)  # raises again, naming this client
 
@@ -300,7 +306,7 @@ def _plan(n: int, epsilon: float, delta: float, rule: str, clip_norm: float, epo
           learning_rate: float, lr_schedule: str | None, inverse_sqrt: tuple[float, float],
           client_id: str = "") -> Plan:  # fmt: skip
     """`inverse_sqrt` = (a, c) of η_t = η/sqrt(a + c·t), used when the schedule is inverse_sqrt.
-    Without the rule comparison: the sheets add it when they are written."""
+    Without the rule comparison (`plan_from_settings` adds it)."""
     schedule = lr_schedule or find_rule(rule).default_schedules(None)[0]
     lr_params = {"a": inverse_sqrt[0], "c": inverse_sqrt[1]} if schedule == "inverse_sqrt" else None
     return plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, rounds=rounds,
@@ -309,6 +315,11 @@ def _plan(n: int, epsilon: float, delta: float, rule: str, clip_norm: float, epo
 
 
 _shared_plan = functools.lru_cache(maxsize=4096)(_plan)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_compared_plan(*inputs: Any) -> Plan:
+    return with_rule_comparison(_shared_plan(*inputs))
 
 
 def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id: str) -> tuple[Plan, bool]:
@@ -322,16 +333,18 @@ def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id:
     return outcome, True
 
 
-def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str) -> dict[str, Plan | Exception]:
+def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str, *,
+              compare: bool = True) -> dict[str, Plan | Exception]:  # fmt: skip
     """Each client's plan for this run: the one saved in the ledger, or a new a-priori plan saved
-    now (all in one transaction); a client that cannot plan gets its error instead."""
+    now (all in one transaction); a client that cannot plan gets its error instead. `compare`: as
+    in `plan_from_settings`."""
     outcomes: dict[str, Plan | Exception] = dict(ledger.load_plans([c.account for c in clients], run_id))
     fresh: dict[str, Plan] = {}
     for client in clients:
         if client.account in outcomes:
             continue
         try:
-            fresh[client.account] = _new_plan(client, settings)
+            fresh[client.account] = _new_plan(client, settings, compare)
         except (ClientRefusal, InputError, PlanRefused) as error:
             outcomes[client.account] = error
     if fresh:  # if a restarted twin saved its plan first, both follow that one
@@ -339,8 +352,8 @@ def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger,
     return outcomes
 
 
-def _new_plan(client: LocalClient, settings: RunSettings) -> Plan:
-    plan = plan_from_settings(settings, client.data.num_examples, client.epsilon, client.delta, client.client_id)
+def _new_plan(client: LocalClient, settings: RunSettings, compare: bool) -> Plan:
+    plan = plan_from_settings(settings, client.data.num_examples, client.epsilon, client.delta, client.client_id, compare=compare)
     if plan.expected_batch_size < 1:
         raise ClientRefusal(
             f"num-examples={client.data.num_examples}: too little data for client {client.client_id}: its plan "

@@ -59,7 +59,8 @@ LocalTrain = Callable[[int, ClientData, Plan, nn.Module, int], None]  # (index, 
 
 def _plans(settings: RunSettings, clients: list[ClientData]) -> list[Plan]:
     """Each client's plan, made as the ClientApp makes it."""
-    return [plan_from_settings(settings, c.num_examples, settings.budget(i, len(clients)), settings.client_delta(i, len(clients)), c.client_id) for i, c in enumerate(clients)]
+    return [plan_from_settings(settings, c.num_examples, settings.budget(i, len(clients)), settings.client_delta(i, len(clients)), c.client_id,
+                               compare=False) for i, c in enumerate(clients)]
 
 
 def _fedavg(run_config: dict[str, Any], num_clients: int | None, name: str, private: bool, make_local: Callable[[RunSettings, list[ClientData], list[Plan]], LocalTrain]) -> RunResult:

@@ -273,7 +273,7 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
     for client in clients:
         if refusals[client.local.account] is not None:
             client.failure = _reason(refusals[client.local.account])
-    plans = run_plans([c.local for c in opened], settings, ledger, str(run_id))
+    plans = run_plans([c.local for c in opened], settings, ledger, str(run_id), compare=False)  # the sheets add the comparison
     histories = ledger.histories([c.local.account for c in opened])
     for client in opened:
         outcome = plans[client.local.account]
