@@ -10,7 +10,8 @@ from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, GaussianPriv
 
 from fedprivacy.privacy import accountants
 from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
-from fedprivacy.privacy.pld_epsilon import epsilon_for_delta
+from fedprivacy.privacy.pld_dense import compose as compose_plds
+from fedprivacy.privacy.pld_dense import epsilon_for_delta
 from fedprivacy.privacy.planner import plan_client
 from independent import CERTIFICATE_REL_TOL, pld_epsilon, pld_epsilon_lower_bound, plan_prefix_events, rdp_epsilon
 
@@ -147,6 +148,63 @@ def test_vectorised_epsilon_for_delta_equals_dp_accounting(sigma, q, steps, delt
     reference = distribution.get_epsilon_for_delta(delta)
     ours = epsilon_for_delta(distribution, delta)
     assert ours == reference or ours == pytest.approx(reference, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "grid", "pessimistic", "tail"),
+    [((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 1e-15),  # a ledger's history and its next round
+     ((1.1, 0.01, 300), (0.9, 0.02, 7), 1e-3, True, 1e-15),  # other σ and q: both adjacencies differ
+     ((2.0, 1.0, 50), (3.0, 1.0, 1), 1e-3, True, 1e-15),  # full-batch steps: symmetric PLDs
+     ((5.0, 0.125, 11), (2.0, 1.0, 3), 1e-3, True, 1e-15),  # one symmetric, one not
+     ((0.6, 0.2, 3), (0.6, 0.2, 3), 1e-2, True, 1e-15),  # a coarse grid: short PMFs
+     ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, False, 1e-15),  # optimistic rounding: the right tail stays
+     ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 1.5),  # tails that would overlap: one loss is kept
+     ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 0.0)],  # no truncation at all
+)
+def test_vectorised_composition_equals_dp_accounting_bit_for_bit(first, second, grid, pessimistic, tail):
+    """The ledger composes a history with its next round as dp-accounting's compose does: the same
+    loss grid, offset, probabilities and infinity mass, exactly (not to rounding)."""
+    from dp_accounting.pld.privacy_loss_distribution import from_gaussian_mechanism
+
+    def distribution(sigma, q, steps):
+        return from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid,
+                                       pessimistic_estimate=pessimistic).self_compose(steps)  # fmt: skip
+
+    a, b = distribution(*first), distribution(*second)
+    reference, ours = a.compose(b, tail), compose_plds(a, b, tail)
+    assert ours._symmetric == reference._symmetric
+    for mine, theirs in [(ours._pmf_remove, reference._pmf_remove), (ours._pmf_add, reference._pmf_add)]:
+        assert mine._lower_loss == theirs._lower_loss
+        assert mine._infinity_mass == theirs._infinity_mass
+        assert np.array_equal(mine._probs, theirs._probs)
+    assert ours.get_epsilon_for_delta(1e-5) == reference.get_epsilon_for_delta(1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7, 1024])
+def test_tail_search_by_chunks_adds_the_values_one_after_another(chunk):
+    """The tail search sums a chunk at a time, each from the previous total: the same additions,
+    in the same order, as adding the values one by one (dp-accounting's loop)."""
+    from fedprivacy.privacy.pld_dense import _prefix_within
+
+    values = np.random.default_rng(3).exponential(1e-17, 5000)
+    for threshold in [0.0, 1e-17, 5e-16, 3e-14, values.sum() * 2]:
+        total, expected = 0, len(values)
+        for k, value in enumerate(values):
+            total += value
+            if total > threshold:
+                expected = k
+                break
+        assert _prefix_within(values, threshold, first_chunk=chunk) == expected
+
+
+def test_composing_sparse_distributions_falls_back_to_dp_accounting():
+    """PMFs that are not dense (a single step of a coarse mechanism) compose by dp-accounting's own method."""
+    from dp_accounting.pld.privacy_loss_distribution import from_randomized_response
+
+    a = from_randomized_response(0.3, 2, value_discretization_interval=1e-2)
+    reference, ours = a.compose(a), compose_plds(a, a)
+    assert type(ours._pmf_remove) is type(reference._pmf_remove)
+    assert ours.get_epsilon_for_delta(1e-5) == reference.get_epsilon_for_delta(1e-5)
 
 
 @pytest.mark.parametrize("rule", ["calibrated", "adp"])

@@ -28,7 +28,7 @@ from dp_accounting import dp_event, pld, rdp
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from fedprivacy.privacy.gaussian_pld import gaussian_pld
-from fedprivacy.privacy.pld_epsilon import epsilon_for_delta
+from fedprivacy.privacy.pld_dense import compose, epsilon_for_delta
 
 ADJACENCY = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
 CERTIFICATE_DISCRETIZATION = 1e-4
@@ -120,7 +120,7 @@ def _composed_pld(events: tuple[NoiseEvent, ...], delta: float, discretization: 
             break
     for length in range(start + 1, len(events) + 1):
         step = _step_pld(events[length - 1], discretization, truncation)
-        composed = step if composed is None else composed.compose(step)
+        composed = step if composed is None else compose(composed, step)
         _COMPOSED[(events[:length], delta, discretization)] = composed
         if len(_COMPOSED) > COMPOSED_CACHE_SIZE:
             _COMPOSED.popitem(last=False)

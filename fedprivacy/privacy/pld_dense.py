@@ -1,0 +1,122 @@
+"""Two of dp-accounting's operations on dense privacy-loss distributions, each as numpy passes
+instead of Python loops over the loss grid: ε for a target δ, and composition. A ledger asks for
+one composition and one ε per round and history; every calibration step asks for ε.
+
+ε(δ). dp-accounting's `get_epsilon_for_delta` walks the grid from the largest loss down (two
+walks, one per adjacency), about 2.4 ms for a 20,000-point PMF. The walk accumulates the mass
+above each loss and that mass discounted by e^−loss, and stops at the first loss below
+ln((upper − δ)/lower). Here the same sums are prefix sums (sequential, in the same order, from
+the same starting values) and the stopping point is found by one comparison over the grid; the
+result equals dp-accounting's to rounding.
+
+Composition. dp-accounting convolves the two PMFs (`scipy.signal.fftconvolve`) and then drops
+each tail whose mass stays within half the truncation bound, finding where by adding the grid's
+values one by one in Python (about 1.4 ms per PMF of a 60,000-point result, two PMFs per
+composition). Here the same convolution, and the same running sums as one sequential cumulative
+sum: the result is dp-accounting's, bit for bit.
+
+tests/test_privacy_accountants.py compares both with dp-accounting. They read the PMFs' fields,
+which dp-accounting does not publish; this module is the only place that does, and falls back to
+dp-accounting's own methods for any PMF it does not recognise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from dp_accounting.pld import pld_pmf, privacy_loss_distribution
+from scipy import signal
+
+TAIL_MASS_TRUNCATION = 1e-15  # dp-accounting's default for composing two PLDs
+
+
+def epsilon_for_delta(distribution: privacy_loss_distribution.PrivacyLossDistribution, delta: float) -> float:
+    """The smallest ε ≥ 0 whose hockey-stick divergence is ≤ δ, over both adjacencies."""
+    pmfs = [distribution._pmf_remove] if distribution._symmetric else [distribution._pmf_remove, distribution._pmf_add]
+    return max(_dense_epsilon(pmf, delta) if isinstance(pmf, pld_pmf.DensePLDPmf) else pmf.get_epsilon_for_delta(delta)
+               for pmf in pmfs)  # fmt: skip
+
+
+def _dense_epsilon(pmf: pld_pmf.DensePLDPmf, delta: float) -> float:
+    infinity_mass = float(pmf._infinity_mass)
+    if infinity_mass > delta:
+        return math.inf
+    probs = np.flip(np.asarray(pmf._probs, dtype=np.float64))  # largest loss first
+    # the losses as dp-accounting counts them: the top loss, then one discretisation step less each time
+    steps = np.full(len(probs), -float(pmf._discretization))
+    steps[0] = (pmf._lower_loss + len(probs) - 1) * pmf._discretization
+    losses = np.cumsum(steps)
+    # masses before each loss is added (index k) and after the last one (index n)
+    # (past the stopping point the walk never goes, e^−loss may overflow: those entries are not read)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        upper = np.cumsum(np.concatenate(([infinity_mass], probs)))
+        lower = np.cumsum(np.concatenate(([0.0], np.exp(-losses) * probs)))
+        reached = (upper[:-1] > delta) & (lower[:-1] > 0) & (np.log((upper[:-1] - delta) / lower[:-1]) >= losses)
+    # a loss so large that e^−loss is 0 leaves the lower mass 0 while the upper one passes δ
+    only_upper = (upper[1:] >= delta) & (lower[1:] == 0)
+    stops = np.flatnonzero(reached | only_upper)
+    if stops.size:
+        k = int(stops[0])
+        if not reached[k]:
+            return max(0.0, float(losses[k]))
+        mass_upper, mass_lower = float(upper[k]), float(lower[k])
+    else:
+        mass_upper, mass_lower = float(upper[-1]), float(lower[-1])
+    if mass_upper <= mass_lower + delta:
+        return 0.0
+    return math.log((mass_upper - delta) / mass_lower)
+
+
+def compose(
+    first: privacy_loss_distribution.PrivacyLossDistribution,
+    second: privacy_loss_distribution.PrivacyLossDistribution,
+    tail_mass_truncation: float = TAIL_MASS_TRUNCATION,
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """`first.compose(second, tail_mass_truncation)`, with each tail found by one cumulative sum."""
+    symmetric = first._symmetric and second._symmetric
+    pairs = [(first._pmf_remove, second._pmf_remove)] + ([] if symmetric else [(first._pmf_add, second._pmf_add)])
+    if not all(isinstance(pmf, pld_pmf.DensePLDPmf) for pair in pairs for pmf in pair):
+        return first.compose(second, tail_mass_truncation)
+    pmfs = [_compose_dense(a, b, tail_mass_truncation) for a, b in pairs]
+    return privacy_loss_distribution.PrivacyLossDistribution(*pmfs)
+
+
+def _compose_dense(a: pld_pmf.DensePLDPmf, b: pld_pmf.DensePLDPmf, tail_mass_truncation: float) -> pld_pmf.DensePLDPmf:
+    a.validate_composable(b)
+    probs = signal.fftconvolve(a._probs, b._probs)
+    infinity_mass = a._infinity_mass + b._infinity_mass - a._infinity_mass * b._infinity_mass
+    offset, probs, right_tail = _truncate_tails(probs, tail_mass_truncation, a._pessimistic_estimate)
+    return pld_pmf.DensePLDPmf(a._discretization, a._lower_loss + b._lower_loss + offset, probs,
+                               infinity_mass + right_tail, a._pessimistic_estimate)  # fmt: skip
+
+
+def _truncate_tails(probs: np.ndarray, tail_mass_truncation: float, pessimistic: bool) -> tuple[int, np.ndarray, float]:
+    """The longest prefix and suffix each holding at most half the truncation bound are cut; their
+    mass moves to the first kept loss (left, pessimistic) and to infinity (right), or, optimistic,
+    the right tail's mass to the last kept loss. Returns (prefix length, kept PMF, mass to infinity)."""
+    if tail_mass_truncation == 0:
+        return 0, probs, 0
+    left = _prefix_within(probs, tail_mass_truncation / 2)
+    right = max(len(probs) - _prefix_within(np.flip(probs), tail_mass_truncation / 2), left + 1)
+    left_mass, right_mass = np.sum(probs[:left]), np.sum(probs[right:])
+    kept = probs[left:right]
+    if pessimistic:
+        kept[0] += left_mass
+        return left, kept, right_mass
+    kept[-1] += right_mass
+    return left, kept, 0
+
+
+def _prefix_within(values: np.ndarray, threshold: float, first_chunk: int = 1024) -> int:
+    """How many leading values add up to at most `threshold`, summed one after another. Tails are
+    short next to the grid, so the running sum is taken a chunk at a time, each chunk's cumulative
+    sum starting from the previous total (the same additions in the same order)."""
+    total, start, size = 0.0, 0, first_chunk
+    while start < len(values):
+        sums = np.cumsum(np.concatenate(([total], values[start : start + size])))[1:]
+        over = np.flatnonzero(sums > threshold)
+        if over.size:
+            return start + int(over[0])
+        total, start, size = sums[-1], start + size, 2 * size
+    return len(values)
