@@ -87,21 +87,21 @@ def train(msg: Message, context: Context, settings: RunSettings, node: NodeSetti
     """Train this round's slice of the plan if the budget affords it; record it, then reply."""
     config = msg.content["config"]
     client = _client(context, config, settings, node)
-    ledger = Ledger(client.ledger_path)
     run_id = str(context.run_id)
-    open_account(client, settings, ledger, run_id)
-    plan, _ = run_plan(client, settings, ledger, run_id)
     saved = context.state.get("trainer")
-    result = train_round(
-        client,
-        settings,
-        plan,
-        ledger,
-        run_id,
-        int(config["server-round"]),
-        msg.content["arrays"].to_torch_state_dict(),
-        json.loads(str(saved["state"])) if isinstance(saved, ConfigRecord) else None,
-    )
+    with Ledger(client.ledger_path) as ledger:
+        open_account(client, settings, ledger, run_id)
+        plan, _ = run_plan(client, settings, ledger, run_id)
+        result = train_round(
+            client,
+            settings,
+            plan,
+            ledger,
+            run_id,
+            int(config["server-round"]),
+            msg.content["arrays"].to_torch_state_dict(),
+            json.loads(str(saved["state"])) if isinstance(saved, ConfigRecord) else None,
+        )
     if result.trainer_state is not None:
         context.state["trainer"] = ConfigRecord({"state": json.dumps(result.trainer_state)})
     content = RecordDict(

@@ -24,13 +24,15 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
 from itertools import groupby
 from pathlib import Path
+from typing import TypeVar
 
 from fedprivacy.errors import ClientRefusal, InputError
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
@@ -114,9 +116,10 @@ class AccountSummary:
         return max(0.0, self.epsilon - self.epsilon_spent)
 
 
-def round_events(plan: Plan, server_round: int) -> list[NoiseEvent]:
-    """The noise events of one round's slice of `plan`, consecutive equal σ merged."""
-    return list(_round_events(plan.noise_segments, plan.sampling_rate, plan.steps, plan.rounds, server_round))
+def round_events(plan: Plan, server_round: int) -> tuple[NoiseEvent, ...]:
+    """The noise events of one round's slice of `plan`, consecutive equal σ merged (one tuple
+    shared by every plan with the same schedule: the ledger checks equal spends once)."""
+    return _round_events(plan.noise_segments, plan.sampling_rate, plan.steps, plan.rounds, server_round)
 
 
 @lru_cache(maxsize=4096)
@@ -192,8 +195,79 @@ class _SharedHistories:
         return hit[1]
 
 
+T = TypeVar("T")
+
+
+@lru_cache(maxsize=1)
+def _sqlite_has_json() -> bool:
+    db = sqlite3.connect(":memory:")
+    try:
+        db.execute("SELECT value FROM json_each('[1]')").fetchall()
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        db.close()
+
+
+# One statement per group of accounts spending the same: SQLite expands the JSON list of accounts
+# itself (one call, no per-row binding), and inserts them in key order (kinder to the account index).
+_INSERT_SPENDS = (
+    "INSERT INTO spends (account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at)"
+    " SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value"
+)
+
+
+def _write_and_commit(db: sqlite3.Connection, inserts: list[tuple[object, ...]]) -> int:
+    """Write a round's spends (`_INSERT_SPENDS` parameters) and commit its transaction, or roll it
+    back if anything fails; returns the largest spend id (the write lock is ours until the commit:
+    every id up to it is this ledger's to know)."""
+    try:
+        for parameters in inserts:
+            db.execute(_INSERT_SPENDS, parameters)
+        last = Ledger._last_id(db)
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return last
+
+
+def _write_and_commit_during(db: sqlite3.Connection, inserts: list[tuple[object, ...]], job: Callable[[], T]) -> tuple[int, T]:
+    """`_write_and_commit` on another thread while `job` runs on this one; (last id, `job`'s
+    result) once the commit is done, or the write's error. Each insert is one SQLite call, which
+    releases the GIL while it runs: the job keeps the interpreter (binding one row per call, as
+    `executemany` does, was measured to slow the job down more than the write saved)."""
+    done: list[int] = []
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            done.append(_write_and_commit(db, inserts))
+        except BaseException as error:
+            failed.append(error)
+
+    writer = threading.Thread(target=write, name="ledger-write")
+    writer.start()
+    try:
+        result = job()
+    finally:
+        writer.join()
+        if failed:
+            raise failed[0]
+    return done[0], result
+
+
+Outcome = float | RoundRepeated | BudgetExceeded  # a recorded spend's new ε, or why it was refused
+
+
 class Ledger:
-    """One SQLite file holding the spends of any number of accounts."""
+    """One SQLite file holding the spends of any number of accounts.
+
+    A Ledger keeps one connection per process (opened on first use, guarded by a lock), so a
+    round's transaction costs no connect, and `PRAGMA data_version` tells it whether any other
+    connection wrote since: budgets read before are reused until then. `close()` releases it.
+    """
 
     def __init__(self, path: str | Path, busy_timeout: float = 60.0) -> None:
         """Open (or create, 0600) the ledger at `path`; wait up to `busy_timeout` s for another writer."""
@@ -202,6 +276,12 @@ class Ledger:
         self._seen: dict[str, tuple[NoiseEvent, ...]] = {}
         self._synced: int | None = None
         self._shared = _SharedHistories()
+        self._known_budgets: dict[str, Budget] = {}  # valid while no other connection writes
+        self._budget_objects: dict[tuple[float, float], Budget] = {}
+        self._data_version: int | None = None
+        self._db: sqlite3.Connection | None = None
+        self._db_pid = 0
+        self._lock = threading.RLock()
         self.busy_timeout = busy_timeout
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,8 +290,11 @@ class Ledger:
                 os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except OSError as error:
             raise InputError("ledger-path", str(self.path), f"cannot create a ledger there ({error.strerror or error})") from None
+        if not _sqlite_has_json():
+            raise RuntimeError(f"this Python's SQLite ({sqlite3.sqlite_version}) has no JSON functions, which the ledger "
+                               "writes with: use a Python whose SQLite has them (built in since SQLite 3.38)")
         try:
-            with self._connect() as db:
+            with self._connect(fresh=True) as db:
                 version = db.execute("PRAGMA user_version").fetchone()[0]
                 if version > SCHEMA_VERSION:
                     raise InputError(
@@ -233,15 +316,42 @@ class Ledger:
         except sqlite3.DatabaseError as error:
             raise InputError("ledger-path", str(self.path), f"not a readable fedprivacy ledger ({error})") from None
 
+    def _new_connection(self) -> sqlite3.Connection:
+        # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE) where they matter. Used by
+        # one thread at a time (the lock), possibly not the one that opened it (`record_round_while`).
+        db = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA synchronous=FULL")
+        return db
+
     @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        # Autocommit mode: transactions are explicit (BEGIN IMMEDIATE) where they matter.
-        db = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
-        try:
-            db.execute("PRAGMA synchronous=FULL")
-            yield db
-        finally:
-            db.close()
+    def _connect(self, fresh: bool = False) -> Iterator[sqlite3.Connection]:
+        """This process's connection (`fresh`: a one-off, closed after). A forked child opens its
+        own: it never touches its parent's."""
+        if fresh:
+            db = self._new_connection()
+            try:
+                yield db
+            finally:
+                db.close()
+            return
+        with self._lock:
+            if self._db is None or self._db_pid != os.getpid():
+                self._db, self._db_pid = self._new_connection(), os.getpid()
+                self._data_version = None
+            yield self._db
+
+    def close(self) -> None:
+        """Close this process's connection (a later call opens a new one)."""
+        with self._lock:
+            if self._db is not None and self._db_pid == os.getpid():
+                self._db.close()
+            self._db = None
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -250,10 +360,10 @@ class Ledger:
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
-                db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+            _write_and_commit(db, [])
 
     # ----- budgets -----
     @staticmethod
@@ -289,22 +399,27 @@ class Ledger:
             )
         return outcomes
 
-    @staticmethod
-    def _budgets(db: sqlite3.Connection, accounts: list[str]) -> dict[str, Budget]:
-        found: dict[str, Budget] = {}
-        shared: dict[tuple[float, float], Budget] = {}  # one object per distinct budget: a round reads them all
-        for chunk in _chunks(accounts):
+    def _budgets(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, Budget]:
+        """The pinned budgets of those `accounts` that have one. Budgets read before are kept while
+        no other connection writes to the file (`PRAGMA data_version`); this one changes a budget
+        only in `set_budget`, which forgets it."""
+        version = db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._data_version:
+            self._known_budgets.clear()
+            self._data_version = version
+        known, shared = self._known_budgets, self._budget_objects  # one object per distinct budget: rounds group by it
+        for chunk in _chunks([a for a in accounts if a not in known]):
             rows = db.execute(f"SELECT account, epsilon, delta FROM accounts WHERE account IN ({_marks(chunk)})", chunk)
             for account, epsilon, delta in rows:
-                budget = shared.get((epsilon, delta))
-                found[account] = budget if budget is not None else shared.setdefault((epsilon, delta), Budget(float(epsilon), float(delta)))
-        return found
+                known[account] = shared.setdefault((epsilon, delta), Budget(float(epsilon), float(delta)))
+        return {a: known[a] for a in accounts if a in known}
 
     def set_budget(self, account: str, epsilon: float, delta: float) -> Budget:
         """The node operator changes an account's budget (the ClientApp never calls this)."""
         with self._transaction() as db:
             if self._budget(db, account) is None:
                 raise InputError("account", account, f"no such account in {self.path}")
+            self._known_budgets.pop(account, None)
             db.execute("UPDATE accounts SET epsilon = ?, delta = ?, changed_at = ? WHERE account = ?",
                        (float(epsilon), float(delta), _now(), account))
         return Budget(float(epsilon), float(delta))
@@ -379,47 +494,72 @@ class Ledger:
             raise outcome
         return outcome
 
-    def record_round(
-        self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]
-    ) -> dict[str, float | RoundRepeated | BudgetExceeded]:
+    def record_round(self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]) -> dict[str, Outcome]:
         """`record` for every account of a round, in one transaction: each account gets its new ε,
         or the refusal that kept its spend out (the others are written regardless)."""
-        outcomes: dict[str, float | RoundRepeated | BudgetExceeded] = {}
+        return self.record_round_while(run_id, server_round, spends, None)[0]
+
+    def record_round_while(
+        self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]],
+        work: Callable[[dict[str, Outcome]], T] | None,
+    ) -> tuple[dict[str, Outcome], T | None]:  # fmt: skip
+        """`record_round`, running `work(outcomes)` while the transaction commits: the commit's
+        disk sync overlaps the work (a simulation's training), and the work's result is returned
+        only once the spends are durable. If the commit fails, its error is raised and the result
+        dropped. `work` must not use this ledger: its connection is busy committing."""
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                outcomes, written, inserts = self._decide_round(db, run_id, server_round, spends)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            if work is None:
+                last, result = _write_and_commit(db, inserts), None
+            else:
+                last, result = _write_and_commit_during(db, inserts, lambda: work(outcomes))
+            self._seen.update(written)  # only once committed
+            self._synced = last
+        return outcomes, result
+
+    def _decide_round(
+        self, db: sqlite3.Connection, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]
+    ) -> tuple[dict[str, Outcome], dict[str, tuple[NoiseEvent, ...]], list[tuple[object, ...]]]:
+        """Inside the round's transaction: every account's outcome, the histories it writes, and the
+        inserts that write them (`_INSERT_SPENDS` parameters: one per group of equal spends and event)."""
+        outcomes: dict[str, Outcome] = {}
         written: dict[str, tuple[NoiseEvent, ...]] = {}
-        rows = []
+        inserts: list[tuple[object, ...]] = []
         now = _now()
-        with self._transaction() as db:
-            accounts = list(spends)
-            budgets = self._budgets(db, accounts)
-            missing = [a for a in accounts if a not in budgets]
-            if missing:
-                raise KeyError(f"ledger account {missing[0]!r} has no pinned budget: open_account first")
-            histories = self._current_histories(db, accounts)
-            repeated = self._rounds_recorded(db, accounts, run_id, server_round)
-            for account, new_events in spends.items():
-                new_events = tuple(e for e in new_events if e.count > 0)
-                budget = budgets[account]
-                if account in repeated:
-                    outcomes[account] = RoundRepeated(f"round {server_round} of run {run_id} was already trained by this client")
-                    continue
-                history = self._shared.extend(histories[account], new_events)
-                epsilon = self._shared.epsilon(history, budget.delta)
-                if epsilon > budget.epsilon:
-                    outcomes[account] = BudgetExceeded(f"account {account!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
-                    continue
-                outcomes[account] = epsilon
-                written[account] = history
-                rows += [(account, run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now)
-                         for e in new_events]  # fmt: skip
-            db.executemany(
-                "INSERT INTO spends (account, run_id, server_round, sigma, sampling_rate, steps,"
-                " epsilon_after, delta, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
-            last = self._last_id(db)  # the write lock is ours: every id up to it is known here
-        self._seen.update(written)  # only once committed
-        self._synced = last
-        return outcomes
+        accounts = list(spends)
+        budgets = self._budgets(db, accounts)
+        missing = [a for a in accounts if a not in budgets]
+        if missing:
+            raise KeyError(f"ledger account {missing[0]!r} has no pinned budget: open_account first")
+        histories = self._current_histories(db, accounts)
+        repeated = self._rounds_recorded(db, accounts, run_id, server_round)
+        # accounts with the same history, spends and budget share one check (one ε per group)
+        groups: dict[tuple[int, int, int], list[str]] = {}
+        for account, new_events in spends.items():
+            if account in repeated:
+                outcomes[account] = RoundRepeated(f"round {server_round} of run {run_id} was already trained by this client")
+            else:
+                groups.setdefault((id(histories[account]), id(new_events), id(budgets[account])), []).append(account)
+        for members in groups.values():
+            budget = budgets[members[0]]
+            new_events = tuple(e for e in spends[members[0]] if e.count > 0)
+            history = self._shared.extend(histories[members[0]], new_events)
+            epsilon = self._shared.epsilon(history, budget.delta)
+            if epsilon > budget.epsilon:
+                outcomes.update({a: BudgetExceeded(f"account {a!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
+                                 for a in members})  # fmt: skip
+                continue
+            outcomes.update(dict.fromkeys(members, epsilon))
+            written.update(dict.fromkeys(members, history))
+            accounts_json = json.dumps(members)
+            inserts += [(run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now, accounts_json)
+                        for e in new_events]  # fmt: skip
+        return outcomes, written, inserts
 
     def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, tuple[NoiseEvent, ...]]:
         """The accounts' histories inside a transaction. Those seen before are kept unless another
@@ -463,6 +603,8 @@ class Ledger:
     @staticmethod
     def _rounds_recorded(db: sqlite3.Connection, accounts: list[str], run_id: str, server_round: int) -> set[str]:
         found: set[str] = set()
+        if db.execute("SELECT 1 FROM spends WHERE run_id = ? AND server_round = ? LIMIT 1", (run_id, server_round)).fetchone() is None:
+            return found  # a round nobody recorded yet: one index probe instead of a lookup per account
         for chunk in _chunks(accounts):
             rows = db.execute(
                 f"SELECT DISTINCT account FROM spends WHERE run_id = ? AND server_round = ? AND account IN ({_marks(chunk)})",

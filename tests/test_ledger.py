@@ -151,6 +151,51 @@ def test_a_writer_sees_what_another_writer_spent_since_its_last_round(tmp_path):
     assert (Ledger(path).steps_spent("a"), Ledger(path).steps_spent("b")) == (20, 20)
 
 
+def test_a_budget_the_operator_changes_counts_in_the_next_round_of_a_running_writer(tmp_path):
+    """A ledger object reuses the budgets it read until another connection writes: the operator
+    lowering a budget from another process must refuse the writer's next spend."""
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    writer = Ledger(path)
+    writer.open_accounts({"a": Budget(5.0, DELTA), "b": Budget(5.0, DELTA)})
+    assert not any(isinstance(o, Exception) for o in writer.record_round("run", 1, {"a": step, "b": step}).values())
+    Ledger(path).set_budget("a", ledger_accounting(step, DELTA) + 1e-6, DELTA)  # the operator: room for no second spend
+    outcomes = writer.record_round("run", 2, {"a": step, "b": step})
+    assert isinstance(outcomes["a"], BudgetExceeded)
+    assert not isinstance(outcomes["b"], Exception)
+    writer.set_budget("b", ledger_accounting(step * 2, DELTA) + 1e-6, DELTA)  # and through the writer itself
+    assert isinstance(writer.record_round("run", 3, {"b": step})["b"], BudgetExceeded)
+
+
+def test_work_done_while_a_round_commits_is_returned_only_with_a_durable_record(tmp_path):
+    """The fast engine trains while the round's spends are written and committed: the work sees
+    the outcomes, and its result comes back only if the commit succeeded. A reader holding the
+    file (a real concurrent read transaction) makes the commit fail: the error is raised, the work's
+    result is dropped, and nothing of the round is in the ledger."""
+    import sqlite3
+
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    writer = Ledger(path, busy_timeout=0.2)
+    writer.open_accounts({"a": Budget(5.0, DELTA), "b": Budget(ledger_accounting(step, DELTA) / 2, DELTA)})
+    seen = []
+    outcomes, result = writer.record_round_while("run", 1, {"a": step, "b": step}, lambda o: seen.append(o) or "trained")
+    assert result == "trained" and seen == [outcomes]
+    assert isinstance(outcomes["b"], BudgetExceeded) and outcomes["a"] == Ledger(path).epsilon_spent("a")
+
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM spends").fetchone()  # holds a shared lock until it ends
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            writer.record_round_while("run", 2, {"a": step}, lambda o: "trained")
+    finally:
+        reader.execute("ROLLBACK")
+        reader.close()
+    assert Ledger(path).steps_spent("a") == 10
+    assert writer.record_round("run", 2, {"a": step})["a"] == pytest.approx(ledger_accounting(step * 2, DELTA))
+
+
 def test_round_events_follow_the_plan_slices():
     plan = Plan(
         client_id="c", rule="adp", n=100, epsilon=1.0, delta=DELTA, clip_norm=1.0, sigma=3.0,
@@ -158,10 +203,10 @@ def test_round_events_follow_the_plan_slices():
         epsilon_pld=0.9, epsilon_rdp=1.0,
     )
     # rounds of 4, 3, 3 steps; the σ change at step 5 falls inside round 2
-    assert round_events(plan, 1) == [NoiseEvent(3.0, 0.1, 4)]
-    assert round_events(plan, 2) == [NoiseEvent(3.0, 0.1, 1), NoiseEvent(2.0, 0.1, 2)]
-    assert round_events(plan, 3) == [NoiseEvent(2.0, 0.1, 3)]
-    assert round_events(plan, 4) == []
+    assert round_events(plan, 1) == (NoiseEvent(3.0, 0.1, 4),)
+    assert round_events(plan, 2) == (NoiseEvent(3.0, 0.1, 1), NoiseEvent(2.0, 0.1, 2),)
+    assert round_events(plan, 3) == (NoiseEvent(2.0, 0.1, 3),)
+    assert round_events(plan, 4) == ()
 
 
 def test_plans_are_kept_per_account_and_run(tmp_path):

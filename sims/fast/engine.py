@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from flwr.app import ArrayRecord
 
 from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
-from fedprivacy.ledger import BudgetExceeded, Ledger, composed_epsilon, round_events
+from fedprivacy.ledger import BudgetExceeded, Ledger, Outcome, composed_epsilon, round_events
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
@@ -64,8 +65,7 @@ class Client:
     local: LocalClient | None = None
     failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
     plan: Plan | None = None
-    history: list[NoiseEvent] = field(default_factory=list)  # everything its account ever spent
-    steps_done: int = 0  # the steps in `history`
+    steps_done: int = 0  # the steps its account has spent (read from the ledger when first sampled)
     state: dict[str, Any] | None = None  # its trainer state between rounds
 
     @property
@@ -121,8 +121,8 @@ def run_fast(
              "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off"}  # fmt: skip
     timings = Timings()
     try:
-        with _fewer_collections():
-            _run_rounds(settings, {**DEFAULTS, **run_config}, num_clients, run_id, recorder, Ledger(ledger_path),
+        with _fewer_collections(), Ledger(ledger_path) as ledger:
+            _run_rounds(settings, {**DEFAULTS, **run_config}, num_clients, run_id, recorder, ledger,
                         WorkerPoolSpec(workers, gpus_per_worker), timings, on_round, say)  # fmt: skip
     except Exception as exc:
         reason = error_summary(f"{type(exc).__name__}: {exc}")
@@ -186,15 +186,8 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
             eligible = [c.index for c in clients if c.index not in state.exhausted | state.failed]
             sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
             recorder.sampled(server_round, len(sampled))
-            started = time.perf_counter()
-            ready, spent, replies = _spend(sampled, settings, ledger, run_id, server_round, pool, recorder, state)
-            timings.accounting_s += time.perf_counter() - started
-            started = time.perf_counter()
-            results = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
-            timings.training_s += time.perf_counter() - started
-            started = time.perf_counter()
-            trained = _replies(ready, spent, results, settings, replies)
-            timings.accounting_s += time.perf_counter() - started
+            trained, results, replies = _train_round(sampled, global_state, settings, ledger, run_id, server_round, pool,
+                                                     recorder, state, timings)  # fmt: skip
             for client in sampled:
                 if client.index in replies:
                     state.failures[client.index] = 0
@@ -225,16 +218,19 @@ def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Pa
         return Client(index, failure=_reason(exc))
 
 
-def _spend(sampled: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int, pool: WorkerPool,
-           recorder: RunRecorder, state: Participation) -> tuple[list[Client], dict[int, float], dict[int, dict[str, Any]]]:  # fmt: skip
-    """The ClientApp's steps before its update leaves, for the round's sampled clients: accounts,
-    plans, and the round's spends recorded in one ledger transaction, which refuses what the
-    budget cannot afford. Only recorded clients train (recording first spends for a client whose
-    training then crashes the run: never less than the apps). Returns the clients that train,
-    their ε after this round, and the replies of those that do not."""
+def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], settings: RunSettings, ledger: Ledger, run_id: int,
+                 server_round: int, pool: WorkerPool, recorder: RunRecorder, state: Participation,
+                 timings: Timings) -> tuple[list[tuple[Client, int]], RoundResult, dict[int, dict[str, Any]]]:  # fmt: skip
+    """The ClientApp's steps for the round's sampled clients, batched: accounts, plans, the
+    round's spends in one ledger transaction that refuses what a budget cannot afford, training of
+    the clients it recorded, and every sampled client's reply. The transaction commits while they
+    train, and their updates are returned only once it has: recording before the update leaves, as
+    the apps do (a run that crashes mid-round has spent for updates nobody used: never less).
+    Returns the trained clients with their rows in the result, the result, and the replies."""
+    started = time.perf_counter()
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
-    replies: dict[int, dict[str, Any]] = {}
-    asking: dict[str, tuple[Client, list[NoiseEvent]]] = {}
+    asking: dict[str, tuple[Client, tuple[NoiseEvent, ...]]] = {}
+    out_of_budget: list[Client] = []
     for client in sampled:
         if client.failure is not None:
             state.drop(recorder, server_round, client, client.failure)
@@ -243,23 +239,37 @@ def _spend(sampled: list[Client], settings: RunSettings, ledger: Ledger, run_id:
         if events:
             asking[client.local.account] = (client, events)
         else:  # its plan has no steps left
-            replies[client.index] = _exhausted_reply(client)
-            state.exhausted.add(client.index)
-    outcomes = ledger.record_round(str(run_id), server_round, {account: events for account, (_, events) in asking.items()})
+            out_of_budget.append(client)
+
+    def train(outcomes: dict[str, Outcome]) -> tuple[RoundResult, float]:
+        begun = time.perf_counter()
+        recorded = [RoundRequest(client.index, client.state) for account, (client, _) in asking.items() if isinstance(outcomes[account], float)]
+        return pool.train(global_state, server_round, recorded, settings.diagnostics), time.perf_counter() - begun
+
+    spends = {account: events for account, (_, events) in asking.items()}
+    outcomes, (results, training) = ledger.record_round_while(str(run_id), server_round, spends, train)
     ready, spent = [], {}
     for account, (client, events) in asking.items():
         outcome = outcomes[account]
-        if isinstance(outcome, BudgetExceeded):
-            replies[client.index] = _exhausted_reply(client)
-            state.exhausted.add(client.index)
-        elif isinstance(outcome, Exception):  # a round already recorded: the apps' client refuses it
-            state.drop(recorder, server_round, client, _reason(outcome))
-        else:
-            client.history += events
-            client.steps_done += sum(e.count for e in events)
+        if isinstance(outcome, float):
+            client.steps_done += _steps(events)
             spent[client.index] = outcome
             ready.append(client)
-    return ready, spent, replies
+        elif isinstance(outcome, BudgetExceeded):
+            out_of_budget.append(client)
+        else:  # a round already recorded: the apps' client refuses it
+            state.drop(recorder, server_round, client, _reason(outcome))
+    replies = _exhausted_replies(out_of_budget, ledger)
+    state.exhausted.update(replies)
+    trained = _replies(ready, spent, results, settings, replies)
+    timings.training_s += training
+    timings.accounting_s += time.perf_counter() - started - training
+    return trained, results, replies
+
+
+@lru_cache(maxsize=1024)
+def _steps(events: tuple[NoiseEvent, ...]) -> int:
+    return sum(e.count for e in events)
 
 
 def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, pool: WorkerPool) -> None:
@@ -281,8 +291,7 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
             client.failure = _reason(outcome)
             continue
         client.plan = outcome
-        client.history = histories.get(client.local.account, [])
-        client.steps_done = sum(e.count for e in client.history)
+        client.steps_done = sum(e.count for e in histories.get(client.local.account, []))
     pool.add_plans({c.index: c.plan for c in opened if c.plan is not None})
 
 
@@ -306,9 +315,18 @@ def _replies(ready: list[Client], spent: dict[int, float], results: RoundResult,
     return trained
 
 
-def _exhausted_reply(client: Client) -> dict[str, Any]:
-    spent = composed_epsilon(client.history, client.local.delta)
-    return reply_metrics(client.local, client.plan, spent, client.steps_done, trained=False)
+def _exhausted_replies(clients: list[Client], ledger: Ledger) -> dict[int, dict[str, Any]]:
+    """Replies of clients that cannot afford the round, as the apps' client sends them: its
+    account's ε spent and steps done, read from the ledger (another writer's spends included)."""
+    if not clients:
+        return {}
+    histories = ledger.histories([c.local.account for c in clients])
+    replies = {}
+    for client in clients:
+        history = histories.get(client.local.account, [])
+        spent = composed_epsilon(history, client.local.delta)
+        replies[client.index] = reply_metrics(client.local, client.plan, spent, sum(e.count for e in history), trained=False)
+    return replies
 
 
 def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult, server_round: int,
