@@ -429,14 +429,19 @@ def train_round(
 def reply_metrics(client: LocalClient, plan: Plan, epsilon_spent: float, steps_done: int, *, trained: bool,
                   on_gpu: bool = False) -> dict[str, int | float]:  # fmt: skip
     """A train reply's metrics (`PUBLIC_REPLY_KEYS`): a client that did not train sends weight zero."""
+    return {**reply_constants(client, plan, trained=trained, on_gpu=on_gpu),
+            "epsilon-spent": float(epsilon_spent), "steps-done": int(steps_done)}  # fmt: skip
+
+
+def reply_constants(client: LocalClient, plan: Plan, *, trained: bool, on_gpu: bool = False) -> dict[str, int | float]:
+    """The reply's metrics that stay the same from round to round of a run (all but ε spent and
+    steps done): a simulator builds them once per client."""
     return {
         "num-examples": int(client.data.num_examples) if trained else 0,
         "epsilon-budget": float(client.epsilon),
         "delta": float(client.delta),
         "sigma": float(plan.sigma),
         "steps-planned": int(plan.steps),
-        "epsilon-spent": float(epsilon_spent),
-        "steps-done": int(steps_done),
         "budget-exhausted": 0 if trained else 1,
         "on-gpu": int(trained and on_gpu),
     }

@@ -22,7 +22,6 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from fedprivacy.participant import (
     client_noise_seed,
     new_model,
     open_accounts,
+    reply_constants,
     reply_metrics,
     run_plans,
     simulation_client,
@@ -66,6 +66,7 @@ class Client:
     failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
     plan: Plan | None = None
     steps_done: int = 0  # the steps its account has spent (read from the ledger when first sampled)
+    reply: dict[str, Any] | None = None  # its train replies' metrics that stay the same (`reply_constants`)
     state: dict[str, Any] | None = None  # its trainer state between rounds
 
     @property
@@ -231,11 +232,14 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
     asking: dict[str, tuple[Client, tuple[NoiseEvent, ...]]] = {}
     out_of_budget: list[Client] = []
+    events_of: dict[int, tuple[NoiseEvent, ...]] = {}  # clients with the same inputs share one plan object
     for client in sampled:
         if client.failure is not None:
             state.drop(recorder, server_round, client, client.failure)
             continue
-        events = round_events(client.plan, server_round)
+        events = events_of.get(id(client.plan))
+        if events is None:
+            events = events_of[id(client.plan)] = round_events(client.plan, server_round)
         if events:
             asking[client.local.account] = (client, events)
         else:  # its plan has no steps left
@@ -249,10 +253,11 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     spends = {account: events for account, (_, events) in asking.items()}
     outcomes, (results, training) = ledger.record_round_while(str(run_id), server_round, spends, train)
     ready, spent = [], {}
+    steps = {id(events): sum(e.count for e in events) for events in events_of.values()}
     for account, (client, events) in asking.items():
         outcome = outcomes[account]
         if isinstance(outcome, float):
-            client.steps_done += _steps(events)
+            client.steps_done += steps[id(events)]
             spent[client.index] = outcome
             ready.append(client)
         elif isinstance(outcome, BudgetExceeded):
@@ -265,11 +270,6 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     timings.training_s += training
     timings.accounting_s += time.perf_counter() - started - training
     return trained, results, replies
-
-
-@lru_cache(maxsize=1024)
-def _steps(events: tuple[NoiseEvent, ...]) -> int:
-    return sum(e.count for e in events)
 
 
 def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, pool: WorkerPool) -> None:
@@ -302,12 +302,14 @@ def _reason(error: Exception) -> str:
 def _replies(ready: list[Client], spent: dict[int, float], results: RoundResult, settings: RunSettings,
              replies: dict[int, dict[str, Any]]) -> list[tuple[Client, int]]:  # fmt: skip
     """The trained clients' replies and new trainer states; returns (client, row in `results`)."""
-    by_index = {index: k for k, index in enumerate(results.indices)}
+    if results.indices != [c.index for c in ready]:  # the pool returns rows in request order
+        raise RuntimeError("the workers returned other clients than were asked to train")
     trained = []
-    for client in ready:
-        k = by_index[client.index]
+    for k, client in enumerate(ready):
         client.state = results.states[k]
-        reply = reply_metrics(client.local, client.plan, spent[client.index], client.steps_done, trained=True, on_gpu=results.on_gpu)
+        if client.reply is None or client.reply["on-gpu"] != int(results.on_gpu):
+            client.reply = reply_constants(client.local, client.plan, trained=True, on_gpu=results.on_gpu)
+        reply = {**client.reply, "epsilon-spent": spent[client.index], "steps-done": client.steps_done}
         if settings.diagnostics:
             reply.update(results.diagnostics[k])
         replies[client.index] = reply
