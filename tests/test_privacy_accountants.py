@@ -197,6 +197,29 @@ def test_tail_search_by_chunks_adds_the_values_one_after_another(chunk):
         assert _prefix_within(values, threshold, first_chunk=chunk) == expected
 
 
+def test_a_forked_process_composes_as_its_parent_did():
+    """Composition hands one adjacency to a worker thread; a forked child inherits the executor but
+    not its thread, so it must get its own (else its first composition waits forever)."""
+    import os
+    import time
+
+    from dp_accounting.pld.privacy_loss_distribution import from_gaussian_mechanism
+
+    a = from_gaussian_mechanism(2.0, sampling_prob=0.1, value_discretization_interval=1e-3).self_compose(5)
+    expected = compose_plds(a, a).get_epsilon_for_delta(1e-5)
+    child = os.fork()
+    if child == 0:  # pragma: no cover (runs in the child)
+        os._exit(0 if compose_plds(a, a).get_epsilon_for_delta(1e-5) == expected else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child's composition never finished")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
 def test_composing_sparse_distributions_falls_back_to_dp_accounting():
     """PMFs that are not dense (a single step of a coarse mechanism) compose by dp-accounting's own method."""
     from dp_accounting.pld.privacy_loss_distribution import from_randomized_response
