@@ -4,11 +4,11 @@ trained together by workers instead of one Flower message each.
 Everything but the arithmetic is the apps' own code: the clients (`simulation_client`), their
 ledger accounts, partitioning pins and seed rules (`open_account`), their plans
 (`plan_from_settings`, shared between clients with the same inputs), the round's noise events and
-affordability, the replies' public metrics, seeded sampling (`sample_clients`), the weighted average
+affordability, the replies' public metrics (`reply_constants`), seeded sampling (`sample_clients`), the weighted average
 (`fedprivacy.aggregation`) and Flower's server optimisers (`server.optimizers`), central and
 federated evaluation, and the results folder (`RunRecorder`). What differs
-is how: plans are made once per run, a round's ledger writes are one transaction, and the
-clients' DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after
+is how: plans are made once per run, a round's ledger writes are one transaction (committed while
+the clients train), and the clients' DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after
 every round equals the apps' to float tolerance and every client's ε is identical
 (tests/test_fast_engine.py).
 """
