@@ -37,8 +37,12 @@ TAIL_MASS_TRUNCATION = 1e-15  # dp-accounting's default for composing two PLDs
 def epsilon_for_delta(distribution: privacy_loss_distribution.PrivacyLossDistribution, delta: float) -> float:
     """The smallest ε ≥ 0 whose hockey-stick divergence is ≤ δ, over both adjacencies."""
     pmfs = [distribution._pmf_remove] if distribution._symmetric else [distribution._pmf_remove, distribution._pmf_add]
-    return max(_dense_epsilon(pmf, delta) if isinstance(pmf, pld_pmf.DensePLDPmf) else pmf.get_epsilon_for_delta(delta)
-               for pmf in pmfs)  # fmt: skip
+    if not all(isinstance(pmf, pld_pmf.DensePLDPmf) for pmf in pmfs):
+        return max(pmf.get_epsilon_for_delta(delta) for pmf in pmfs)
+    if len(pmfs) == 1:
+        return _dense_epsilon(pmfs[0], delta)
+    add = _adjacency_worker(os.getpid()).submit(_dense_epsilon, pmfs[1], delta)  # numpy releases the GIL too
+    return max(_dense_epsilon(pmfs[0], delta), add.result())
 
 
 def _dense_epsilon(pmf: pld_pmf.DensePLDPmf, delta: float) -> float:
