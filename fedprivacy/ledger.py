@@ -170,10 +170,11 @@ class _SharedHistories:
         self._by_value: dict[tuple[NoiseEvent, ...], tuple[NoiseEvent, ...]] = {}
         self._extended: dict[tuple[int, tuple[NoiseEvent, ...]], tuple[tuple[NoiseEvent, ...], tuple[NoiseEvent, ...]]] = {}
         self._epsilon: dict[tuple[int, float], tuple[tuple[NoiseEvent, ...], float]] = {}
+        self._steps: dict[int, tuple[tuple[NoiseEvent, ...], int]] = {}
 
     def intern(self, events: Sequence[NoiseEvent]) -> tuple[NoiseEvent, ...]:
-        if len(self._by_value) + len(self._extended) + len(self._epsilon) > self.LIMIT:
-            self._by_value, self._extended, self._epsilon = {}, {}, {}
+        if len(self._by_value) + len(self._extended) + len(self._epsilon) + len(self._steps) > self.LIMIT:
+            self._by_value, self._extended, self._epsilon, self._steps = {}, {}, {}, {}
         events = tuple(events)
         return self._by_value.setdefault(events, events)
 
@@ -185,6 +186,13 @@ class _SharedHistories:
         if hit is None or hit[0] is not history:  # ids are only trusted for the object they were taken from
             hit = (history, self.intern(history + events))
             self._extended[(id(history), events)] = hit
+        return hit[1]
+
+    def steps(self, history: tuple[NoiseEvent, ...]) -> int:
+        hit = self._steps.get(id(history))
+        if hit is None or hit[0] is not history:
+            hit = (history, sum(e.count for e in history))
+            self._steps[id(history)] = hit
         return hit[1]
 
     def epsilon(self, history: tuple[NoiseEvent, ...], delta: float) -> float:
@@ -216,28 +224,45 @@ _INSERT_SPENDS = (
     "INSERT INTO spends (account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at)"
     " SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value"
 )
+# Row by row, for accounts that JSON cannot carry to SQLite intact (json_each ends a string at NUL)
+_INSERT_SPEND = (
+    "INSERT INTO spends (account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
-def _write_and_commit(db: sqlite3.Connection, inserts: list[tuple[object, ...]]) -> int:
-    """Write a round's spends (`_INSERT_SPENDS` parameters) and commit its transaction, or roll it
-    back if anything fails; returns the largest spend id (the write lock is ours until the commit:
-    every id up to it is this ledger's to know)."""
-    try:
-        for parameters in inserts:
-            db.execute(_INSERT_SPENDS, parameters)
-        last = Ledger._last_id(db)
-        db.execute("COMMIT")
-    except BaseException:
+def _spend_inserts(members: list[str], values: tuple[object, ...]) -> tuple[str, list[tuple[object, ...]]]:
+    """The statement and its parameter rows that insert one spend `values` (every column but the
+    account) for each of `members`."""
+    if any("\x00" in account for account in members):
+        return _INSERT_SPEND, [(account, *values) for account in members]
+    return _INSERT_SPENDS, [(*values, json.dumps(members))]
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    """End the open transaction, if SQLite has not already rolled it back itself (as it may after
+    an I/O or full-disk error, when a second ROLLBACK would hide the first error)."""
+    if db.in_transaction:
         db.execute("ROLLBACK")
-        raise
+
+
+def _write_and_commit(db: sqlite3.Connection, inserts: list[tuple[str, list[tuple[object, ...]]]]) -> int:
+    """Write a round's spends (`_spend_inserts`) and commit its transaction; returns the largest
+    spend id (the write lock is ours until the commit: every id up to it is this ledger's to
+    know). The caller rolls back if this fails."""
+    for statement, rows in inserts:
+        db.executemany(statement, rows)
+    last = Ledger._last_id(db)
+    db.execute("COMMIT")
     return last
 
 
-def _write_and_commit_during(db: sqlite3.Connection, inserts: list[tuple[object, ...]], job: Callable[[], T]) -> tuple[int, T]:
+def _write_and_commit_during(db: sqlite3.Connection, inserts: list[tuple[str, list[tuple[object, ...]]]],
+                             job: Callable[[], T]) -> tuple[int, T]:  # fmt: skip
     """`_write_and_commit` on another thread while `job` runs on this one; (last id, `job`'s
-    result) once the commit is done, or the write's error. Each insert is one SQLite call, which
-    releases the GIL while it runs: the job keeps the interpreter (binding one row per call, as
-    `executemany` does, was measured to slow the job down more than the write saved)."""
+    result) once the commit is done, or the write's error. Each grouped insert is one SQLite call,
+    which releases the GIL while it runs: the job keeps the interpreter (binding one row per call
+    there was measured to slow the job down more than the write saved)."""
     done: list[int] = []
     failed: list[BaseException] = []
 
@@ -252,10 +277,22 @@ def _write_and_commit_during(db: sqlite3.Connection, inserts: list[tuple[object,
     try:
         result = job()
     finally:
-        writer.join()
+        _join(writer)  # the connection is the writer's until it is done, even on Ctrl-C
         if failed:
             raise failed[0]
     return done[0], result
+
+
+def _join(thread: threading.Thread) -> None:
+    """Wait for `thread` to end; an interrupt while waiting is raised once it has."""
+    interrupted: BaseException | None = None
+    while thread.is_alive():
+        try:
+            thread.join()
+        except BaseException as error:
+            interrupted = error
+    if interrupted is not None:
+        raise interrupted
 
 
 Outcome = float | RoundRepeated | BudgetExceeded  # a recorded spend's new ε, or why it was refused
@@ -281,6 +318,7 @@ class Ledger:
         self._data_version: int | None = None
         self._db: sqlite3.Connection | None = None
         self._db_pid = 0
+        self._inherited: list[sqlite3.Connection] = []  # a forked child's copy of its parent's connection
         self._lock = threading.RLock()
         self.busy_timeout = busy_timeout
         try:
@@ -325,8 +363,8 @@ class Ledger:
 
     @contextmanager
     def _connect(self, fresh: bool = False) -> Iterator[sqlite3.Connection]:
-        """This process's connection (`fresh`: a one-off, closed after). A forked child opens its
-        own: it never touches its parent's."""
+        """This process's connection (`fresh`: a one-off, closed after). A forked child gets its own
+        lock and connection; its parent's connection is kept, never used or closed, in the child."""
         if fresh:
             db = self._new_connection()
             try:
@@ -334,16 +372,22 @@ class Ledger:
             finally:
                 db.close()
             return
+        if self._db_pid != os.getpid():  # first use in this process (a forked child's lock may be held by a thread it lacks)
+            if self._db is not None:
+                self._inherited.append(self._db)
+            self._lock, self._db, self._db_pid = threading.RLock(), None, os.getpid()
         with self._lock:
-            if self._db is None or self._db_pid != os.getpid():
-                self._db, self._db_pid = self._new_connection(), os.getpid()
+            if self._db is None:
+                self._db = self._new_connection()
                 self._data_version = None
             yield self._db
 
     def close(self) -> None:
         """Close this process's connection (a later call opens a new one)."""
+        if self._db_pid != os.getpid():
+            return
         with self._lock:
-            if self._db is not None and self._db_pid == os.getpid():
+            if self._db is not None:
                 self._db.close()
             self._db = None
 
@@ -360,10 +404,10 @@ class Ledger:
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
+                db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                _rollback(db)
                 raise
-            _write_and_commit(db, [])
 
     # ----- budgets -----
     @staticmethod
@@ -449,6 +493,13 @@ class Ledger:
     def steps_spent(self, account: str) -> int:
         return sum(e.count for e in self.events(account))
 
+    def steps_spent_of(self, accounts: list[str]) -> dict[str, int]:
+        """`steps_spent` of many accounts: from the histories this ledger keeps, re-read where
+        another writer spent since (one look at the last spend id when none did)."""
+        with self._connect() as db:
+            histories = self._current_histories(db, accounts)
+        return {account: self._shared.steps(history) for account, history in histories.items()}
+
     def _pinned(self, account: str) -> Budget:
         budget = self.budget(account)
         if budget is None:
@@ -511,25 +562,25 @@ class Ledger:
             db.execute("BEGIN IMMEDIATE")
             try:
                 outcomes, written, inserts = self._decide_round(db, run_id, server_round, spends)
+                if work is None:
+                    last, result = _write_and_commit(db, inserts), None
+                else:
+                    last, result = _write_and_commit_during(db, inserts, lambda: work(outcomes))
             except BaseException:
-                db.execute("ROLLBACK")
+                _rollback(db)
                 raise
-            if work is None:
-                last, result = _write_and_commit(db, inserts), None
-            else:
-                last, result = _write_and_commit_during(db, inserts, lambda: work(outcomes))
             self._seen.update(written)  # only once committed
             self._synced = last
         return outcomes, result
 
     def _decide_round(
         self, db: sqlite3.Connection, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]
-    ) -> tuple[dict[str, Outcome], dict[str, tuple[NoiseEvent, ...]], list[tuple[object, ...]]]:
+    ) -> tuple[dict[str, Outcome], dict[str, tuple[NoiseEvent, ...]], list[tuple[str, list[tuple[object, ...]]]]]:
         """Inside the round's transaction: every account's outcome, the histories it writes, and the
-        inserts that write them (`_INSERT_SPENDS` parameters: one per group of equal spends and event)."""
+        inserts that write them (`_spend_inserts`: one per group of equal spends and event)."""
         outcomes: dict[str, Outcome] = {}
         written: dict[str, tuple[NoiseEvent, ...]] = {}
-        inserts: list[tuple[object, ...]] = []
+        inserts: list[tuple[str, list[tuple[object, ...]]]] = []
         now = _now()
         accounts = list(spends)
         budgets = self._budgets(db, accounts)
@@ -556,8 +607,7 @@ class Ledger:
                 continue
             outcomes.update(dict.fromkeys(members, epsilon))
             written.update(dict.fromkeys(members, history))
-            accounts_json = json.dumps(members)
-            inserts += [(run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now, accounts_json)
+            inserts += [_spend_inserts(members, (run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now))
                         for e in new_events]  # fmt: skip
         return outcomes, written, inserts
 

@@ -145,6 +145,7 @@ def test_a_writer_sees_what_another_writer_spent_since_its_last_round(tmp_path):
     first.open_accounts({"a": Budget(budget, DELTA), "b": Budget(budget, DELTA)})
     assert not any(isinstance(o, Exception) for o in first.record_round("run", 1, {"a": step, "b": step}).values())
     second.record("a", "other-run", 1, step)  # the other writer spends a's second share
+    assert first.steps_spent_of(["a", "b"]) == {"a": 20, "b": 10}
     outcomes = first.record_round("run", 2, {"a": step, "b": step})
     assert isinstance(outcomes["a"], BudgetExceeded)
     assert outcomes["b"] == pytest.approx(pld_epsilon([(1.5, 0.2, 20)], DELTA), rel=CERTIFICATE_REL_TOL)
@@ -194,6 +195,88 @@ def test_work_done_while_a_round_commits_is_returned_only_with_a_durable_record(
         reader.close()
     assert Ledger(path).steps_spent("a") == 10
     assert writer.record_round("run", 2, {"a": step})["a"] == pytest.approx(ledger_accounting(step * 2, DELTA))
+
+
+def test_any_account_name_is_recorded_intact(tmp_path):
+    """Accounts of many clients are written as one JSON list, which SQLite ends at a NUL: a name
+    holding one (a natural partition's id is a data value) must still be charged, not a prefix."""
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    names = ["natural\x00user-7", "ünïcødé \u2028 \"quoted\" \\ 🙂", "plain"]
+    writer = Ledger(path)
+    writer.open_accounts({name: Budget(5.0, DELTA) for name in names})
+    writer.record_round("run", 1, {name: step for name in names})
+    writer.record_round_while("run", 2, {name: step for name in names}, lambda outcomes: None)
+    reader = Ledger(path)
+    assert {name: reader.steps_spent(name) for name in [*names, "natural"]} == {**dict.fromkeys(names, 20), "natural": 0}
+
+
+def test_a_round_that_cannot_start_its_writer_leaves_the_ledger_usable(tmp_path, monkeypatch):
+    """If the thread that writes the round cannot start (an injected fault: no thread left), the
+    round's transaction is rolled back: nothing is written, and this ledger and others can write."""
+    import threading
+
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    writer = Ledger(path, busy_timeout=0.5)
+    writer.open_accounts({"a": Budget(5.0, DELTA)})
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", no_thread)
+        with pytest.raises(RuntimeError, match="new thread"):
+            writer.record_round_while("run", 1, {"a": step}, lambda outcomes: "trained")
+    assert Ledger(path).steps_spent("a") == 0
+    Ledger(path, busy_timeout=0.5).record("a", "other", 1, step)
+    assert writer.record_round_while("run", 1, {"a": step}, lambda outcomes: "trained")[1] == "trained"
+    assert Ledger(path).steps_spent("a") == 20
+
+
+def test_a_child_forked_while_another_thread_writes_has_its_own_connection(tmp_path):
+    """A process may fork while one of its threads is inside a ledger call (holding the ledger's
+    lock: here, training while its round commits); the child must not wait for that thread, which
+    it does not have, and must write through a connection of its own. (Forking while a thread is
+    inside SQLite itself is unsafe by SQLite's own rules: the fork waits until the write is done.)"""
+    import os
+    import threading
+    import time
+
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    ledger = Ledger(path)
+    ledger.open_accounts({"a": Budget(5.0, DELTA), "b": Budget(5.0, DELTA)})
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_work(outcomes):
+        inside.set()
+        release.wait(30)
+
+    writer = threading.Thread(target=ledger.record_round_while, args=("run", 1, {"a": step}, slow_work))
+    writer.start()
+    assert inside.wait(30)
+    deadline = time.monotonic() + 30
+    while any(t.name == "ledger-write" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = os.fork()
+    if child == 0:  # pragma: no cover (runs in the child)
+        try:
+            ledger.record("b", "child", 1, step)
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    release.set()
+    writer.join(30)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child never finished its ledger call")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert (Ledger(path).steps_spent("a"), Ledger(path).steps_spent("b")) == (10, 10)
 
 
 def test_round_events_follow_the_plan_slices():

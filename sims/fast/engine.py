@@ -65,7 +65,6 @@ class Client:
     local: LocalClient | None = None
     failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
     plan: Plan | None = None
-    steps_done: int = 0  # the steps its account has spent (read from the ledger when first sampled)
     reply: dict[str, Any] | None = None  # its train replies' metrics that stay the same (`reply_constants`)
     state: dict[str, Any] | None = None  # its trainer state between rounds
 
@@ -253,11 +252,9 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     spends = {account: events for account, (_, events) in asking.items()}
     outcomes, (results, training) = ledger.record_round_while(str(run_id), server_round, spends, train)
     ready, spent = [], {}
-    steps = {id(events): sum(e.count for e in events) for events in events_of.values()}
-    for account, (client, events) in asking.items():
+    for account, (client, _) in asking.items():
         outcome = outcomes[account]
         if isinstance(outcome, float):
-            client.steps_done += steps[id(events)]
             spent[client.index] = outcome
             ready.append(client)
         elif isinstance(outcome, BudgetExceeded):
@@ -266,7 +263,8 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
             state.drop(recorder, server_round, client, _reason(outcome))
     replies = _exhausted_replies(out_of_budget, ledger)
     state.exhausted.update(replies)
-    trained = _replies(ready, spent, results, settings, replies)
+    steps = ledger.steps_spent_of([c.local.account for c in ready])  # as the apps' reply: what the ledger holds
+    trained = _replies(ready, spent, steps, results, settings, replies)
     timings.training_s += training
     timings.accounting_s += time.perf_counter() - started - training
     return trained, results, replies
@@ -284,14 +282,12 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
         if refusals[client.local.account] is not None:
             client.failure = _reason(refusals[client.local.account])
     plans = run_plans([c.local for c in opened], settings, ledger, str(run_id), compare=False)  # the sheets add the comparison
-    histories = ledger.histories([c.local.account for c in opened])
     for client in opened:
         outcome = plans[client.local.account]
         if isinstance(outcome, Exception):
             client.failure = _reason(outcome)
             continue
         client.plan = outcome
-        client.steps_done = sum(e.count for e in histories.get(client.local.account, []))
     pool.add_plans({c.index: c.plan for c in opened if c.plan is not None})
 
 
@@ -299,7 +295,7 @@ def _reason(error: Exception) -> str:
     return error_summary(f"{type(error).__name__}: {error}")
 
 
-def _replies(ready: list[Client], spent: dict[int, float], results: RoundResult, settings: RunSettings,
+def _replies(ready: list[Client], spent: dict[int, float], steps: dict[str, int], results: RoundResult, settings: RunSettings,
              replies: dict[int, dict[str, Any]]) -> list[tuple[Client, int]]:  # fmt: skip
     """The trained clients' replies and new trainer states; returns (client, row in `results`)."""
     if results.indices != [c.index for c in ready]:  # the pool returns rows in request order
@@ -309,7 +305,7 @@ def _replies(ready: list[Client], spent: dict[int, float], results: RoundResult,
         client.state = results.states[k]
         if client.reply is None or client.reply["on-gpu"] != int(results.on_gpu):
             client.reply = reply_constants(client.local, client.plan, trained=True, on_gpu=results.on_gpu)
-        reply = {**client.reply, "epsilon-spent": spent[client.index], "steps-done": client.steps_done}
+        reply = {**client.reply, "epsilon-spent": spent[client.index], "steps-done": steps[client.local.account]}
         if settings.diagnostics:
             reply.update(results.diagnostics[k])
         replies[client.index] = reply
