@@ -554,10 +554,12 @@ class Ledger:
         self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]],
         work: Callable[[dict[str, Outcome]], T] | None,
     ) -> tuple[dict[str, Outcome], T | None]:  # fmt: skip
-        """`record_round`, running `work(outcomes)` while the transaction commits: the commit's
-        disk sync overlaps the work (a simulation's training), and the work's result is returned
-        only once the spends are durable. If the commit fails, its error is raised and the result
-        dropped. `work` must not use this ledger: its connection is busy committing."""
+        """`record_round`, running `work(outcomes)` while the round's spends are written and
+        committed on another thread (a simulation's training overlaps the ledger's disk work); the
+        work's result is returned only once the spends are durable. If the write or commit fails,
+        its error is raised, the round rolled back and the result dropped. `work` runs before the
+        spends are durable, so it must have no effect visible outside until it returns (training
+        whose updates are used only after), and it must not use this ledger: its connection is busy."""
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:

@@ -21,6 +21,7 @@ from fedprivacy.ledger import (
 )
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon as ledger_accounting
 from fedprivacy.privacy.plan import Plan
+from forking import child_exit_code, fork_running
 from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 DELTA = 1e-5
@@ -173,7 +174,6 @@ def test_work_done_while_a_round_commits_is_returned_only_with_a_durable_record(
     the outcomes, and its result comes back only if the commit succeeded. A reader holding the
     file (a real concurrent read transaction) makes the commit fail: the error is raised, the work's
     result is dropped, and nothing of the round is in the ledger."""
-    import sqlite3
 
     path = tmp_path / "ledger.sqlite"
     step = [NoiseEvent(1.5, 0.2, 10)]
@@ -214,8 +214,6 @@ def test_any_account_name_is_recorded_intact(tmp_path):
 def test_a_round_that_cannot_start_its_writer_leaves_the_ledger_usable(tmp_path, monkeypatch):
     """If the thread that writes the round cannot start (an injected fault: no thread left), the
     round's transaction is rolled back: nothing is written, and this ledger and others can write."""
-    import threading
-
     path = tmp_path / "ledger.sqlite"
     step = [NoiseEvent(1.5, 0.2, 10)]
     writer = Ledger(path, busy_timeout=0.5)
@@ -239,8 +237,6 @@ def test_a_child_forked_while_another_thread_writes_has_its_own_connection(tmp_p
     lock: here, training while its round commits); the child must not wait for that thread, which
     it does not have, and must write through a connection of its own. (Forking while a thread is
     inside SQLite itself is unsafe by SQLite's own rules: the fork waits until the write is done.)"""
-    import os
-    import threading
     import time
 
     path = tmp_path / "ledger.sqlite"
@@ -259,23 +255,10 @@ def test_a_child_forked_while_another_thread_writes_has_its_own_connection(tmp_p
     deadline = time.monotonic() + 30
     while any(t.name == "ledger-write" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    child = os.fork()
-    if child == 0:  # pragma: no cover (runs in the child)
-        try:
-            ledger.record("b", "child", 1, step)
-            os._exit(0)
-        except BaseException:
-            os._exit(1)
+    child = fork_running(lambda: ledger.record("b", "child", 1, step) > 0)
     release.set()
     writer.join(30)
-    deadline = time.monotonic() + 30
-    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
-        pytest.fail("the forked child never finished its ledger call")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert child_exit_code(child, "its ledger call") == 0
     assert (Ledger(path).steps_spent("a"), Ledger(path).steps_spent("b")) == (10, 10)
 
 

@@ -13,6 +13,7 @@ from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
 from fedprivacy.privacy.pld_dense import compose as compose_plds
 from fedprivacy.privacy.pld_dense import epsilon_for_delta
 from fedprivacy.privacy.planner import plan_client
+from forking import child_exit_code, fork_running
 from independent import CERTIFICATE_REL_TOL, pld_epsilon, pld_epsilon_lower_bound, plan_prefix_events, rdp_epsilon
 
 def test_reference_values_from_the_notes():
@@ -200,24 +201,12 @@ def test_tail_search_by_chunks_adds_the_values_one_after_another(chunk):
 def test_a_forked_process_composes_as_its_parent_did():
     """Composition hands one adjacency to a worker thread; a forked child inherits the executor but
     not its thread, so it must get its own (else its first composition waits forever)."""
-    import os
-    import time
-
     from dp_accounting.pld.privacy_loss_distribution import from_gaussian_mechanism
 
     a = from_gaussian_mechanism(2.0, sampling_prob=0.1, value_discretization_interval=1e-3).self_compose(5)
     expected = compose_plds(a, a).get_epsilon_for_delta(1e-5)
-    child = os.fork()
-    if child == 0:  # pragma: no cover (runs in the child)
-        os._exit(0 if compose_plds(a, a).get_epsilon_for_delta(1e-5) == expected else 1)
-    deadline = time.monotonic() + 30
-    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(child, 9)
-        os.waitpid(child, 0)
-        pytest.fail("the forked child's composition never finished")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    child = fork_running(lambda: compose_plds(a, a).get_epsilon_for_delta(1e-5) == expected)
+    assert child_exit_code(child, "its composition") == 0
 
 
 def test_composing_sparse_distributions_falls_back_to_dp_accounting():

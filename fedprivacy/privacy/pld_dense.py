@@ -12,8 +12,9 @@ result equals dp-accounting's to rounding.
 Composition. dp-accounting convolves the two PMFs (`scipy.signal.fftconvolve`) and then drops
 each tail whose mass stays within half the truncation bound, finding where by adding the grid's
 values one by one in Python (about 1.4 ms per PMF of a 60,000-point result, two PMFs per
-composition). Here the same convolution, and the same running sums as one sequential cumulative
-sum: the result is dp-accounting's, bit for bit.
+composition). Here the same convolution, and the same running sums as cumulative sums taken a
+chunk at a time: the result is dp-accounting's, bit for bit. Both operations handle the two
+adjacencies on two threads (SciPy's FFT and numpy release the GIL).
 
 tests/test_privacy_accountants.py compares both with dp-accounting. They read the PMFs' fields,
 which dp-accounting does not publish; this module is the only place that does, and falls back to
