@@ -105,6 +105,18 @@ def test_a_composition_extended_round_by_round_equals_one_made_at_once():
     assert grown[-1] == pytest.approx(pld_epsilon([(e.sigma, e.sampling_rate, e.count) for e in rounds], 1e-5), rel=CERTIFICATE_REL_TOL)
 
 
+def test_rounds_of_different_lengths_build_one_step_of_noise_once():
+    """A run whose rounds hold 2 steps, then 1, builds the one-step loss grid (the costly part)
+    once; each round length's PLD is still that step composed its own number of times, so the
+    ε is dp-accounting's independent one."""
+    accountants.clear_caches()
+    rounds = [accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 1)]
+    epsilon = accountants.pld_epsilon(rounds, 1e-5)
+    assert accountants._one_step_pld.cache_info().misses == 1
+    assert accountants._step_pld.cache_info().misses == 2  # 2 steps, 1 step
+    assert epsilon == pytest.approx(pld_epsilon([(e.sigma, e.sampling_rate, e.count) for e in rounds], 1e-5), rel=CERTIFICATE_REL_TOL)
+
+
 @pytest.mark.parametrize("sigma, q, steps, delta", [(0.8, 0.02, 3000, 1e-12), (2.0, 0.1, 200, 1e-30), (5.0, 1.0, 40, 1e-9)])
 def test_truncated_certificate_stays_an_upper_bound_at_tiny_delta(sigma, q, steps, delta):
     """Where dp-accounting's own composition is noisy (see tests/independent.py), the certificate

@@ -95,7 +95,15 @@ def _step_pld(event: NoiseEvent, discretization: float, log_truncation: float) -
     """The PLD of `event.count` steps, built as dp-accounting's PLDAccountant builds it."""
     if event.sampling_rate >= 1.0:  # full-batch Gaussian steps compose exactly into one Gaussian
         return gaussian_pld(event.sigma / math.sqrt(event.count), 1.0, discretization, log_truncation)
-    return gaussian_pld(event.sigma, event.sampling_rate, discretization, log_truncation).self_compose(event.count)
+    return _one_step_pld(event.sigma, event.sampling_rate, discretization, log_truncation).self_compose(event.count)
+
+
+@lru_cache(maxsize=64)
+def _one_step_pld(sigma: float, sampling_rate: float, discretization: float,
+                  log_truncation: float) -> pld.privacy_loss_distribution.PrivacyLossDistribution:  # fmt: skip
+    """One subsampled Gaussian step's PLD (its loss grid is the costly part: ~10 ms), shared by
+    every step count of the same noise: a run whose rounds hold 2 steps, then 1, builds it once."""
+    return gaussian_pld(sigma, sampling_rate, discretization, log_truncation)
 
 
 _Composed = pld.privacy_loss_distribution.PrivacyLossDistribution
@@ -140,7 +148,7 @@ def _pld_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float, discretiza
 
 def clear_caches() -> None:
     """Forget every cached composition and calibration (benchmarks time cold computations)."""
-    for cached in (_pld_epsilon_cached, _rdp_epsilon_cached, _calibrate_pld_cached, _calibrate_rdp_cached, _step_pld):
+    for cached in (_pld_epsilon_cached, _rdp_epsilon_cached, _calibrate_pld_cached, _calibrate_rdp_cached, _step_pld, _one_step_pld):
         cached.cache_clear()
     _COMPOSED.clear()
 
