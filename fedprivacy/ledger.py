@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from itertools import groupby
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fedprivacy.errors import ClientRefusal, InputError
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
@@ -119,7 +119,18 @@ class AccountSummary:
 def round_events(plan: Plan, server_round: int) -> tuple[NoiseEvent, ...]:
     """The noise events of one round's slice of `plan`, consecutive equal σ merged (one tuple
     shared by every plan with the same schedule: the ledger checks equal spends once)."""
-    return _round_events(plan.noise_segments, plan.sampling_rate, plan.steps, plan.rounds, server_round)
+    return _round_events(*noise_schedule(plan), server_round)
+
+
+def noise_schedule(plan: Plan) -> tuple[tuple[tuple[float, int], ...], float, int, int]:
+    """What `round_events` reads of a plan, as one tuple shared by every plan with an equal
+    schedule: a simulator keys its clients' round events by its id, one look-up per schedule."""
+    return _interned_schedule(plan.noise_segments, plan.sampling_rate, plan.steps, plan.rounds)
+
+
+@lru_cache(maxsize=4096)
+def _interned_schedule(*schedule: Any) -> tuple[tuple[tuple[float, int], ...], float, int, int]:
+    return schedule  # type: ignore[return-value]  # the first equal one cached
 
 
 @lru_cache(maxsize=4096)

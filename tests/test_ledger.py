@@ -17,6 +17,7 @@ from fedprivacy.ledger import (
     Ledger,
     PartitioningMismatch,
     RoundRepeated,
+    noise_schedule,
     round_events,
 )
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon as ledger_accounting
@@ -273,6 +274,23 @@ def test_round_events_follow_the_plan_slices():
     assert round_events(plan, 2) == (NoiseEvent(3.0, 0.1, 1), NoiseEvent(2.0, 0.1, 2),)
     assert round_events(plan, 3) == (NoiseEvent(2.0, 0.1, 3),)
     assert round_events(plan, 4) == ()
+
+
+def test_plans_with_equal_noise_schedules_share_one_schedule_object():
+    """A simulator keys a round's events by the schedule's identity: clients whose plans differ
+    only in who they are share it, and any difference `round_events` reads gives another."""
+    def plan(client_id: str, **changes: object) -> Plan:
+        fields = dict(client_id=client_id, rule="adp", n=100, epsilon=1.0, delta=DELTA, clip_norm=1.0, sigma=3.0,
+                      sampling_rate=0.1, steps=10, rounds=3, noise_segments=((3.0, 5), (2.0, 5)),
+                      epsilon_pld=0.9, epsilon_rdp=1.0)  # fmt: skip
+        return Plan(**{**fields, **changes})
+
+    shared = noise_schedule(plan("a"))
+    assert noise_schedule(plan("b", n=500, epsilon=2.0)) is shared
+    assert round_events(plan("b", n=500, epsilon=2.0), 2) == round_events(plan("a"), 2)
+    for change in ({"sampling_rate": 0.2}, {"steps": 9}, {"rounds": 2}, {"noise_segments": ((3.0, 5), (2.5, 5))}):
+        other = noise_schedule(plan("c", **change))
+        assert other is not shared and other != shared, change
 
 
 def test_plans_are_kept_per_account_and_run(tmp_path):

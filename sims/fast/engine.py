@@ -30,7 +30,7 @@ from flwr.app import ArrayRecord
 
 from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
-from fedprivacy.ledger import BudgetExceeded, Ledger, Outcome, composed_epsilon, round_events
+from fedprivacy.ledger import BudgetExceeded, Ledger, Outcome, composed_epsilon, noise_schedule, round_events
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
@@ -65,6 +65,7 @@ class Client:
     local: LocalClient | None = None
     failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
     plan: Plan | None = None
+    schedule: tuple[object, ...] | None = None  # `noise_schedule(plan)`: shared by clients with equal schedules
     reply: dict[str, Any] | None = None  # its train replies' metrics that stay the same (`reply_constants`)
     state: dict[str, Any] | None = None  # its trainer state between rounds
 
@@ -231,14 +232,14 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
     asking: dict[str, tuple[Client, tuple[NoiseEvent, ...]]] = {}
     out_of_budget: list[Client] = []
-    events_of: dict[int, tuple[NoiseEvent, ...]] = {}  # clients with the same inputs share one plan object
+    events_of: dict[int, tuple[NoiseEvent, ...]] = {}  # one look-up per noise schedule, not per client
     for client in sampled:
         if client.failure is not None:
             state.drop(recorder, server_round, client, client.failure)
             continue
-        events = events_of.get(id(client.plan))
+        events = events_of.get(id(client.schedule))
         if events is None:
-            events = events_of[id(client.plan)] = round_events(client.plan, server_round)
+            events = events_of[id(client.schedule)] = round_events(client.plan, server_round)
         if events:
             asking[client.local.account] = (client, events)
         else:  # its plan has no steps left
@@ -287,7 +288,7 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
         if isinstance(outcome, Exception):
             client.failure = _reason(outcome)
             continue
-        client.plan = outcome
+        client.plan, client.schedule = outcome, noise_schedule(outcome)
     pool.add_plans({c.index: c.plan for c in opened if c.plan is not None})
 
 
