@@ -12,10 +12,10 @@ RSS is its own:
 
 Subsets are scaled per client-round (client-rounds per second). Python imports happen before the
 clock starts for `fast` and `inprocess` (a sweep pays them once); `flower` is timed from `flwr run`
-to the run's end. Also measured: a DP round of the
-fast engine against the same engine's round with clipping and noise off (same sampling, same
-steps), a steady round's split into accounting and training, and the fast engine's peak RSS at
-10,000 clients.
+to the run's end. Also measured: a DP round of the fast engine against the same engine's round
+with clipping and noise off (same sampling, same steps), a steady round's split into accounting
+(and, of it, the wait for the ledger's commit after training) and training, and the fast engine's
+peak RSS at 10,000 clients.
 
 Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]
        [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1] [--json PATH]
@@ -117,17 +117,19 @@ def steady_round(model: str, clients: int, rounds: int) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     results_module.RunRecorder.write_plans = lambda self: []  # sheets are not part of a round
-    accounting, ends = {}, []
+    accounting, waits, ends = {}, {}, []
     for count in (1, 1, rounds):  # the first run warms the shared plan cache, as a sweep's first cell does
         with tempfile.TemporaryDirectory() as results:
             ends = []
             _, timings = run_fast(scenario(model, clients, count, Path(results)), clients, say=lambda _: None,
                                   on_round=lambda row: ends.append(time.perf_counter()))  # fmt: skip
-            accounting[count] = timings.accounting_s
+            accounting[count], waits[count] = timings.accounting_s, timings.commit_wait_s
     wall = (ends[-1] - ends[0]) / (rounds - 1)
     per_round = (accounting[rounds] - accounting[1]) / (rounds - 1)
+    wait = (waits[rounds] - waits[1]) / (rounds - 1)
     return {"model": model, "clients": clients, "round_ms": round(1000 * wall, 1),
-            "accounting_ms": round(1000 * per_round, 1), "accounting_share": round(per_round / wall, 3)}  # fmt: skip
+            "accounting_ms": round(1000 * per_round, 1), "accounting_share": round(per_round / wall, 3),
+            "commit_wait_ms": round(1000 * wait, 1)}  # fmt: skip
 
 
 # ----- the mechanism's cost inside the fast engine -----
@@ -226,7 +228,7 @@ def main() -> None:
     print("\nA steady fast-engine round (after the first round's planning):")
     for s in steady:
         print(f"  {s['model']:<8} {s['clients']} clients: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
-              f"({s['accounting_share']:.0%})")
+              f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after training {s['commit_wait_ms']:.1f} ms)")
     memory = None
     if args.memory_clients:
         memory = child(["run", "fast", "logreg", str(args.memory_clients), "2", "1"])

@@ -96,10 +96,13 @@ class Participation:
 
 @dataclass
 class Timings:
-    """Where a run's time went: accounting (plans, ledger, ε) and the rest."""
+    """Where a run's time went: accounting (plans, ledger, ε) and the rest. `commit_wait_s` is
+    the part of accounting spent waiting, after the clients trained, for the round's ledger commit
+    to be durable (it depends on the disk's fsync more than on anything the engine computes)."""
 
     accounting_s: float = 0.0
     training_s: float = 0.0
+    commit_wait_s: float = 0.0
 
 
 def run_fast(
@@ -245,13 +248,16 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
         else:  # its plan has no steps left
             out_of_budget.append(client)
 
-    def train(outcomes: dict[str, Outcome]) -> tuple[RoundResult, float]:
+    def train(outcomes: dict[str, Outcome]) -> tuple[RoundResult, float, float]:
         begun = time.perf_counter()
         recorded = [RoundRequest(client.index, client.state) for account, (client, _) in asking.items() if isinstance(outcomes[account], float)]
-        return pool.train(global_state, server_round, recorded, settings.diagnostics), time.perf_counter() - begun
+        result = pool.train(global_state, server_round, recorded, settings.diagnostics)
+        ended = time.perf_counter()
+        return result, ended - begun, ended
 
     spends = {account: events for account, (_, events) in asking.items()}
-    outcomes, (results, training) = ledger.record_round_while(str(run_id), server_round, spends, train)
+    outcomes, (results, training, trained_at) = ledger.record_round_while(str(run_id), server_round, spends, train)
+    timings.commit_wait_s += time.perf_counter() - trained_at
     ready, spent = [], {}
     for account, (client, _) in asking.items():
         outcome = outcomes[account]
