@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fedprivacy  # noqa: F401  # before anything loads PyTorch, here and in the children: its OpenMP setting
+
 PROJECT = Path(__file__).resolve().parents[1]
 ROWS_PER_CLIENT = 200
 

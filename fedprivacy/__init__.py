@@ -9,10 +9,10 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "unknown"
 
 # PyTorch's Linux wheels run their CPU threads on GNU OpenMP, whose idle threads keep spinning
-# (300,000 rounds by default, several milliseconds) after each parallel operation. On a machine
-# with few cores they hold the cores that the ledger's writer and the accountant's threads need
-# between the fast engine's batched operations: measured on 2 cores (benchmarks/sim_throughput.py,
-# 1,000 clients), a round took 10-14% longer (MLP) and its accounting ~25% longer than with 10,000
-# rounds. Read when PyTorch is first imported; a user's own OpenMP settings win.
+# (300,000 rounds by default, milliseconds) after each parallel operation, on the cores that the
+# fast engine's ledger writer and PLD threads need between its batched operations. Measured on 2
+# cores (benchmarks/sim_throughput.py, a steady 1,000-client round, interleaved runs): see
+# docs/benchmarks.md. Set on every machine, read when PyTorch is first imported (so `sims`,
+# `clients` and `server` import this package first); a user's own OpenMP settings win.
 if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")

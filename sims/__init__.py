@@ -11,3 +11,5 @@
 - `sims.engines`: what runs a sweep's cells, one module per engine (`inprocess`, `flower`, `fast`).
 - `sims.processes`: ending the processes the flower engine starts.
 """
+
+import fedprivacy  # noqa: F401  # first: its OpenMP setting must be in place before PyTorch loads

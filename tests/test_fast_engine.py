@@ -4,9 +4,6 @@ after every round (to float tolerance), the same ε spent by every client, the s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -122,7 +119,7 @@ def test_a_client_too_small_to_train_fails_alone(in_process, tmp_path):
     failed = clients[clients.status.str.startswith("failed")]
     assert len(failed) >= 1 and failed.status.str.contains("too little data|row\\(s\\) in its partition|n=1: must be an integer >= 2").all()
     assert (clients[~clients.status.str.startswith("failed")].epsilon_spent <= 1.0).all()
-    assert timings.accounting_s > 0 and 0 <= timings.commit_wait_s <= timings.accounting_s
+    assert timings.accounting_s > 0 and 0 < timings.commit_wait_s <= timings.accounting_s
 
 
 def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_process, tmp_path):
@@ -137,17 +134,3 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_proces
     assert (after.exhausted_round > 1).all() and (after.epsilon_spent <= after.epsilon_budget).all()
     assert (after.steps_all_runs > before.steps_all_runs).all()  # the ledger carried run 1's steps
     assert csv(second, "rounds.csv").clients_exhausted.iloc[-1] == 2
-
-
-@pytest.mark.parametrize("environment, expected", [
-    ({}, "10000"),                               # unset: the short spin
-    ({"GOMP_SPINCOUNT": "5"}, "5"),              # the user's own count
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),       # the user's own policy: no count added
-])  # fmt: skip
-def test_importing_fedprivacy_shortens_openmp_spinning_unless_the_user_chose(environment, expected):
-    """PyTorch's OpenMP threads would otherwise spin for milliseconds after each batched
-    operation, on the cores the ledger's writer and the accountant need (fedprivacy/__init__.py)."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    shown = subprocess.run([sys.executable, "-c", "import os, fedprivacy; print(os.environ.get('GOMP_SPINCOUNT'))"],
-                           env={**clean, **environment}, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    assert shown == str(expected)
