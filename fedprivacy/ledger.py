@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from itertools import groupby
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fedprivacy.errors import ClientRefusal, InputError
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
@@ -122,15 +122,18 @@ def round_events(plan: Plan, server_round: int) -> tuple[NoiseEvent, ...]:
     return _round_events(*noise_schedule(plan), server_round)
 
 
-def noise_schedule(plan: Plan) -> tuple[tuple[tuple[float, int], ...], float, int, int]:
+NoiseSchedule = tuple[tuple[tuple[float, int], ...], float, int, int]  # (σ segments, q, steps, rounds)
+
+
+def noise_schedule(plan: Plan) -> NoiseSchedule:
     """What `round_events` reads of a plan, as one tuple shared by every plan with an equal
     schedule: a simulator keys its clients' round events by its id, one look-up per schedule."""
     return _interned_schedule(plan.noise_segments, plan.sampling_rate, plan.steps, plan.rounds)
 
 
 @lru_cache(maxsize=4096)
-def _interned_schedule(*schedule: Any) -> tuple[tuple[tuple[float, int], ...], float, int, int]:
-    return schedule  # type: ignore[return-value]  # the first equal one cached
+def _interned_schedule(segments: tuple[tuple[float, int], ...], q: float, steps: int, rounds: int) -> NoiseSchedule:
+    return segments, q, steps, rounds  # built once per distinct schedule: the cache hands back this tuple
 
 
 @lru_cache(maxsize=4096)

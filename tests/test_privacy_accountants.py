@@ -106,8 +106,7 @@ def test_a_composition_extended_round_by_round_equals_one_made_at_once():
 
 
 def test_rounds_of_different_lengths_build_one_step_of_noise_once():
-    """A run whose rounds hold 2 steps, then 1, builds the one-step loss grid (the costly part)
-    once; each round length's PLD is still that step composed its own number of times, so the
+    """A run whose rounds hold 2 steps, then 1, builds the one-step loss grid once; each round length's PLD is still that step composed its own number of times, so the
     ε is dp-accounting's independent one."""
     accountants.clear_caches()
     rounds = [accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 1)]

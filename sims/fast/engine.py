@@ -30,7 +30,7 @@ from flwr.app import ArrayRecord
 
 from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
-from fedprivacy.ledger import BudgetExceeded, Ledger, Outcome, composed_epsilon, noise_schedule, round_events
+from fedprivacy.ledger import BudgetExceeded, Ledger, NoiseSchedule, Outcome, composed_epsilon, noise_schedule, round_events
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
@@ -65,7 +65,7 @@ class Client:
     local: LocalClient | None = None
     failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
     plan: Plan | None = None
-    schedule: tuple[object, ...] | None = None  # `noise_schedule(plan)`: shared by clients with equal schedules
+    schedule: NoiseSchedule | None = None  # `noise_schedule(plan)`: shared by clients with equal schedules
     reply: dict[str, Any] | None = None  # its train replies' metrics that stay the same (`reply_constants`)
     state: dict[str, Any] | None = None  # its trainer state between rounds
 
