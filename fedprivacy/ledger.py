@@ -38,11 +38,14 @@ from fedprivacy.errors import ClientRefusal, InputError
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
 from fedprivacy.privacy.plan import Plan
 
-SCHEMA_VERSION = 2  # PRAGMA user_version; 0 is the first layout (no pinned budgets), migrated on open
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS spends (
+SCHEMA_VERSION = 3  # PRAGMA user_version; older layouts are migrated on open (`_migrate`)
+# Spends name their account by a small integer key (`account_keys`), not by its name: every
+# account of a round appends to its own place in the account index, so a round dirties a page
+# per account there; with names (70 characters for a simulated account) the index entries were
+# ~10× larger and a 1,000-account round's write 2-4× slower (benchmarks/ledger_writes.py).
+_SPENDS_COLUMNS = """
     id INTEGER PRIMARY KEY AUTOINCREMENT,
-    account TEXT NOT NULL,
+    account_key INTEGER NOT NULL REFERENCES account_keys(id),
     run_id TEXT NOT NULL,
     server_round INTEGER NOT NULL,
     sigma REAL NOT NULL,
@@ -51,9 +54,13 @@ CREATE TABLE IF NOT EXISTS spends (
     epsilon_after REAL NOT NULL,
     delta REAL NOT NULL,
     recorded_at TEXT NOT NULL
+"""
+_TABLES = f"""
+CREATE TABLE IF NOT EXISTS account_keys (
+    id INTEGER PRIMARY KEY,
+    account TEXT NOT NULL UNIQUE
 );
-CREATE INDEX IF NOT EXISTS spends_account ON spends(account);
-CREATE INDEX IF NOT EXISTS spends_round ON spends(run_id, server_round, account);
+CREATE TABLE IF NOT EXISTS spends ({_SPENDS_COLUMNS});
 CREATE TABLE IF NOT EXISTS plans (
     account TEXT NOT NULL,
     run_id TEXT NOT NULL,
@@ -73,6 +80,11 @@ CREATE TABLE IF NOT EXISTS partitionings (
     pinned_at TEXT NOT NULL
 );
 """
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS spends_account ON spends(account_key);
+CREATE INDEX IF NOT EXISTS spends_round ON spends(run_id, server_round, account_key);
+"""
+SCHEMA = _TABLES + _INDEXES  # the current layout, as one script
 
 
 class BudgetExceeded(RuntimeError):
@@ -232,25 +244,56 @@ def _sqlite_has_json() -> bool:
         db.close()
 
 
-# One statement per group of accounts spending the same: SQLite expands the JSON list of accounts
-# itself (one call, no per-row binding), and inserts them in key order (kinder to the account index).
+# One statement per group of accounts spending the same: SQLite expands the JSON list of account
+# keys itself (one call, no per-row binding), and inserts them in key order (kinder to the index).
 _INSERT_SPENDS = (
-    "INSERT INTO spends (account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at)"
+    "INSERT INTO spends (account_key, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at)"
     " SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value"
 )
-# Row by row, for accounts that JSON cannot carry to SQLite intact (json_each ends a string at NUL)
-_INSERT_SPEND = (
-    "INSERT INTO spends (account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
 
 
-def _spend_inserts(members: list[str], values: tuple[object, ...]) -> tuple[str, list[tuple[object, ...]]]:
+def _spend_inserts(keys: list[int], values: tuple[object, ...]) -> tuple[str, list[tuple[object, ...]]]:
     """The statement and its parameter rows that insert one spend `values` (every column but the
-    account) for each of `members`."""
-    if any("\x00" in account for account in members):
-        return _INSERT_SPEND, [(account, *values) for account in members]
-    return _INSERT_SPENDS, [(*values, json.dumps(members))]
+    account) for each account key of `keys`."""
+    return _INSERT_SPENDS, [(*values, json.dumps(keys))]
+
+
+# Earlier layouts named the account in each spend. Rebuilding the table keeps every spend's id
+# (the ledger relies on ids only growing) and gives each account named anywhere its key.
+_MIGRATE_ACCOUNT_NAMES = f"""
+INSERT OR IGNORE INTO account_keys (account) SELECT account FROM (SELECT account, MIN(id) AS first FROM spends GROUP BY account ORDER BY first);
+INSERT OR IGNORE INTO account_keys (account) SELECT account FROM accounts ORDER BY account;
+CREATE TABLE spends_keyed ({_SPENDS_COLUMNS});
+INSERT INTO spends_keyed SELECT s.id, k.id, s.run_id, s.server_round, s.sigma, s.sampling_rate, s.steps, s.epsilon_after,
+    s.delta, s.recorded_at FROM spends AS s JOIN account_keys AS k ON k.account = s.account ORDER BY s.id;
+DROP TABLE spends;
+ALTER TABLE spends_keyed RENAME TO spends;
+"""
+
+
+def _run_script(db: sqlite3.Connection, script: str) -> None:
+    """Each statement of `script` inside the open transaction (`executescript` would commit it)."""
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring the file to `SCHEMA_VERSION` in one write transaction (another process may be opening
+    it too: the version is read again once the write lock is held)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+            named = "account" in {row[1] for row in db.execute("PRAGMA table_info(spends)")}
+            _run_script(db, _TABLES)  # the tables a layout lacks (layout 0 had no accounts table)
+            if named:
+                _run_script(db, _MIGRATE_ACCOUNT_NAMES)
+            _run_script(db, _INDEXES)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        _rollback(db)
+        raise
 
 
 def _rollback(db: sqlite3.Connection) -> None:
@@ -328,6 +371,7 @@ class Ledger:
         self._synced: int | None = None
         self._shared = _SharedHistories()
         self._known_budgets: dict[str, Budget] = {}  # valid while no other connection writes
+        self._known_keys: dict[str, int] = {}  # likewise (a key never changes, but the file might be replaced)
         self._budget_objects: dict[tuple[float, float], Budget] = {}
         self._data_version: int | None = None
         self._db: sqlite3.Connection | None = None
@@ -358,8 +402,7 @@ class Ledger:
                 if tables and "spends" not in tables:
                     raise InputError("ledger-path", str(self.path), "is an SQLite database of another application "
                                      f"(tables: {', '.join(sorted(tables)[:3])}…), not a fedprivacy ledger; it is left as it was")
-                db.executescript(_SCHEMA)
-                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                _migrate(db)
         except sqlite3.OperationalError as error:
             if "locked" not in str(error):
                 raise InputError("ledger-path", str(self.path), f"not a readable fedprivacy ledger ({error})") from None
@@ -461,16 +504,32 @@ class Ledger:
         """The pinned budgets of those `accounts` that have one. Budgets read before are kept while
         no other connection writes to the file (`PRAGMA data_version`); this one changes a budget
         only in `set_budget`, which forgets it."""
-        version = db.execute("PRAGMA data_version").fetchone()[0]
-        if version != self._data_version:
-            self._known_budgets.clear()
-            self._data_version = version
+        self._forget_if_written_elsewhere(db)
         known, shared = self._known_budgets, self._budget_objects  # one object per distinct budget: rounds group by it
         for chunk in _chunks([a for a in accounts if a not in known]):
             rows = db.execute(f"SELECT account, epsilon, delta FROM accounts WHERE account IN ({_marks(chunk)})", chunk)
             for account, epsilon, delta in rows:
                 known[account] = shared.setdefault((epsilon, delta), Budget(float(epsilon), float(delta)))
         return {a: known[a] for a in accounts if a in known}
+
+    def _forget_if_written_elsewhere(self, db: sqlite3.Connection) -> None:
+        version = db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._data_version:
+            self._known_budgets.clear()
+            self._known_keys.clear()
+            self._data_version = version
+
+    def _account_keys(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, int]:
+        """Inside a write transaction: each account's key in the spends table, given now to those
+        that have none."""
+        self._forget_if_written_elsewhere(db)
+        known = self._known_keys
+        missing = [a for a in accounts if a not in known]
+        if missing:
+            db.executemany("INSERT OR IGNORE INTO account_keys (account) VALUES (?)", [(a,) for a in missing])
+            for chunk in _chunks(missing):
+                known.update(db.execute(f"SELECT account, id FROM account_keys WHERE account IN ({_marks(chunk)})", chunk))
+        return {a: known[a] for a in accounts}
 
     def set_budget(self, account: str, epsilon: float, delta: float) -> Budget:
         """The node operator changes an account's budget (the ClientApp never calls this)."""
@@ -543,7 +602,8 @@ class Ledger:
         found: dict[str, set[str]] = {}
         with self._connect() as db:
             for chunk in _chunks(accounts):
-                rows = db.execute(f"SELECT DISTINCT account, run_id FROM spends WHERE account IN ({_marks(chunk)})", chunk)
+                rows = db.execute(f"SELECT DISTINCT k.account, s.run_id FROM spends AS s JOIN account_keys AS k ON k.id = s.account_key "
+                                  f"WHERE k.account IN ({_marks(chunk)})", chunk)  # fmt: skip
                 for account, run_id in rows:
                     found.setdefault(account, set()).add(run_id)
         return found
@@ -584,6 +644,7 @@ class Ledger:
                     last, result = _write_and_commit_during(db, inserts, lambda: work(outcomes))
             except BaseException:
                 _rollback(db)
+                self._known_keys.clear()  # keys given in the rolled-back transaction are gone
                 raise
             self._seen.update(written)  # only once committed
             self._synced = last
@@ -604,6 +665,7 @@ class Ledger:
         if missing:
             raise KeyError(f"ledger account {missing[0]!r} has no pinned budget: open_account first")
         histories = self._current_histories(db, accounts)
+        keys = self._account_keys(db, accounts)
         repeated = self._rounds_recorded(db, accounts, run_id, server_round)
         # accounts with the same history, spends and budget share one check (one ε per group)
         groups: dict[tuple[int, int, int], list[str]] = {}
@@ -623,7 +685,7 @@ class Ledger:
                 continue
             outcomes.update(dict.fromkeys(members, epsilon))
             written.update(dict.fromkeys(members, history))
-            inserts += [_spend_inserts(members, (run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now))
+            inserts += [_spend_inserts([keys[a] for a in members], (run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now))
                         for e in new_events]  # fmt: skip
         return outcomes, written, inserts
 
@@ -636,7 +698,8 @@ class Ledger:
             if self._synced is None or last < self._synced:  # first use, or not the file seen before
                 self._seen.clear()
             else:
-                for (account,) in db.execute("SELECT DISTINCT account FROM spends NOT INDEXED WHERE id > ?", (self._synced,)):
+                for (account,) in db.execute("SELECT DISTINCT k.account FROM spends AS s NOT INDEXED JOIN account_keys AS k "
+                                             "ON k.id = s.account_key WHERE s.id > ?", (self._synced,)):  # fmt: skip
                     self._seen.pop(account, None)
             self._synced = last
         unknown = [a for a in accounts if a not in self._seen]
@@ -659,7 +722,8 @@ class Ledger:
         found: dict[str, list[NoiseEvent]] = {}
         for chunk in _chunks(accounts):
             rows = db.execute(
-                f"SELECT account, sigma, sampling_rate, steps FROM spends WHERE account IN ({_marks(chunk)}) ORDER BY id",
+                f"SELECT k.account, s.sigma, s.sampling_rate, s.steps FROM spends AS s JOIN account_keys AS k ON k.id = s.account_key "
+                f"WHERE k.account IN ({_marks(chunk)}) ORDER BY s.id",
                 chunk,
             )
             for account, sigma, q, count in rows:
@@ -673,7 +737,8 @@ class Ledger:
             return found  # a round nobody recorded yet: one index probe instead of a lookup per account
         for chunk in _chunks(accounts):
             rows = db.execute(
-                f"SELECT DISTINCT account FROM spends WHERE run_id = ? AND server_round = ? AND account IN ({_marks(chunk)})",
+                f"SELECT DISTINCT k.account FROM spends AS s JOIN account_keys AS k ON k.id = s.account_key "
+                f"WHERE s.run_id = ? AND s.server_round = ? AND k.account IN ({_marks(chunk)})",
                 [run_id, server_round, *chunk],
             )
             found.update(r[0] for r in rows)
@@ -689,7 +754,8 @@ class Ledger:
             for account, epsilon, delta in rows:
                 events = histories.get(account, [])
                 runs, last = db.execute(
-                    "SELECT COUNT(DISTINCT run_id), MAX(recorded_at) FROM spends WHERE account = ?", (account,)
+                    "SELECT COUNT(DISTINCT s.run_id), MAX(s.recorded_at) FROM spends AS s JOIN account_keys AS k "
+                    "ON k.id = s.account_key WHERE k.account = ?", (account,)
                 ).fetchone()
                 summaries.append(AccountSummary(
                     account=account, epsilon=float(epsilon), delta=float(delta), steps=sum(e.count for e in events),

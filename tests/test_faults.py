@@ -27,8 +27,8 @@ SEED = 1  # a schedule that holds every kind of fault, checked below
 def ledger_spends(path: Path) -> Counter:
     """(account, run, round) -> number of distinct spends recorded for it."""
     with sqlite3.connect(path) as db:
-        rows = db.execute("SELECT account, run_id, server_round, COUNT(DISTINCT recorded_at) FROM spends "
-                          "GROUP BY account, run_id, server_round").fetchall()
+        rows = db.execute("SELECT k.account, s.run_id, s.server_round, COUNT(DISTINCT s.recorded_at) FROM spends AS s "
+                          "JOIN account_keys AS k ON k.id = s.account_key GROUP BY k.account, s.run_id, s.server_round").fetchall()
     return Counter({(a, r, n): c for a, r, n, c in rows})
 
 

@@ -317,3 +317,70 @@ def test_a_round_of_many_accounts_is_one_call_with_an_outcome_each(tmp_path):
     assert (ledger.steps_spent("a"), ledger.steps_spent("b"), ledger.steps_spent("c")) == (10, 0, 10)
     mismatch = ledger.open_accounts({"a": Budget(2.0, DELTA), "d": Budget(1.0, DELTA)})
     assert isinstance(mismatch["a"], BudgetMismatch) and mismatch["d"] == Budget(1.0, DELTA)
+
+
+# The layout of ledger schema 2, which named the account in every spend (written by earlier
+# releases; a ledger holds budgets for years, so every later release must read it).
+_SCHEMA_2 = """
+CREATE TABLE spends (id INTEGER PRIMARY KEY AUTOINCREMENT, account TEXT NOT NULL, run_id TEXT NOT NULL,
+    server_round INTEGER NOT NULL, sigma REAL NOT NULL, sampling_rate REAL NOT NULL, steps INTEGER NOT NULL,
+    epsilon_after REAL NOT NULL, delta REAL NOT NULL, recorded_at TEXT NOT NULL);
+CREATE INDEX spends_account ON spends(account);
+CREATE INDEX spends_round ON spends(run_id, server_round, account);
+CREATE TABLE plans (account TEXT NOT NULL, run_id TEXT NOT NULL, plan_json TEXT NOT NULL, PRIMARY KEY (account, run_id));
+CREATE TABLE accounts (account TEXT PRIMARY KEY, epsilon REAL NOT NULL, delta REAL NOT NULL, pinned_at TEXT NOT NULL,
+    changed_at TEXT);
+CREATE TABLE partitionings (dataset TEXT PRIMARY KEY, partitioning TEXT NOT NULL, pinned_at TEXT NOT NULL);
+PRAGMA user_version = 2;
+"""
+
+
+def test_a_ledger_of_the_earlier_layout_keeps_every_spend_and_budget(tmp_path):
+    """Opening a schema-2 file moves it to account keys in place: the same histories, budgets, runs
+    and spend ids, and new spends continue after the old ids. An account spent from before budgets
+    were pinned (schema 0) keeps its spends too."""
+    path = tmp_path / "ledger.sqlite"
+    old = sqlite3.connect(path)
+    old.executescript(_SCHEMA_2)
+    rows = [(3, "a", "r1", 1, 2.0, 0.1, 5), (4, "b\x00x", "r1", 1, 2.0, 0.1, 5), (9, "a", "r2", 1, 1.5, 0.1, 7),
+            (12, "unpinned", "r0", 1, 3.0, 0.2, 4)]  # fmt: skip
+    old.executemany("INSERT INTO spends (id, account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, "
+                    "recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0.5, 1e-5, '2026-01-01')", rows)  # fmt: skip
+    old.executemany("INSERT INTO accounts VALUES (?, 5.0, 1e-5, '2026-01-01', NULL)", [("a",), ("b\x00x",), ("never-spent",)])
+    old.commit()
+    old.close()
+
+    ledger = Ledger(path)
+    assert ledger.events("a") == [NoiseEvent(2.0, 0.1, 5), NoiseEvent(1.5, 0.1, 7)]
+    assert ledger.events("b\x00x") == [NoiseEvent(2.0, 0.1, 5)] and ledger.events("unpinned") == [NoiseEvent(3.0, 0.2, 4)]
+    assert ledger.runs("a") == {"r1", "r2"} and ledger.budget("a") == Budget(5.0, DELTA)
+    assert ledger.epsilon_spent("a") == pytest.approx(pld_epsilon([(2.0, 0.1, 5), (1.5, 0.1, 7)], DELTA), rel=CERTIFICATE_REL_TOL)
+    assert {s.account: s.steps for s in ledger.accounts()} == {"a": 12, "b\x00x": 5, "never-spent": 0}
+    ledger.record_round("r3", 1, {"a": [NoiseEvent(2.0, 0.1, 1)], "never-spent": [NoiseEvent(2.0, 0.1, 1)]})
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert [r[0] for r in db.execute("SELECT id FROM spends ORDER BY id")] == [3, 4, 9, 12, 13, 14]
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert Ledger(path).steps_spent("a") == 13 and Ledger(path).steps_spent("never-spent") == 1
+
+
+def test_a_round_rolled_back_gives_its_new_accounts_keys_again(tmp_path):
+    """A new account gets its key in the round's transaction; if that round fails, a later account
+    may get the same key, so the writer must not keep the first one's (its spends would be charged
+    to the other account)."""
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    writer = Ledger(path, busy_timeout=0.2)
+    writer.open_accounts({name: Budget(5.0, DELTA) for name in ("first", "second")})
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM spends").fetchone()  # the commit cannot take the file
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            writer.record_round("run", 1, {"first": step})
+    finally:
+        reader.execute("ROLLBACK")
+        reader.close()
+    writer.record_round("run", 1, {"second": step})  # a new account may take the freed key
+    writer.record_round("run", 1, {"first": step})
+    assert (Ledger(path).steps_spent("first"), Ledger(path).steps_spent("second")) == (10, 10)

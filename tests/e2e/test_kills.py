@@ -70,7 +70,7 @@ def check_ledger(path: Path, released_steps: int, budget: float) -> dict:
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         repeats = db.execute("SELECT MAX(n) FROM (SELECT COUNT(DISTINCT recorded_at) AS n FROM spends "
-                             "GROUP BY account, run_id, server_round)").fetchone()[0]
+                             "GROUP BY account_key, run_id, server_round)").fetchone()[0]
         rounds = [r for (r,) in db.execute("SELECT DISTINCT server_round FROM spends ORDER BY server_round")]
     assert repeats in (None, 1), f"{path}: a (run, round) spent twice"
     accounts = Ledger(path).accounts()  # the project's own reader opens it
