@@ -233,7 +233,8 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     Returns the trained clients with their rows in the result, the result, and the replies."""
     started = time.perf_counter()
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
-    asking: dict[str, tuple[Client, tuple[NoiseEvent, ...]]] = {}
+    asking: dict[str, Client] = {}  # by account
+    spends: dict[str, tuple[NoiseEvent, ...]] = {}
     out_of_budget: list[Client] = []
     events_of: dict[int, tuple[NoiseEvent, ...]] = {}  # one look-up per noise schedule, not per client
     for client in sampled:
@@ -244,34 +245,32 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
         if events is None:
             events = events_of[id(client.schedule)] = round_events(client.plan, server_round)
         if events:
-            asking[client.local.account] = (client, events)
+            account = client.local.account
+            asking[account], spends[account] = client, events
         else:  # its plan has no steps left
             out_of_budget.append(client)
 
-    def train(outcomes: dict[str, Outcome]) -> tuple[RoundResult, float, float]:
+    def train(outcomes: dict[str, Outcome]) -> tuple[list[Client], RoundResult, float, float]:
+        ready = [client for account, client in asking.items() if isinstance(outcomes[account], float)]  # recorded
         begun = time.perf_counter()
-        recorded = [RoundRequest(client.index, client.state) for account, (client, _) in asking.items() if isinstance(outcomes[account], float)]
-        result = pool.train(global_state, server_round, recorded, settings.diagnostics)
+        result = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
         ended = time.perf_counter()
-        return result, ended - begun, ended
+        return ready, result, ended - begun, ended
 
-    spends = {account: events for account, (_, events) in asking.items()}
-    outcomes, (results, training, trained_at) = ledger.record_round_while(str(run_id), server_round, spends, train)
+    outcomes, (ready, results, training, trained_at) = ledger.record_round_while(str(run_id), server_round, spends, train)
     timings.commit_wait_s += time.perf_counter() - trained_at
-    ready, spent = [], {}
-    for account, (client, _) in asking.items():
-        outcome = outcomes[account]
-        if isinstance(outcome, float):
-            spent[client.index] = outcome
-            ready.append(client)
-        elif isinstance(outcome, BudgetExceeded):
-            out_of_budget.append(client)
-        else:  # a round already recorded: the apps' client refuses it
-            state.drop(recorder, server_round, client, _reason(outcome))
+    if len(ready) < len(asking):  # some were refused
+        for account, client in asking.items():
+            outcome = outcomes[account]
+            if isinstance(outcome, BudgetExceeded):
+                out_of_budget.append(client)
+            elif not isinstance(outcome, float):  # a round already recorded: the apps' client refuses it
+                state.drop(recorder, server_round, client, _reason(outcome))
     replies = _exhausted_replies(out_of_budget, ledger)
     state.exhausted.update(replies)
-    steps = ledger.steps_spent_of([c.local.account for c in ready])  # as the apps' reply: what the ledger holds
-    trained = _replies(ready, spent, steps, results, settings, replies)
+    accounts = [c.local.account for c in ready]
+    steps = ledger.steps_spent_of(accounts)  # as the apps' reply: what the ledger holds
+    trained = _replies(ready, [outcomes[a] for a in accounts], [steps[a] for a in accounts], results, settings, replies)
     timings.training_s += training
     timings.accounting_s += time.perf_counter() - started - training
     return trained, results, replies
@@ -302,22 +301,22 @@ def _reason(error: Exception) -> str:
     return error_summary(f"{type(error).__name__}: {error}")
 
 
-def _replies(ready: list[Client], spent: dict[int, float], steps: dict[str, int], results: RoundResult, settings: RunSettings,
+def _replies(ready: list[Client], spent: list[float], steps: list[int], results: RoundResult, settings: RunSettings,
              replies: dict[int, dict[str, Any]]) -> list[tuple[Client, int]]:  # fmt: skip
-    """The trained clients' replies and new trainer states; returns (client, row in `results`)."""
+    """The trained clients' replies and new trainer states (`spent`, `steps`: theirs, in order);
+    returns (client, row in `results`)."""
     if results.indices != [c.index for c in ready]:  # the pool returns rows in request order
         raise RuntimeError("the workers returned other clients than were asked to train")
-    trained = []
-    for k, client in enumerate(ready):
-        client.state = results.states[k]
-        if client.reply is None or client.reply["on-gpu"] != int(results.on_gpu):
+    on_gpu = int(results.on_gpu)
+    for client, state, epsilon, done in zip(ready, results.states, spent, steps, strict=True):
+        client.state = state
+        if client.reply is None or client.reply["on-gpu"] != on_gpu:
             client.reply = reply_constants(client.local, client.plan, trained=True, on_gpu=results.on_gpu)
-        reply = {**client.reply, "epsilon-spent": spent[client.index], "steps-done": steps[client.local.account]}
-        if settings.diagnostics:
-            reply.update(results.diagnostics[k])
-        replies[client.index] = reply
-        trained.append((client, k))
-    return trained
+        replies[client.index] = {**client.reply, "epsilon-spent": epsilon, "steps-done": done}
+    if settings.diagnostics:
+        for client, diagnostics in zip(ready, results.diagnostics, strict=True):
+            replies[client.index].update(diagnostics)
+    return list(zip(ready, range(len(ready))))
 
 
 def _exhausted_replies(clients: list[Client], ledger: Ledger) -> dict[int, dict[str, Any]]:
