@@ -7,8 +7,8 @@ round by round, each in its own SQLite file with the ledger's settings (`synchro
 rollback journal, one `BEGIN IMMEDIATE` transaction per round, one `INSERT … SELECT … FROM
 json_each` per round):
 
-- `names`: ledger schema 2, which named the account (a 70-character simulated account here) in
-  every spend and in both of its indexes;
+- `names`: ledger schema 2, which named the account in every spend and in both of its indexes
+  (a simulated client's account, as the simulator names it: 25–30 characters);
 - `keys`: the current schema (`fedprivacy.ledger`), which names it by a small integer key.
 
 Also timed: the whole `Ledger.record_round` of the current ledger (budgets, histories, one PLD
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from fedprivacy.ledger import SCHEMA, Budget, Ledger
+from fedprivacy.participant import simulated_account
 from fedprivacy.privacy.accountants import NoiseEvent
 
 NAMES_SCHEMA = """
@@ -47,7 +48,7 @@ EVENT = NoiseEvent(5.0, 0.125, 2)
 
 def account_names(count: int) -> list[str]:
     """Simulated accounts as the simulator names them: a data set's identity and a partition."""
-    return [f"synthetic:0f3a9c41d2b7e865/client_{i:05d}_of_{count:05d}_partition" for i in range(count)]
+    return [simulated_account("synthetic:0f3a9c41d2b7e865", str(i)) for i in range(count)]
 
 
 def open_layout(folder: Path, layout: str, accounts: list[str]) -> tuple[sqlite3.Connection, list[object]]:

@@ -41,8 +41,8 @@ from fedprivacy.privacy.plan import Plan
 SCHEMA_VERSION = 3  # PRAGMA user_version; older layouts are migrated on open (`_migrate`)
 # Spends name their account by a small integer key (`account_keys`), not by its name: every
 # account of a round appends to its own place in the account index, so a round dirties a page
-# per account there; with names (70 characters for a simulated account) the index entries were
-# ~10× larger and a 1,000-account round's write 2-4× slower (benchmarks/ledger_writes.py).
+# per account there; with names (~30 characters for a simulated account) the index entries were
+# several times larger and a 1,000-account round's write 1.6-3× slower (benchmarks/ledger_writes.py).
 _SPENDS_COLUMNS = """
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     account_key INTEGER NOT NULL REFERENCES account_keys(id),
@@ -252,14 +252,12 @@ _INSERT_SPENDS = (
 )
 
 
-def _spend_inserts(keys: list[int], values: tuple[object, ...]) -> tuple[str, list[tuple[object, ...]]]:
-    """The statement and its parameter rows that insert one spend `values` (every column but the
-    account) for each account key of `keys`."""
-    return _INSERT_SPENDS, [(*values, json.dumps(keys))]
+SpendRow = tuple[object, ...]  # `_INSERT_SPENDS`'s parameters: one spend for a JSON list of account keys
 
 
 # Earlier layouts named the account in each spend. Rebuilding the table keeps every spend's id
-# (the ledger relies on ids only growing) and gives each account named anywhere its key.
+# and gives each account named anywhere its key (`_migrate` checks no spend was left out and keeps
+# the id sequence's high-water mark: the ledger relies on ids only growing).
 _MIGRATE_ACCOUNT_NAMES = f"""
 INSERT OR IGNORE INTO account_keys (account) SELECT account FROM (SELECT account, MIN(id) AS first FROM spends GROUP BY account ORDER BY first);
 INSERT OR IGNORE INTO account_keys (account) SELECT account FROM accounts ORDER BY account;
@@ -287,13 +285,24 @@ def _migrate(db: sqlite3.Connection) -> None:
             named = "account" in {row[1] for row in db.execute("PRAGMA table_info(spends)")}
             _run_script(db, _TABLES)  # the tables a layout lacks (layout 0 had no accounts table)
             if named:
-                _run_script(db, _MIGRATE_ACCOUNT_NAMES)
+                _rekey_spends(db)
             _run_script(db, _INDEXES)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         db.execute("COMMIT")
     except BaseException:
         _rollback(db)
         raise
+
+
+def _rekey_spends(db: sqlite3.Connection) -> None:
+    """Inside `_migrate`: the spends of a layout that named accounts, moved to account keys."""
+    spends = db.execute("SELECT COUNT(*) FROM spends").fetchone()[0]
+    sequence = db.execute("SELECT COALESCE(MAX(seq), 0) FROM sqlite_sequence WHERE name = 'spends'").fetchone()[0]
+    _run_script(db, _MIGRATE_ACCOUNT_NAMES)
+    moved = db.execute("SELECT COUNT(*) FROM spends").fetchone()[0]
+    if moved != spends:  # raised inside the transaction: the file stays as it was
+        raise RuntimeError(f"ledger migration kept {moved} of {spends} spends; the ledger was left unchanged")
+    db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'spends'", (sequence,))
 
 
 def _rollback(db: sqlite3.Connection) -> None:
@@ -303,18 +312,17 @@ def _rollback(db: sqlite3.Connection) -> None:
         db.execute("ROLLBACK")
 
 
-def _write_and_commit(db: sqlite3.Connection, inserts: list[tuple[str, list[tuple[object, ...]]]]) -> int:
-    """Write a round's spends (`_spend_inserts`) and commit its transaction; returns the largest
-    spend id (the write lock is ours until the commit: every id up to it is this ledger's to
-    know). The caller rolls back if this fails."""
-    for statement, rows in inserts:
-        db.executemany(statement, rows)
+def _write_and_commit(db: sqlite3.Connection, rows: list[SpendRow]) -> int:
+    """Write a round's spends (`_INSERT_SPENDS` rows) and commit its transaction; returns the
+    largest spend id (the write lock is ours until the commit: every id up to it is this ledger's
+    to know). The caller rolls back if this fails."""
+    db.executemany(_INSERT_SPENDS, rows)
     last = Ledger._last_id(db)
     db.execute("COMMIT")
     return last
 
 
-def _write_and_commit_during(db: sqlite3.Connection, inserts: list[tuple[str, list[tuple[object, ...]]]],
+def _write_and_commit_during(db: sqlite3.Connection, rows: list[SpendRow],
                              job: Callable[[], T]) -> tuple[int, T]:  # fmt: skip
     """`_write_and_commit` on another thread while `job` runs on this one; (last id, `job`'s
     result) once the commit is done, or the write's error. Each grouped insert is one SQLite call,
@@ -325,7 +333,7 @@ def _write_and_commit_during(db: sqlite3.Connection, inserts: list[tuple[str, li
 
     def write() -> None:
         try:
-            done.append(_write_and_commit(db, inserts))
+            done.append(_write_and_commit(db, rows))
         except BaseException as error:
             failed.append(error)
 
@@ -637,14 +645,14 @@ class Ledger:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                outcomes, written, inserts = self._decide_round(db, run_id, server_round, spends)
+                outcomes, written, rows = self._decide_round(db, run_id, server_round, spends)
                 if work is None:
-                    last, result = _write_and_commit(db, inserts), None
+                    last, result = _write_and_commit(db, rows), None
                 else:
-                    last, result = _write_and_commit_during(db, inserts, lambda: work(outcomes))
+                    last, result = _write_and_commit_during(db, rows, lambda: work(outcomes))
             except BaseException:
-                _rollback(db)
                 self._known_keys.clear()  # keys given in the rolled-back transaction are gone
+                _rollback(db)
                 raise
             self._seen.update(written)  # only once committed
             self._synced = last
@@ -652,12 +660,12 @@ class Ledger:
 
     def _decide_round(
         self, db: sqlite3.Connection, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]
-    ) -> tuple[dict[str, Outcome], dict[str, tuple[NoiseEvent, ...]], list[tuple[str, list[tuple[object, ...]]]]]:
+    ) -> tuple[dict[str, Outcome], dict[str, tuple[NoiseEvent, ...]], list[SpendRow]]:
         """Inside the round's transaction: every account's outcome, the histories it writes, and the
-        inserts that write them (`_spend_inserts`: one per group of equal spends and event)."""
+        `_INSERT_SPENDS` rows that write them (one per group of equal spends and event)."""
         outcomes: dict[str, Outcome] = {}
         written: dict[str, tuple[NoiseEvent, ...]] = {}
-        inserts: list[tuple[str, list[tuple[object, ...]]]] = []
+        rows: list[SpendRow] = []
         now = _now()
         accounts = list(spends)
         budgets = self._budgets(db, accounts)
@@ -685,9 +693,10 @@ class Ledger:
                 continue
             outcomes.update(dict.fromkeys(members, epsilon))
             written.update(dict.fromkeys(members, history))
-            inserts += [_spend_inserts([keys[a] for a in members], (run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now))
-                        for e in new_events]  # fmt: skip
-        return outcomes, written, inserts
+            members_keys = json.dumps([keys[a] for a in members])
+            rows += [(run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now, members_keys)
+                     for e in new_events]  # fmt: skip
+        return outcomes, written, rows
 
     def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, tuple[NoiseEvent, ...]]:
         """The accounts' histories inside a transaction. Those seen before are kept unless another
@@ -697,6 +706,9 @@ class Ledger:
         if last != self._synced:
             if self._synced is None or last < self._synced:  # first use, or not the file seen before
                 self._seen.clear()
+                if self._synced is not None:  # nothing read from the other file is kept
+                    self._known_keys.clear()
+                    self._known_budgets.clear()
             else:
                 for (account,) in db.execute("SELECT DISTINCT k.account FROM spends AS s NOT INDEXED JOIN account_keys AS k "
                                              "ON k.id = s.account_key WHERE s.id > ?", (self._synced,)):  # fmt: skip

@@ -337,7 +337,7 @@ PRAGMA user_version = 2;
 
 def test_a_ledger_of_the_earlier_layout_keeps_every_spend_and_budget(tmp_path):
     """Opening a schema-2 file moves it to account keys in place: the same histories, budgets, runs
-    and spend ids, and new spends continue after the old ids. An account spent from before budgets
+    and spend ids, and new spends continue after every id the file ever gave. An account spent from before budgets
     were pinned (schema 0) keeps its spends too."""
     path = tmp_path / "ledger.sqlite"
     old = sqlite3.connect(path)
@@ -347,6 +347,7 @@ def test_a_ledger_of_the_earlier_layout_keeps_every_spend_and_budget(tmp_path):
     old.executemany("INSERT INTO spends (id, account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, "
                     "recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0.5, 1e-5, '2026-01-01')", rows)  # fmt: skip
     old.executemany("INSERT INTO accounts VALUES (?, 5.0, 1e-5, '2026-01-01', NULL)", [("a",), ("b\x00x",), ("never-spent",)])
+    old.execute("UPDATE sqlite_sequence SET seq = 20 WHERE name = 'spends'")  # ids up to 20 were given once
     old.commit()
     old.close()
 
@@ -359,7 +360,7 @@ def test_a_ledger_of_the_earlier_layout_keeps_every_spend_and_budget(tmp_path):
     ledger.record_round("r3", 1, {"a": [NoiseEvent(2.0, 0.1, 1)], "never-spent": [NoiseEvent(2.0, 0.1, 1)]})
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert [r[0] for r in db.execute("SELECT id FROM spends ORDER BY id")] == [3, 4, 9, 12, 13, 14]
+        assert [r[0] for r in db.execute("SELECT id FROM spends ORDER BY id")] == [3, 4, 9, 12, 21, 22]  # ids only grow
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert Ledger(path).steps_spent("a") == 13 and Ledger(path).steps_spent("never-spent") == 1
 
