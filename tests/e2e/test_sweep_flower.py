@@ -31,7 +31,14 @@ def sweep_process(out: Path, log: Path) -> subprocess.Popen:
     engine sets the offline variables and FLWR_HOME itself)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
     return subprocess.Popen([sys.executable, "-m", "fedprivacy", "sweep", str(TINY), "--out", str(out), "--engine", "flower", "--no-baseline"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A test suite started in the background by a shell (`pytest &`) ignores SIGINT, and its
+    children inherit that: the sweep gets Ctrl-C's default handling, as it would in a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def superlink(log: Path) -> tuple[int, Path]:
