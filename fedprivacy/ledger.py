@@ -278,7 +278,10 @@ def _run_script(db: sqlite3.Connection, script: str) -> None:
 
 def _migrate(db: sqlite3.Connection) -> None:
     """Bring the file to `SCHEMA_VERSION` in one write transaction (another process may be opening
-    it too: the version is read again once the write lock is held)."""
+    it too: the version is read again once the write lock is held). A current file is only read:
+    opening it never waits for another writer (a ClientApp opens its ledger on every message)."""
+    if db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+        return
     db.execute("BEGIN IMMEDIATE")
     try:
         if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:

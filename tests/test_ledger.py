@@ -385,3 +385,17 @@ def test_a_round_rolled_back_gives_its_new_accounts_keys_again(tmp_path):
     writer.record_round("run", 1, {"second": step})  # a new account may take the freed key
     writer.record_round("run", 1, {"first": step})
     assert (Ledger(path).steps_spent("first"), Ledger(path).steps_spent("second")) == (10, 10)
+
+
+def test_a_current_ledger_opens_while_another_writer_holds_it(tmp_path):
+    """Opening a ledger of the current layout writes nothing, so an operator's `ledger show` or a
+    ClientApp's next message does not wait for (or time out on) another process's transaction."""
+    path = tmp_path / "ledger.sqlite"
+    Ledger(path).open_accounts({"a": Budget(5.0, DELTA)})
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another writer's transaction, under way
+    try:
+        assert Ledger(path, busy_timeout=0.1).budget("a") == Budget(5.0, DELTA)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
