@@ -14,7 +14,7 @@ Subsets are scaled per client-round (client-rounds per second). Python imports h
 clock starts for `fast` and `inprocess` (a sweep pays them once); `flower` is timed from `flwr run`
 to the run's end. Also measured: a DP round of the fast engine against the same engine's round
 with clipping and noise off (same sampling, same steps), a steady round's split into accounting
-(and, of it, the wait for the ledger's commit after training) and training, and the fast engine's
+(and, of it, the wait for the ledger's commit after training and aggregation) and training, and the fast engine's
 peak RSS at 10,000 clients.
 
 Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]

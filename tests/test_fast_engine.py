@@ -134,3 +134,34 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_proces
     assert (after.exhausted_round > 1).all() and (after.epsilon_spent <= after.epsilon_budget).all()
     assert (after.steps_all_runs > before.steps_all_runs).all()  # the ledger carried run 1's steps
     assert csv(second, "rounds.csv").clients_exhausted.iloc[-1] == 2
+
+
+def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_process, tmp_path, monkeypatch):
+    """The server aggregates and evaluates while the round's spends commit; if the commit fails
+    (an I/O error injected into round 2's write), the run fails with it, the round is not in the
+    ledger, and no result of the round (its row, its model) is written."""
+    import sqlite3
+
+    from fedprivacy import ledger as ledger_module
+    write, aggregated = ledger_module._write_and_commit, []
+
+    def failing_in_round_2(db, rows):
+        if rows and rows[0][1] == 2:  # the row's server_round
+            raise sqlite3.OperationalError("disk I/O error")
+        return write(db, rows)
+
+    monkeypatch.setattr(ledger_module, "_write_and_commit", failing_in_round_2)
+    aggregate = fast_engine._aggregate
+    monkeypatch.setattr(fast_engine, "_aggregate", lambda *args: aggregated.append(args[3]) or aggregate(*args))
+    ledger = tmp_path / "ledger.sqlite"
+    config = {**in_process.defaults(), "noise-seed": 7, "num-server-rounds": 3, "ledger-path": str(ledger),
+              "results-dir": str(tmp_path / "r")}  # fmt: skip
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        run_fast(config, 2, say=lambda _: None)
+    (folder,) = (tmp_path / "r").iterdir()
+    assert aggregated == [1, 2]  # round 2 was aggregated while its commit ran ...
+    assert csv(folder, "rounds.csv")["round"].tolist() == [1]  # ... and nothing of it was written
+    assert not (folder / "model.pt").exists()
+    assert json.loads((folder / "summary.json").read_text())["status"] == "failed"
+    with sqlite3.connect(ledger) as db:
+        assert db.execute("SELECT DISTINCT server_round FROM spends").fetchall() == [(1,)]

@@ -6,11 +6,11 @@ ledger accounts, partitioning pins and seed rules (`open_account`), their plans
 (`plan_from_settings`, shared between clients with the same inputs), the round's noise events and
 affordability, the replies' public metrics (`reply_constants`), seeded sampling (`sample_clients`), the weighted average
 (`fedprivacy.aggregation`) and Flower's server optimisers (`server.optimizers`), central and
-federated evaluation, and the results folder (`RunRecorder`). What differs
-is how: plans are made once per run, a round's ledger writes are one transaction (committed while
-the clients train), and the clients' DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after
-every round equals the apps' to float tolerance and every client's ε is identical
-(tests/test_fast_engine.py).
+federated evaluation, and the results folder (`RunRecorder`). What differs is how: plans are made
+once per run, a round's ledger writes are one transaction (committed while the clients train and
+the server aggregates and evaluates their updates in memory), and the clients' DP-SGD steps run
+batched (sims/fast/stack.py). With the same seeds the global model after every round equals the
+apps' to float tolerance and every client's ε is identical (tests/test_fast_engine.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from flwr.app import ArrayRecord
@@ -55,6 +56,7 @@ from sims.fast.pool import WorkerPool
 from sims.fast.worker import RoundRequest, RoundResult, WorkerClient
 
 RoundCallback = Callable[[dict[str, Any]], None]
+T = TypeVar("T")
 
 
 @dataclass
@@ -97,8 +99,9 @@ class Participation:
 @dataclass
 class Timings:
     """Where a run's time went: accounting (plans, ledger, ε) and the rest. `commit_wait_s` is
-    the part of accounting spent waiting, after the clients trained, for the round's ledger commit
-    to be durable (it depends on the disk's fsync more than on anything the engine computes)."""
+    the part of accounting spent waiting, after the clients trained and the server aggregated and
+    evaluated their updates, for the round's ledger commit to be durable (it depends on the disk's
+    fsync more than on anything the engine computes)."""
 
     accounting_s: float = 0.0
     training_s: float = 0.0
@@ -175,7 +178,8 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
     torch.manual_seed(settings.seed)
     model = new_model(settings, test.features, test.num_classes)
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    _evaluate_centrally(model, global_state, test, recorder)
+    loss, accuracy = _central_metrics(model, global_state, test)
+    recorder.evaluated("", accuracy, loss)
     loaded = [c for c in clients if c.local is not None]
     pool = WorkerPool(
         [WorkerClient(c.index, c.local.data.train.features, c.local.data.train.labels, c.local.data.test.features,
@@ -190,18 +194,18 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
             eligible = [c.index for c in clients if c.index not in state.exhausted | state.failed]
             sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
             recorder.sampled(server_round, len(sampled))
-            trained, results, replies = _train_round(sampled, global_state, settings, ledger, run_id, server_round, pool,
-                                                     recorder, state, timings)  # fmt: skip
+            aggregate_and_evaluate = partial(_aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test)
+            replies, (global_state, central) = _train_round(sampled, global_state, settings, ledger, run_id, server_round, pool,
+                                                            recorder, state, timings, aggregate_and_evaluate)  # fmt: skip
             for client in sampled:
                 if client.index in replies:
                     state.failures[client.index] = 0
                     recorder.trained(server_round, client.name, replies[client.index], client.plan)
-            global_state = _aggregate(global_state, trained, results, server_round, settings, optimizer)
             left_out = state.failed | state.dropped_now
             evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in left_out], settings.fraction_evaluate)
                          if clients[i].local is not None]  # fmt: skip
             _evaluate_federated(pool, global_state, evaluated, recorder)
-            _evaluate_centrally(model, global_state, test, recorder)
+            recorder.evaluated("", central[1], central[0])
             row = recorder.end_round(server_round)
             say(progress_line(row, settings.num_server_rounds))
             if on_round is not None:
@@ -223,14 +227,16 @@ def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Pa
 
 
 def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], settings: RunSettings, ledger: Ledger, run_id: int,
-                 server_round: int, pool: WorkerPool, recorder: RunRecorder, state: Participation,
-                 timings: Timings) -> tuple[list[tuple[Client, int]], RoundResult, dict[int, dict[str, Any]]]:  # fmt: skip
+                 server_round: int, pool: WorkerPool, recorder: RunRecorder, state: Participation, timings: Timings,
+                 then: Callable[[list[tuple[Client, int]], RoundResult], T]) -> tuple[dict[int, dict[str, Any]], T]:  # fmt: skip
     """The ClientApp's steps for the round's sampled clients, batched: accounts, plans, the
     round's spends in one ledger transaction that refuses what a budget cannot afford, training of
     the clients it recorded, and every sampled client's reply. The transaction commits while they
-    train, and their updates are returned only once it has: recording before the update leaves, as
-    the apps do (a run that crashes mid-round has spent for updates nobody used: never less).
-    Returns the trained clients with their rows in the result, the result, and the replies."""
+    train and `then(trained clients with their rows, result)` runs (the server's aggregation and
+    central evaluation: in memory, nothing leaves the process); the replies and `then`'s result
+    are returned only once the commit is durable: recording before anything derived from an
+    update leaves, as the apps do (a run that crashes mid-round has spent for updates nobody
+    used: never less). Returns the replies by client index and `then`'s result."""
     started = time.perf_counter()
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
     asking: dict[str, Client] = {}  # by account
@@ -250,15 +256,19 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
         else:  # its plan has no steps left
             out_of_budget.append(client)
 
-    def train(outcomes: dict[str, Outcome]) -> tuple[list[Client], RoundResult, float, float]:
+    def work(outcomes: dict[str, Outcome]) -> tuple[list[Client], RoundResult, T, float, float, float]:
         ready = [client for account, client in asking.items() if isinstance(outcomes[account], float)]  # recorded
         begun = time.perf_counter()
         result = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
+        trained_at = time.perf_counter()
+        if result.indices != [c.index for c in ready]:  # the pool returns rows in request order
+            raise RuntimeError("the workers returned other clients than were asked to train")
+        after = then(list(zip(ready, range(len(ready)))), result)
         ended = time.perf_counter()
-        return ready, result, ended - begun, ended
+        return ready, result, after, trained_at - begun, ended - begun, ended
 
-    outcomes, (ready, results, training, trained_at) = ledger.record_round_while(str(run_id), server_round, spends, train)
-    timings.commit_wait_s += time.perf_counter() - trained_at
+    outcomes, (ready, results, after, training, working, worked_at) = ledger.record_round_while(str(run_id), server_round, spends, work)
+    timings.commit_wait_s += time.perf_counter() - worked_at
     if len(ready) < len(asking):  # some were refused
         for account, client in asking.items():
             outcome = outcomes[account]
@@ -270,10 +280,10 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     state.exhausted.update(replies)
     accounts = [c.local.account for c in ready]
     steps = ledger.steps_spent_of(accounts)  # as the apps' reply: what the ledger holds
-    trained = _replies(ready, [outcomes[a] for a in accounts], [steps[a] for a in accounts], results, settings, replies)
+    _replies(ready, [outcomes[a] for a in accounts], [steps[a] for a in accounts], results, settings, replies)
     timings.training_s += training
-    timings.accounting_s += time.perf_counter() - started - training
-    return trained, results, replies
+    timings.accounting_s += time.perf_counter() - started - working
+    return replies, after
 
 
 def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, pool: WorkerPool) -> None:
@@ -302,11 +312,9 @@ def _reason(error: Exception) -> str:
 
 
 def _replies(ready: list[Client], spent: list[float], steps: list[int], results: RoundResult, settings: RunSettings,
-             replies: dict[int, dict[str, Any]]) -> list[tuple[Client, int]]:  # fmt: skip
-    """The trained clients' replies and new trainer states (`spent`, `steps`: theirs, in order);
-    returns (client, row in `results`)."""
-    if results.indices != [c.index for c in ready]:  # the pool returns rows in request order
-        raise RuntimeError("the workers returned other clients than were asked to train")
+             replies: dict[int, dict[str, Any]]) -> None:  # fmt: skip
+    """The trained clients' replies (into `replies`) and new trainer states (`spent`, `steps`:
+    theirs, in order; `results`: their rows, in the same order)."""
     on_gpu = int(results.on_gpu)
     for client, state, epsilon, done in zip(ready, results.states, spent, steps, strict=True):
         client.state = state
@@ -316,7 +324,6 @@ def _replies(ready: list[Client], spent: list[float], steps: list[int], results:
     if settings.diagnostics:
         for client, diagnostics in zip(ready, results.diagnostics, strict=True):
             replies[client.index].update(diagnostics)
-    return list(zip(ready, range(len(ready))))
 
 
 def _exhausted_replies(clients: list[Client], ledger: Ledger) -> dict[int, dict[str, Any]]:
@@ -331,6 +338,14 @@ def _exhausted_replies(clients: list[Client], ledger: Ledger) -> dict[int, dict[
         spent = composed_epsilon(history, client.local.delta)
         replies[client.index] = reply_metrics(client.local, client.plan, spent, sum(e.count for e in history), trained=False)
     return replies
+
+
+def _aggregate_and_evaluate(global_state: dict[str, torch.Tensor], server_round: int, settings: RunSettings,
+                            optimizer: ServerOptimizer | None, model: torch.nn.Module, test: Any, trained: list[tuple[Client, int]],
+                            results: RoundResult) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:  # fmt: skip
+    """The round's new global model and its central (loss, accuracy)."""
+    new_state = _aggregate(global_state, trained, results, server_round, settings, optimizer)
+    return new_state, _central_metrics(model, new_state, test)
 
 
 def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult, server_round: int,
@@ -364,7 +379,7 @@ def _evaluate_federated(pool: WorkerPool, global_state: dict[str, torch.Tensor],
     recorder.evaluated("federated_", accuracy, loss)
 
 
-def _evaluate_centrally(model: torch.nn.Module, global_state: dict[str, torch.Tensor], test: Any, recorder: RunRecorder) -> None:
+def _central_metrics(model: torch.nn.Module, global_state: dict[str, torch.Tensor], test: Any) -> tuple[float, float]:
+    """(loss, accuracy) of `global_state` on the server's test set."""
     model.load_state_dict(global_state)
-    loss, accuracy = evaluate_model(model, test)
-    recorder.evaluated("", accuracy, loss)
+    return evaluate_model(model, test)
