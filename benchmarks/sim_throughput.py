@@ -230,7 +230,7 @@ def main() -> None:
     print("\nA steady fast-engine round (after the first round's planning):")
     for s in steady:
         print(f"  {s['model']:<8} {s['clients']} clients: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
-              f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after training {s['commit_wait_ms']:.1f} ms)")
+              f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after training and aggregation {s['commit_wait_ms']:.1f} ms)")
     memory = None
     if args.memory_clients:
         memory = child(["run", "fast", "logreg", str(args.memory_clients), "2", "1"])
