@@ -1,10 +1,10 @@
 """The empirical privacy audit, with more trials than the tests: prints a table and writes JSON.
 
 For one-step, full-batch plans certified at several ε (δ = 1e-5, N = 10): the canary membership
-attack's ε lower bound (Clopper–Pearson, 95%) beside the certificate, for the real trainer and for
-the negative control whose noise is divided by 3; the noise std per parameter; and the rate of
-non-finite releases under a crafted overflow model, with and without the canary. See sims/audit.py
-for the method.
+attack's ε lower bound (95%: Clopper–Pearson, each rate at 97.5%) beside the certificate, for the
+real trainer and for the negative control whose noise is divided by 3; the noise std per
+parameter; and the rate of non-finite releases under a crafted overflow model, with and without
+the canary. See sims/audit.py for the method.
 
 Usage: python benchmarks/privacy_audit.py [--trials 20000] [--epsilons 1,2,3] [--engines trainer,fast] [--json PATH]
 """

@@ -14,8 +14,8 @@ Subsets are scaled per client-round (client-rounds per second). Python imports h
 clock starts for `fast` and `inprocess` (a sweep pays them once); `flower` is timed from `flwr run`
 to the run's end. Also measured: a DP round of the fast engine against the same engine's round
 with clipping and noise off (same sampling, same steps), a steady round's split into accounting
-(and, of it, the wait for the ledger's commit after training and aggregation) and training, and the fast engine's
-peak RSS at 10,000 clients.
+(and, of it, the wait for the ledger's commit after training, aggregation and central evaluation)
+and training, and the fast engine's peak RSS at 10,000 clients.
 
 Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]
        [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1] [--json PATH]
@@ -230,7 +230,7 @@ def main() -> None:
     print("\nA steady fast-engine round (after the first round's planning):")
     for s in steady:
         print(f"  {s['model']:<8} {s['clients']} clients: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
-              f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after training and aggregation {s['commit_wait_ms']:.1f} ms)")
+              f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after the round's work {s['commit_wait_ms']:.1f} ms)")
     memory = None
     if args.memory_clients:
         memory = child(["run", "fast", "logreg", str(args.memory_clients), "2", "1"])

@@ -643,8 +643,9 @@ class Ledger:
         committed on another thread (a simulation's training overlaps the ledger's disk work); the
         work's result is returned only once the spends are durable. If the write or commit fails,
         its error is raised, the round rolled back and the result dropped. `work` runs before the
-        spends are durable, so it must have no effect visible outside until it returns (training
-        whose updates are used only after), and it must not use this ledger: its connection is busy."""
+        spends are durable, so it must have no effect visible outside until it returns (training,
+        and aggregation and evaluation in memory, whose results are used only after), and it must
+        not use this ledger: its connection is busy."""
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:

@@ -136,14 +136,17 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_proces
     assert csv(second, "rounds.csv").clients_exhausted.iloc[-1] == 2
 
 
-def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_process, tmp_path, monkeypatch):
-    """The server aggregates and evaluates while the round's spends commit; if the commit fails
-    (an I/O error injected into round 2's write), the run fails with it, the round is not in the
-    ledger, and no result of the round (its row, its model) is written."""
+@pytest.mark.parametrize("optimizer", [{}, {"server-optimizer": "fedavgm", "server-momentum": 0.9}])
+def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_process, tmp_path, monkeypatch, optimizer):
+    """The server aggregates (its optimiser steps) and evaluates while the round's spends commit;
+    if the commit fails (an I/O error injected into round 2's write), the run fails with it, the
+    round is not in the ledger, and nothing derived from its updates got out: no row, no progress
+    line, no round callback, no federated evaluation (the new model sent to the workers), no model."""
     import sqlite3
 
     from fedprivacy import ledger as ledger_module
-    write, aggregated = ledger_module._write_and_commit, []
+
+    write, aggregated, evaluated = ledger_module._write_and_commit, [], []
 
     def failing_in_round_2(db, rows):
         if rows and rows[0][1] == 2:  # the row's server_round
@@ -151,16 +154,21 @@ def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_p
         return write(db, rows)
 
     monkeypatch.setattr(ledger_module, "_write_and_commit", failing_in_round_2)
-    aggregate = fast_engine._aggregate
+    aggregate, evaluate = fast_engine._aggregate, fast_engine._evaluate_federated
     monkeypatch.setattr(fast_engine, "_aggregate", lambda *args: aggregated.append(args[3]) or aggregate(*args))
+    monkeypatch.setattr(fast_engine, "_evaluate_federated", lambda *args: evaluated.append(args[2]) or evaluate(*args))
     ledger = tmp_path / "ledger.sqlite"
     config = {**in_process.defaults(), "noise-seed": 7, "num-server-rounds": 3, "ledger-path": str(ledger),
-              "results-dir": str(tmp_path / "r")}  # fmt: skip
+              "fraction-evaluate": 1.0, "results-dir": str(tmp_path / "r"), **optimizer}  # fmt: skip
+    lines, rows = [], []
     with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
-        run_fast(config, 2, say=lambda _: None)
+        run_fast(config, 2, say=lines.append, on_round=rows.append)
     (folder,) = (tmp_path / "r").iterdir()
     assert aggregated == [1, 2]  # round 2 was aggregated while its commit ran ...
-    assert csv(folder, "rounds.csv")["round"].tolist() == [1]  # ... and nothing of it was written
+    assert [row["round"] for row in rows] == [1] and len(evaluated) == 1  # ... and nothing of it got out
+    progress = [line for line in lines if line.startswith("round ")]
+    assert len(progress) == 1 and progress[0].startswith("round 1/3")
+    assert csv(folder, "rounds.csv")["round"].tolist() == [1]
     assert not (folder / "model.pt").exists()
     assert json.loads((folder / "summary.json").read_text())["status"] == "failed"
     with sqlite3.connect(ledger) as db:

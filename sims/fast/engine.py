@@ -8,9 +8,10 @@ affordability, the replies' public metrics (`reply_constants`), seeded sampling 
 (`fedprivacy.aggregation`) and Flower's server optimisers (`server.optimizers`), central and
 federated evaluation, and the results folder (`RunRecorder`). What differs is how: plans are made
 once per run, a round's ledger writes are one transaction (committed while the clients train and
-the server aggregates and evaluates their updates in memory), and the clients' DP-SGD steps run
-batched (sims/fast/stack.py). With the same seeds the global model after every round equals the
-apps' to float tolerance and every client's ε is identical (tests/test_fast_engine.py).
+the server aggregates their updates and evaluates the new model, in memory), and the clients'
+DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after every
+round equals the apps' to float tolerance and every client's ε is identical
+(tests/test_fast_engine.py).
 """
 
 from __future__ import annotations
