@@ -178,7 +178,7 @@ def epsilon_lower_bound(scores_out: np.ndarray, scores_in: np.ndarray, delta: fl
     pick_in, judge_in = scores_in[:half_in], scores_in[half_in:]
     candidates = np.quantile(np.concatenate([pick_out, pick_in]), np.linspace(0.01, 0.99, 197))
 
-    def bounded(threshold: float) -> float:  # bounded as the second half will be, more strictly: few counts do not win by luck
+    def bounded(threshold: float) -> float:  # as the second halves will be, more strictly (`PICK_CONFIDENCE`)
         fpr = _upper(int(np.sum(pick_out > threshold)), half_out, PICK_CONFIDENCE)
         fnr = _upper(int(np.sum(pick_in <= threshold)), half_in, PICK_CONFIDENCE)
         return _epsilon(fpr, fnr, delta)

@@ -337,8 +337,8 @@ PRAGMA user_version = 2;
 
 def test_a_ledger_of_the_earlier_layout_keeps_every_spend_and_budget(tmp_path):
     """Opening a schema-2 file moves it to account keys in place: the same histories, budgets, runs
-    and spend ids, and new spends continue after every id the file ever gave. An account spent from before budgets
-    were pinned (schema 0) keeps its spends too."""
+    and spend ids, and new spends continue after every id the file ever gave. An account spent
+    from before budgets were pinned (schema 0) keeps its spends too."""
     path = tmp_path / "ledger.sqlite"
     old = sqlite3.connect(path)
     old.executescript(_SCHEMA_2)

@@ -59,6 +59,24 @@ def test_the_audit_catches_a_trainer_whose_noise_was_divided_by_three(plan, engi
     assert audit.audit_canary(broken, TRIALS, engine=engine).epsilon_lower_bound > plan.epsilon_pld
 
 
+def test_the_lower_bound_holds_both_error_rates_jointly_at_its_confidence():
+    """ε_lb needs the false-positive and the false-negative bound to hold at once: each is a
+    one-sided Clopper–Pearson bound (the beta quantile, computed here) at 1 − (1 − 0.95)/2, so that
+    both hold together with 95%. The first halves separate perfectly, so the threshold is known;
+    the second halves hold 3 false positives and 5 false negatives in 1,000 each."""
+    from scipy.stats import beta
+
+    n, delta = 1000, 1e-5
+    scores_out = np.concatenate([np.zeros(n), np.zeros(n - 3), np.full(3, 10.0)])
+    scores_in = np.concatenate([np.ones(n), np.ones(n - 5), np.full(5, -1.0)])
+    bound = audit.epsilon_lower_bound(scores_out, scores_in, delta, confidence=0.95)
+    assert 0.0 <= bound.threshold < 1.0
+    fpr, fnr = beta.ppf(0.975, 3 + 1, n - 3), beta.ppf(0.975, 5 + 1, n - 5)
+    assert (bound.false_positive_upper, bound.false_negative_upper) == pytest.approx((fpr, fnr), rel=1e-9)
+    expected = max(math.log((1 - delta - fnr) / fpr), math.log((1 - delta - fpr) / fnr))
+    assert bound.epsilon_lower_bound == pytest.approx(expected, rel=1e-9) and bound.confidence == 0.95
+
+
 @pytest.mark.parametrize("engine", audit.ENGINES)
 def test_a_crafted_model_never_makes_a_release_non_finite(plan, engine):
     """Before the fix, the overflowing canary made every release with it NaN (q = 1 here)."""

@@ -196,8 +196,8 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
             sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
             recorder.sampled(server_round, len(sampled))
             aggregate_and_evaluate = partial(_aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test)
-            replies, (global_state, central) = _train_round(sampled, global_state, settings, ledger, run_id, server_round, pool,
-                                                            recorder, state, timings, aggregate_and_evaluate)  # fmt: skip
+            replies, (global_state, (loss, accuracy)) = _train_round(sampled, global_state, settings, ledger, run_id, server_round, pool,
+                                                                      recorder, state, timings, aggregate_and_evaluate)  # fmt: skip
             for client in sampled:
                 if client.index in replies:
                     state.failures[client.index] = 0
@@ -206,7 +206,7 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
             evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in left_out], settings.fraction_evaluate)
                          if clients[i].local is not None]  # fmt: skip
             _evaluate_federated(pool, global_state, evaluated, recorder)
-            recorder.evaluated("", central[1], central[0])
+            recorder.evaluated("", accuracy, loss)
             row = recorder.end_round(server_round)
             say(progress_line(row, settings.num_server_rounds))
             if on_round is not None:
