@@ -122,6 +122,24 @@ def test_a_client_too_small_to_train_fails_alone(in_process, tmp_path):
     assert timings.accounting_s > 0 and 0 < timings.commit_wait_s <= timings.accounting_s
 
 
+def test_a_run_in_which_every_client_fails_ends_as_the_apps_run_does(in_process, tmp_path, monkeypatch):
+    """A per-client budget list of the wrong length fails every client by name (no worker has
+    anyone to train); the run then fails as the apps' run does, with the same clients.csv."""
+    config = {**in_process.defaults(), "num-server-rounds": 2, "epsilons": "1,2,3"}
+    with pytest.raises(RuntimeError, match="no client trained"):
+        apps_rounds(in_process, {**config, "results-dir": str(tmp_path / "apps")}, 4, monkeypatch)
+    with pytest.raises(RuntimeError, match="no client trained"):
+        run_fast({**config, "results-dir": str(tmp_path / "fast")}, 4, say=lambda _: None)
+    ((apps_folder,), (fast_folder,)) = ((tmp_path / "apps").iterdir(), (tmp_path / "fast").iterdir())
+    clients = csv(fast_folder, "clients.csv")
+    assert clients.status.str.contains("epsilons='1,2,3': needs one value per client").all() and len(clients) == 4
+    apps_clients = csv(apps_folder, "clients.csv")  # the apps name a client without data by its node
+    assert list(apps_clients.columns) == list(clients.columns)
+    pd.testing.assert_frame_equal(apps_clients.drop(columns="client_id"), clients.drop(columns="client_id"))
+    assert json.loads((fast_folder / "summary.json").read_text())["status"].startswith("failed")
+    assert not (fast_folder / "model.pt").exists()
+
+
 def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_process, tmp_path):
     """As with the apps: run 2 starts from run 1's spend and each client stops before the round it
     cannot afford, never over budget."""

@@ -60,9 +60,11 @@ class RoundResult:
 
 
 def _padded(arrays: list[np.ndarray], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Rows of every client in one [clients, most rows, ...] tensor, and each client's row count."""
-    counts = torch.tensor([len(a) for a in arrays])
-    out = torch.zeros((len(arrays), max((len(a) for a in arrays), default=0), *arrays[0].shape[1:]), dtype=dtype)
+    """Rows of every client in one [clients, most rows, ...] tensor, and each client's row count
+    (no clients: an empty tensor, as when every client of a run failed to load its data)."""
+    counts = torch.tensor([len(a) for a in arrays], dtype=torch.long)
+    trailing = arrays[0].shape[1:] if arrays else ()
+    out = torch.zeros((len(arrays), max((len(a) for a in arrays), default=0), *trailing), dtype=dtype)
     for k, a in enumerate(arrays):
         out[k, : len(a)] = torch.as_tensor(a, dtype=dtype)
     return out, counts
