@@ -170,6 +170,27 @@ def test_vectorised_epsilon_for_delta_equals_dp_accounting(sigma, q, steps, delt
 
 
 @pytest.mark.parametrize(
+    "sigma, q, steps, delta, grid",
+    [(5.0, 0.125, 20, 1e-5, 1e-4), (1.1, 0.01, 300, 1e-5, 1e-3), (2.0, 1.0, 50, 1e-5, 1e-3), (0.02, 1.0, 1, 1e-5, 0.1),
+     (60.0, 0.01, 5, 0.5, 1e-3), (0.3, 0.5, 40, 1e-16, 1e-3)],
+)
+def test_epsilon_walk_by_chunks_equals_the_walk_over_the_whole_grid(sigma, q, steps, delta, grid):
+    """ε(δ) walks the grid a chunk at a time and stops at the chunk holding the answer: exactly the
+    ε of one pass over the whole grid, whatever the chunk size, on every path (a finite ε, a loss
+    whose e^−loss underflows, ε = 0, no finite ε)."""
+    from dp_accounting.pld.privacy_loss_distribution import from_gaussian_mechanism
+
+    from fedprivacy.privacy.pld_dense import _dense_epsilon
+
+    distribution = from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid).self_compose(steps)
+    for pmf in (distribution._pmf_remove, distribution._pmf_add):
+        whole = _dense_epsilon(pmf, delta, first_chunk=len(pmf._probs))
+        assert whole == pmf.get_epsilon_for_delta(delta) or whole == pytest.approx(pmf.get_epsilon_for_delta(delta), rel=1e-12, abs=1e-15)
+        for chunk in (1, 3, 64, 2048):
+            assert _dense_epsilon(pmf, delta, first_chunk=chunk) == whole
+
+
+@pytest.mark.parametrize(
     ("first", "second", "grid", "pessimistic", "tail"),
     [((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 1e-15),  # a ledger's history and its next round
      ((1.1, 0.01, 300), (0.9, 0.02, 7), 1e-3, True, 1e-15),  # other σ and q: both adjacencies differ
