@@ -15,7 +15,9 @@ clock starts for `fast` and `inprocess` (a sweep pays them once); `flower` is ti
 to the run's end. Also measured: a DP round of the fast engine against the same engine's round
 with clipping and noise off (same sampling, same steps), a steady round's split into accounting
 (and, of it, the wait for the ledger's commit after training, aggregation and central evaluation)
-and training, and the fast engine's peak RSS at 10,000 clients.
+and training, with every client on one budget and with the clients on five ε levels (five plans:
+five histories to compose per round while they all train), and the fast engine's peak RSS at
+10,000 clients.
 
 Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]
        [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1] [--json PATH]
@@ -108,10 +110,16 @@ def _flower(config: dict[str, Any], clients: int) -> float:
 
 
 # ----- a steady round of the fast engine: where its time goes -----
-def steady_round(model: str, clients: int, rounds: int) -> dict[str, Any]:
+BUDGET_LEVELS = (0.5, 1.0, 2.0, 4.0, 8.0)  # ε of the mixed-budget steady round, dealt to clients in turn
+
+
+def steady_round(model: str, clients: int, rounds: int, budgets: int = 1) -> dict[str, Any]:
     """Rounds 2..R of a run: wall time per round from the engine's end-of-round callback, and the
-    accounting in them (the run's accounting minus that of a 1-round run, whose only round also
-    plans: accounting depends on the clients, not on how many steps a round holds)."""
+    engine's own accounting time of those rounds (round 1 also plans). With `budgets` > 1 the
+    clients hold that many ε levels in turn (the first of `BUDGET_LEVELS`): each level is its own
+    plan, so a round composes one history per level still training. A 1-round run first warms the
+    caches shared between runs, as a sweep's first cell does."""
+    import statistics
     import warnings
 
     import fedprivacy.results as results_module
@@ -119,19 +127,25 @@ def steady_round(model: str, clients: int, rounds: int) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     results_module.RunRecorder.write_plans = lambda self: []  # sheets are not part of a round
-    accounting, waits, ends = {}, {}, []
-    for count in (1, 1, rounds):  # the first run warms the shared plan cache, as a sweep's first cell does
+    for count in (1, rounds):
         with tempfile.TemporaryDirectory() as results:
-            ends = []
-            _, timings = run_fast(scenario(model, clients, count, Path(results)), clients, say=lambda _: None,
-                                  on_round=lambda row: ends.append(time.perf_counter()))  # fmt: skip
-            accounting[count], waits[count] = timings.accounting_s, timings.commit_wait_s
+            ends: list[float] = []
+            config = {**scenario(model, clients, count, Path(results)), **mixed_budgets(clients, budgets)}
+            _, timings = run_fast(config, clients, say=lambda _: None, on_round=lambda row: ends.append(time.perf_counter()))
     wall = (ends[-1] - ends[0]) / (rounds - 1)
-    per_round = (accounting[rounds] - accounting[1]) / (rounds - 1)
-    wait = (waits[rounds] - waits[1]) / (rounds - 1)
-    return {"model": model, "clients": clients, "round_ms": round(1000 * wall, 1),
-            "accounting_ms": round(1000 * per_round, 1), "accounting_share": round(per_round / wall, 3),
+    accounting = statistics.fmean(timings.accounting_by_round[1:])
+    wait = statistics.fmean(timings.commit_wait_by_round[1:])
+    return {"model": model, "clients": clients, "budgets": budgets, "round_ms": round(1000 * wall, 1),
+            "accounting_ms": round(1000 * accounting, 1), "accounting_share": round(accounting / wall, 3),
             "commit_wait_ms": round(1000 * wait, 1)}  # fmt: skip
+
+
+def mixed_budgets(clients: int, budgets: int) -> dict[str, str]:
+    """Run-config keys that give the clients `budgets` ε levels in turn (none for one level)."""
+    if budgets <= 1:
+        return {}
+    levels = BUDGET_LEVELS[:budgets]
+    return {"epsilons": ",".join(f"{levels[k % budgets]:g}" for k in range(clients))}
 
 
 # ----- the mechanism's cost inside the fast engine -----
@@ -196,7 +210,7 @@ def main() -> None:
         if kind == "mechanism":
             print(json.dumps(mechanism_cost(rest[0], int(rest[1]), int(rest[2]))))
         elif kind == "steady":
-            print(json.dumps(steady_round(rest[0], int(rest[1]), int(rest[2]))))
+            print(json.dumps(steady_round(rest[0], int(rest[1]), int(rest[2]), *map(int, rest[3:4]))))
         else:
             engine, model, clients, rounds, workers = rest
             with tempfile.TemporaryDirectory() as results:
@@ -227,9 +241,11 @@ def main() -> None:
     for m in mechanism:
         print(f"  {m['model']:<8} {m['clients']} clients: DP {m['dp_round_s']:.3f} s, non-private {m['nonprivate_round_s']:.3f} s, ratio {m['ratio']:.2f}")
     steady = [child(["steady", model, str(args.clients), str(args.rounds)]) for model in args.models.split(",")]
+    steady += [child(["steady", model, str(args.clients), str(args.rounds), str(len(BUDGET_LEVELS))]) for model in args.models.split(",")]
     print("\nA steady fast-engine round (after the first round's planning):")
     for s in steady:
-        print(f"  {s['model']:<8} {s['clients']} clients: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
+        levels = "one budget" if s["budgets"] == 1 else f"{s['budgets']} budgets"
+        print(f"  {s['model']:<8} {s['clients']} clients, {levels}: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
               f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after the round's work {s['commit_wait_ms']:.1f} ms)")
     memory = None
     if args.memory_clients:

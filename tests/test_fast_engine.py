@@ -120,6 +120,9 @@ def test_a_client_too_small_to_train_fails_alone(in_process, tmp_path):
     assert len(failed) >= 1 and failed.status.str.contains("too little data|row\\(s\\) in its partition|n=1: must be an integer >= 2").all()
     assert (clients[~clients.status.str.startswith("failed")].epsilon_spent <= 1.0).all()
     assert timings.accounting_s > 0 and 0 < timings.commit_wait_s <= timings.accounting_s
+    assert len(timings.accounting_by_round) == len(timings.commit_wait_by_round) == 2  # one per round
+    assert sum(timings.accounting_by_round) == pytest.approx(timings.accounting_s)
+    assert all(0 < wait <= spent for wait, spent in zip(timings.commit_wait_by_round, timings.accounting_by_round))
 
 
 def test_a_run_in_which_every_client_fails_ends_as_the_apps_run_does(in_process, tmp_path, monkeypatch):

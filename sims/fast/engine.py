@@ -102,11 +102,21 @@ class Timings:
     """Where a run's time went: accounting (plans, ledger, ε) and the rest. `commit_wait_s` is
     the part of accounting spent waiting, after the clients trained and the server aggregated and
     evaluated their updates, for the round's ledger commit to be durable (it depends on the disk's
-    fsync more than on anything the engine computes)."""
+    fsync more than on anything the engine computes). The `_by_round` lists hold each round's
+    share of the totals (the first round's accounting includes the plans made for its clients)."""
 
     accounting_s: float = 0.0
     training_s: float = 0.0
     commit_wait_s: float = 0.0
+    accounting_by_round: list[float] = field(default_factory=list)
+    commit_wait_by_round: list[float] = field(default_factory=list)
+
+    def add_round(self, accounting_s: float, training_s: float, commit_wait_s: float) -> None:
+        self.accounting_s += accounting_s
+        self.training_s += training_s
+        self.commit_wait_s += commit_wait_s
+        self.accounting_by_round.append(accounting_s)
+        self.commit_wait_by_round.append(commit_wait_s)
 
 
 def run_fast(
@@ -269,7 +279,7 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
         return ready, result, after, trained_at - begun, ended - begun, ended
 
     outcomes, (ready, results, after, training, working, worked_at) = ledger.record_round_while(str(run_id), server_round, spends, work)
-    timings.commit_wait_s += time.perf_counter() - worked_at
+    commit_wait = time.perf_counter() - worked_at
     if len(ready) < len(asking):  # some were refused
         for account, client in asking.items():
             outcome = outcomes[account]
@@ -282,8 +292,7 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     accounts = [c.local.account for c in ready]
     steps = ledger.steps_spent_of(accounts)  # as the apps' reply: what the ledger holds
     _replies(ready, [outcomes[a] for a in accounts], [steps[a] for a in accounts], results, settings, replies)
-    timings.training_s += training
-    timings.accounting_s += time.perf_counter() - started - working
+    timings.add_round(time.perf_counter() - started - working, training, commit_wait)
     return replies, after
 
 
