@@ -202,7 +202,8 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
     try:
         for server_round in range(1, settings.num_server_rounds + 1):
             state.dropped_now = set()
-            eligible = [c.index for c in clients if c.index not in state.exhausted | state.failed]
+            gone = state.exhausted | state.failed
+            eligible = [c.index for c in clients if c.index not in gone]
             sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
             recorder.sampled(server_round, len(sampled))
             aggregate_and_evaluate = partial(_aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test)
