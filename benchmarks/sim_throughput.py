@@ -111,6 +111,7 @@ def _flower(config: dict[str, Any], clients: int) -> float:
 
 # ----- a steady round of the fast engine: where its time goes -----
 BUDGET_LEVELS = (0.5, 1.0, 2.0, 4.0, 8.0)  # ε of the mixed-budget steady round, dealt to clients in turn
+SCALE_ROUNDS = 6  # rounds of the steady rows with more clients (a 10,000-client round takes ~0.5 s)
 
 
 def steady_round(model: str, clients: int, rounds: int, budgets: int = 1) -> dict[str, Any]:
@@ -135,7 +136,7 @@ def steady_round(model: str, clients: int, rounds: int, budgets: int = 1) -> dic
     wall = (ends[-1] - ends[0]) / (rounds - 1)
     accounting = statistics.fmean(timings.accounting_by_round[1:])
     wait = statistics.fmean(timings.commit_wait_by_round[1:])
-    return {"model": model, "clients": clients, "budgets": budgets, "round_ms": round(1000 * wall, 1),
+    return {"model": model, "clients": clients, "budgets": budgets, "rounds": rounds, "round_ms": round(1000 * wall, 1),
             "accounting_ms": round(1000 * accounting, 1), "accounting_share": round(accounting / wall, 3),
             "commit_wait_ms": round(1000 * wait, 1)}  # fmt: skip
 
@@ -201,6 +202,8 @@ def main() -> None:
     parser.add_argument("--flower-clients", type=int, default=50)
     parser.add_argument("--flower-rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=1, help="fast engine workers (more than 1: Ray actors)")
+    parser.add_argument("--scale-clients", default="3000,10000",
+                        help="clients of the extra steady logreg rows (6 rounds each) that show accounting's share as a round grows")
     parser.add_argument("--memory-clients", type=int, default=10_000, help="clients of the peak-RSS run (0: skip)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -242,10 +245,11 @@ def main() -> None:
         print(f"  {m['model']:<8} {m['clients']} clients: DP {m['dp_round_s']:.3f} s, non-private {m['nonprivate_round_s']:.3f} s, ratio {m['ratio']:.2f}")
     steady = [child(["steady", model, str(args.clients), str(args.rounds)]) for model in args.models.split(",")]
     steady += [child(["steady", model, str(args.clients), str(args.rounds), str(len(BUDGET_LEVELS))]) for model in args.models.split(",")]
+    steady += [child(["steady", "logreg", clients, str(SCALE_ROUNDS)]) for clients in args.scale_clients.split(",") if clients]
     print("\nA steady fast-engine round (after the first round's planning):")
     for s in steady:
         levels = "one budget" if s["budgets"] == 1 else f"{s['budgets']} budgets"
-        print(f"  {s['model']:<8} {s['clients']} clients, {levels}: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
+        print(f"  {s['model']:<8} {s['clients']} clients, {levels}, {s['rounds']} rounds: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
               f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after the round's work {s['commit_wait_ms']:.1f} ms)")
     memory = None
     if args.memory_clients:
