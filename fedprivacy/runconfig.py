@@ -189,6 +189,16 @@ class RunSettings:
         """Client `index`'s δ: its entry of `deltas` when given, else the common `delta`."""
         return _client_value("deltas", self.deltas, self.delta, index, num_clients)
 
+    def check_clients(self, num_clients: int, field: str = "clients") -> None:
+        """A simulation's `num_clients` against the per-client lists (`epsilons`, `deltas`) and
+        min-clients: refused before it starts, not client by client once it runs (`field` names
+        where the number came from)."""
+        for index in range(num_clients):
+            self.budget(index, num_clients)
+            self.client_delta(index, num_clients)
+        if num_clients < self.min_clients:
+            raise InputError(field, num_clients, f"must be at least min-clients={self.min_clients}, or the run waits for clients forever")
+
 
 def _client_value(field: str, values: tuple[float, ...], common: float, index: int, num_clients: int) -> float:
     """Client `index`'s entry of a per-client list (`epsilons`, `deltas`), or the common value."""

@@ -138,8 +138,9 @@ def run_scenario(scenario: Scenario, results_dir: Path, *, run_id: int = 1, quie
     from server.app import app as server_app
 
     config = scenario.config(results_dir)
-    parse_run_config(config)  # refuse a bad scenario before any client starts
+    settings = parse_run_config(config)  # refuse a bad scenario before any client starts
     num_clients = scenario.num_clients or natural_client_count(config)
+    settings.check_clients(num_clients, field="num_clients")
     base = Path(config["results-dir"])
     before = set(base.iterdir()) if base.is_dir() else set()
     grid = InProcessGrid.simulation(client_app, num_clients, config, run_id)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from clients.app import app as client_app
+from fedprivacy.errors import InputError
 from server import strategy as strategy_module
 from server.app import app as server_app
 from sims.fast import engine as fast_engine
@@ -126,21 +127,39 @@ def test_a_client_too_small_to_train_fails_alone(in_process, tmp_path):
 
 
 def test_a_run_in_which_every_client_fails_ends_as_the_apps_run_does(in_process, tmp_path, monkeypatch):
-    """A per-client budget list of the wrong length fails every client by name (no worker has
-    anyone to train); the run then fails as the apps' run does, with the same clients.csv."""
-    config = {**in_process.defaults(), "num-server-rounds": 2, "epsilons": "1,2,3"}
+    """Every client's data fails to load (an injected fault): each fails by name, no worker has
+    anyone to train, and the run fails as the apps' run does, with the same clients.csv."""
+    config = {**in_process.defaults(), "num-server-rounds": 2}
+
+    def unreadable(*_):
+        raise OSError("injected: the data disk is gone")
+
+    monkeypatch.setattr("clients.app.simulation_client", unreadable)  # undone by apps_rounds
     with pytest.raises(RuntimeError, match="no client trained"):
         apps_rounds(in_process, {**config, "results-dir": str(tmp_path / "apps")}, 4, monkeypatch)
+    monkeypatch.setattr(fast_engine, "simulation_client", unreadable)
     with pytest.raises(RuntimeError, match="no client trained"):
         run_fast({**config, "results-dir": str(tmp_path / "fast")}, 4, say=lambda _: None)
     ((apps_folder,), (fast_folder,)) = ((tmp_path / "apps").iterdir(), (tmp_path / "fast").iterdir())
     clients = csv(fast_folder, "clients.csv")
-    assert clients.status.str.contains("epsilons='1,2,3': needs one value per client").all() and len(clients) == 4
+    assert clients.status.str.contains("OSError: injected: the data disk is gone").all() and len(clients) == 4
     apps_clients = csv(apps_folder, "clients.csv")  # the apps name a client without data by its node
     assert list(apps_clients.columns) == list(clients.columns)
     pd.testing.assert_frame_equal(apps_clients.drop(columns="client_id"), clients.drop(columns="client_id"))
     assert json.loads((fast_folder / "summary.json").read_text())["status"].startswith("failed")
     assert not (fast_folder / "model.pt").exists()
+
+
+@pytest.mark.parametrize(("config", "clients", "field"), [
+    ({"epsilons": "1,2,3"}, 4, "epsilons"),  # one ε per client: 4 clients, 3 values
+    ({"min-clients": 3}, 2, "num_clients"),  # the apps' server would wait for a third client for ever
+    ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),
+])  # fmt: skip
+def test_a_run_the_apps_could_not_run_is_refused_before_anything_is_written(in_process, tmp_path, config, clients, field):
+    with pytest.raises(InputError) as refused:
+        run_fast({**in_process.defaults(), **config, "results-dir": str(tmp_path / "fast")}, clients, say=lambda _: None)
+    assert refused.value.field == field
+    assert not (tmp_path / "fast").exists()
 
 
 def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_process, tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from fedprivacy.errors import InputError
 from sims.baseline import nonprivate_baseline, private_proxy
 from sims.runner import Scenario, read_results, run_scenario
 from sims.validation import training_rows_file
@@ -31,6 +32,17 @@ def test_a_scenario_runs_the_apps_and_reads_their_results(tmp_path):
     # the tuning proxy (same trainer and noise seeds, no Flower, no ledger) reproduces the apps
     proxy = private_proxy(scenario.config(tmp_path), num_clients=2)
     assert [r["accuracy"] for r in proxy.rounds] == pytest.approx([r["accuracy"] for r in result.rounds], abs=1e-6)
+
+
+@pytest.mark.parametrize(("config", "clients", "field"), [
+    ({"epsilons": "1,2"}, 4, "epsilons"),  # one ε per client: 4 clients, 2 values
+    ({}, 1, "num_clients"),  # fewer clients than min-clients: the ServerApp would wait for ever
+])  # fmt: skip
+def test_a_scenario_the_apps_cannot_run_is_refused_before_any_client_starts(tmp_path, config, clients, field):
+    with pytest.raises(InputError) as refused:
+        run_scenario(Scenario("bad", {**TINY, **config}, num_clients=clients), tmp_path, quiet=True)
+    assert refused.value.field == field
+    assert not any(tmp_path.rglob("*"))  # no results folder left behind
 
 
 def test_the_baseline_uses_the_private_schedule_and_learns(tmp_path):

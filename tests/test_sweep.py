@@ -206,6 +206,10 @@ BAD_SCENARIOS = {
     "out-of-range value": ('[sweep]\nclients = 2\n[grid]\nepsilon = [1, -2]\n', "epsilon"),
     "too few clients": ('[sweep]\nclients = 1\n[grid]\nepsilon = [1]\n', "sweep.clients"),
     "one budget per client, wrong count": ('[sweep]\nclients = 2\n[run]\nepsilons = "1,2,3"\n[grid]\nseed = [0]\n', "epsilons"),
+    "a common ε beside per-client ones": ('[sweep]\nclients = 3\n[run]\nepsilons = "1,2,3"\n[grid]\nepsilon = [1, 2]\n', "grid.epsilon"),
+    "a common δ beside per-client ones": ('[sweep]\nclients = 2\n[run]\ndelta = 1e-6\n[grid]\ndeltas = ["1e-5,1e-6"]\n', "run.delta"),
+    "a data file that is not there": ('[sweep]\nclients = 2\n[run]\ndataset = "pums"\ndata-path = "/nowhere/pums.csv"\n'
+                                      '[grid]\nseed = [0]\n', "data-path"),
     "baseline learning rate not positive": ('[sweep]\nbaseline-learning-rate = 0\n[grid]\nepsilon = [1]\n', "sweep.baseline-learning-rate"),
     "fractional CPUs": ('[resources]\nclient-cpus = 0.5\n[grid]\nepsilon = [1]\n', "resources.client-cpus"),
     "not TOML": ('[grid\nepsilon = [1]\n', "scenario"),
@@ -288,6 +292,18 @@ def test_a_finished_sweep_refuses_to_resume_with_other_settings(tiny_sweep, tmp_
     code, _, err = run_cli(capsys, monkeypatch, "sweep", str(changed), "--out", str(tiny_sweep))
     assert code == 2 and err.startswith(f"error: out='{tiny_sweep}': its cell {TINY_CELLS[0]} ran with num-server-rounds=2")
     assert (tiny_sweep / "sweep.csv").read_text() == before
+
+
+def test_a_sweep_refuses_a_folder_holding_another_scenarios_cells(tiny_sweep, tmp_path, capsys, monkeypatch):
+    """Another grid into the same --out: refused before anything is written, even where the
+    cells it shares ran with the same settings (the report would mix the two scenarios)."""
+    other = tmp_path / "other.toml"
+    other.write_text(TINY.read_text().replace("epsilon = [1, 2]", "epsilon = [1, 4]"))
+    assert other.read_text() != TINY.read_text()
+    before = {path: path.read_bytes() for path in tiny_sweep.rglob("*") if path.is_file()}
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(other), "--out", str(tiny_sweep), "--no-baseline")
+    assert code == 2 and err.startswith(f"error: out='{tiny_sweep}': holds cell {TINY_CELLS[1]}, which this scenario does not have")
+    assert {path: path.read_bytes() for path in tiny_sweep.rglob("*") if path.is_file()} == before
 
 
 def _sweep_process(out: Path, log: Path) -> subprocess.Popen:

@@ -31,11 +31,12 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedprivacy.aggregation import aggregation_weight
-from fedprivacy.errors import error_summary
+from fedprivacy.errors import InputError, error_summary
 from fedprivacy.ledger import BudgetExceeded, Ledger, NoiseSchedule, Outcome, composed_epsilon, noise_schedule, round_events
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
+    data_file_missing,
     new_model,
     open_accounts,
     reply_constants,
@@ -131,6 +132,10 @@ def run_fast(
 ) -> tuple[Path, Timings]:
     """Run `run_config` on `num_clients` simulated clients; returns (results folder, timings)."""
     settings = parse_run_config({**DEFAULTS, **run_config})
+    settings.check_clients(num_clients, field="num_clients")
+    if data_file_missing(settings):
+        raise InputError("data-path", str(settings.data_path or ""), f"no such file: the {settings.dataset} data set needs a CSV "
+                         "file on this machine (the fast engine simulates every client here)")  # fmt: skip
     folder = new_run_folder(settings.results_dir, run_id)
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)
@@ -178,8 +183,7 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
     random.seed(settings.seed)
     rng = random.Random(settings.seed)
     test = server_test_set(settings, num_clients)
-    if test is None:
-        raise ValueError("the fast engine needs the data on this machine (a simulation data set the server can read)")
+    assert test is not None  # None only without a data file, refused in run_fast
     clients = [_client(settings, index, num_clients, ledger.path) for index in range(num_clients)]
     recorder.write_config(resolved_config(settings, run_id, run_config, {
         "results_folder": str(recorder.folder), "ledger": str(ledger.path), "clients": num_clients,

@@ -5,8 +5,9 @@ usual `<time>-run<id>/` folder, and `cell.json` (grid values, run config, status
 time, the run folder's name) is written there last, atomically: it is what marks the cell done.
 A rerun with the same `--out` skips the cells whose cell.json says completed, and empties any
 other cell folder before running it again (what a killed sweep left, or a failed attempt), so a
-broken run never survives beside its redo and no cell is run twice. Finished cells run with
-other settings make a rerun refuse to start, so one folder never mixes two scenarios.
+broken run never survives beside its redo and no cell is run twice. A cell folder this scenario
+does not have, or finished cells run with other settings, make a rerun refuse to start, so one
+folder never mixes two scenarios.
 
 sweep.csv is rebuilt from the cell folders after every cell, so it always agrees with them:
 one row per cell in grid order, `pending` until the cell has run.
@@ -63,7 +64,13 @@ def cell_record(out: Path, name: str) -> dict[str, Any] | None:
 
 
 def check_resumable(out: Path, cells: list[Cell]) -> None:
-    """Refuse an --out whose cells were run with other settings than these cells'."""
+    """Refuse an --out that holds another scenario's cells, or cells run with other settings than these cells'."""
+    names = {cell.name for cell in cells}
+    found = sorted(path.name for path in (out / CELLS).iterdir() if path.is_dir()) if (out / CELLS).is_dir() else []
+    foreign = [name for name in found if name not in names]
+    if foreign:
+        raise InputError("out", str(out), f"holds cell {foreign[0]}, which this scenario does not have (another scenario's "
+                                          "results): resume with the same scenario or use another --out")  # fmt: skip
     for cell in cells:
         record = cell_record(out, cell.name)
         if record is None or record["run_config"] == cell.run_config:

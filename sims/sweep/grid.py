@@ -16,7 +16,7 @@ from typing import Any
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.errors import InputError
-from fedprivacy.participant import partition_kwargs
+from fedprivacy.participant import data_file_missing, partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from sims.sweep.spec import SweepSpec
 
@@ -73,15 +73,6 @@ def _client_count(spec: SweepSpec, settings: RunSettings, counted: dict[str, int
     return counted[data]
 
 
-def _check_clients(settings: RunSettings, num_clients: int) -> None:
-    """The per-client lists (epsilons, deltas) and min-clients against the clients there are."""
-    for index in range(num_clients):
-        settings.budget(index, num_clients)
-        settings.client_delta(index, num_clients)
-    if num_clients < settings.min_clients:
-        raise InputError("sweep.clients", num_clients, f"must be at least min-clients={settings.min_clients}, or the run waits for clients forever")
-
-
 def cells(spec: SweepSpec) -> list[Cell]:
     """Every cell of the grid in declared order (the last key varies fastest), each validated."""
     found, counted = [], {}
@@ -92,8 +83,11 @@ def cells(spec: SweepSpec) -> list[Cell]:
         if spec.seeded_noise:
             config["noise-seed"] = config["seed"]
         settings = _settings(config)  # every cell's run config is validated before anything runs
+        if data_file_missing(settings):
+            raise InputError("data-path", str(settings.data_path or ""), f"no such file: the {settings.dataset} data set needs "
+                             "the path of a CSV file on this machine")  # fmt: skip
         num_clients = _client_count(spec, settings, counted)
-        _check_clients(settings, num_clients)
+        settings.check_clients(num_clients, field="sweep.clients")
         found.append(Cell(cell_name(params), params, config, num_clients))
     names = [cell.name for cell in found]
     clash = next((name for i, name in enumerate(names) if name in names[:i]), None)

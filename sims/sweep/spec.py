@@ -15,7 +15,8 @@ A scenario has four tables; only [grid] is required:
 Everything is checked before anything runs, and the first problem is one `InputError` naming the
 field (`grid.epsilon`), the value and what is allowed: an unknown table or key, a value of the
 wrong type (typed by the key's default), an empty grid, a duplicate cell (a value listed twice,
-or a key both fixed and varied), an unknown engine. Relative paths in a file are relative to the
+or a key both fixed and varied), a common budget beside a per-client list that would override it
+(`epsilon` with `epsilons`, `delta` with `deltas`), an unknown engine. Relative paths in a file are relative to the
 file, so a scenario can name data beside the repository. The sweep sets `results-dir` and the
 ledger (each cell gets its own), so a scenario may not.
 """
@@ -193,6 +194,7 @@ def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Sw
     _known(sweep, "sweep", SWEEP_KEYS)
     run = {key: _run_value(f"run.{key}", key, value, base_dir) for key, value in _table(raw, "run").items()}
     grid = _grid(raw, run, base_dir)
+    _one_source_per_budget(run, grid)
     engine = sweep.get("engine", "inprocess")
     if engine not in engine_names():
         raise InputError("sweep.engine", engine, f"must be one of: {', '.join(engine_names())}")
@@ -210,6 +212,17 @@ def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Sw
         baseline=_flag(sweep, "sweep", "baseline", True), seeded_noise=seeded_noise, resources=_resources(raw),
         baseline_learning_rate=_baseline_learning_rate(sweep),
     )  # fmt: skip
+
+
+def _one_source_per_budget(run: Mapping[str, Any], grid: Mapping[str, tuple[Any, ...]]) -> None:
+    """A per-client list (`epsilons`, `deltas`) sets every client's value, so a common `epsilon` or
+    `delta` beside it would be ignored: the cells would be labelled by a value none of them ran."""
+    for lists, common in (("epsilons", "epsilon"), ("deltas", "delta")):
+        if any(value != "" for value in (run.get(lists, ""), *grid.get(lists, ()))) and (common in run or common in grid):
+            table = "grid" if common in grid else "run"
+            value = list(grid[common]) if common in grid else run[common]
+            raise InputError(f"{table}.{common}", value, f"{lists} is also given and sets every client's {common}, so this "
+                             f"would be ignored: give one or the other")  # fmt: skip
 
 
 def _baseline_learning_rate(sweep: Mapping[str, Any]) -> float | None:
