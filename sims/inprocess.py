@@ -94,9 +94,22 @@ class InProcessGrid(Grid):
         if timeout is None:
             return self._call(message)
         box: list[Message] = []
-        worker = threading.Thread(target=lambda: box.append(self._call(message)), daemon=True)
-        worker.start()
-        worker.join(timeout)
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box.append(self._call(message))
+            finally:
+                done.set()
+
+        threading.Thread(target=call, daemon=True).start()
+        try:
+            done.wait(timeout)
+        except BaseException:
+            # Ctrl-C: let the node's call end first, or the process aborts as it exits with a thread
+            # inside PyTorch. Not `Thread.join`: interrupted, it can mark a running thread stopped.
+            done.wait(timeout)
+            raise
         return box[0] if box else None
 
     def push_messages(self, messages: Iterable[Message], timeout: float | None = None) -> Iterable[str]:

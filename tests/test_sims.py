@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -91,3 +92,34 @@ def test_the_one_flower_internal_the_in_process_engine_needs_is_still_there():
     act_as_serverapp(42)
     message = Message(RecordDict({"config": ConfigRecord({"x": 1})}), dst_node_id=7, message_type="train")
     assert (message.metadata.run_id, message.metadata.dst_node_id) == (42, 7)
+
+
+def test_ctrl_c_while_a_node_trains_waits_for_its_call_to_end():
+    """The in-process grid calls a node on a thread (so that a hung node can time out). Ctrl-C
+    while it trains must let the call end before the interrupt goes on: a process that exits with
+    a thread inside PyTorch aborts ('terminate called without an active exception', exit 134)."""
+    import signal
+    import threading
+    import time
+
+    from flwr.app import Message, RecordDict
+
+    from sims.inprocess import InProcessGrid
+
+    ended = threading.Event()
+
+    def training_node(message: Message, context) -> Message:
+        time.sleep(1.0)  # still training when Ctrl-C comes
+        ended.set()
+        return Message(RecordDict(), reply_to=message)
+
+    grid = InProcessGrid(training_node, [{}], {})
+    message = grid.create_message(RecordDict(), "train", dst_node_id=101, group_id="1")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run in the background ignores SIGINT
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            grid.push_messages([message], timeout=30)
+        assert ended.is_set(), "the interrupt went on while the node was still training"
+    finally:
+        signal.signal(signal.SIGINT, previous)
