@@ -333,30 +333,33 @@ def _write_and_commit_during(db: sqlite3.Connection, rows: list[SpendRow],
     there was measured to slow the job down more than the write saved)."""
     done: list[int] = []
     failed: list[BaseException] = []
+    finished = threading.Event()
 
     def write() -> None:
         try:
             done.append(_write_and_commit(db, rows))
         except BaseException as error:
             failed.append(error)
+        finally:
+            finished.set()
 
-    writer = threading.Thread(target=write, name="ledger-write")
-    writer.start()
+    threading.Thread(target=write, name="ledger-write").start()
     try:
         result = job()
     finally:
-        _join(writer)  # the connection is the writer's until it is done, even on Ctrl-C
+        _wait(finished)  # the connection is the writer's until it is done, even on Ctrl-C
         if failed:
             raise failed[0]
     return done[0], result
 
 
-def _join(thread: threading.Thread) -> None:
-    """Wait for `thread` to end; an interrupt while waiting is raised once it has."""
+def _wait(finished: threading.Event) -> None:
+    """Wait for `finished`; an interrupt while waiting is raised once it is set. An event, not
+    `Thread.join`: on Python 3.11 an interrupted join can mark a thread that still runs stopped."""
     interrupted: BaseException | None = None
-    while thread.is_alive():
+    while not finished.is_set():
         try:
-            thread.join()
+            finished.wait()
         except BaseException as error:
             interrupted = error
     if interrupted is not None:

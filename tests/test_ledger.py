@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
 import stat
 import threading
+import time
 
 import pytest
 
+from fedprivacy import ledger as ledger_module
 from fedprivacy.errors import InputError
 from fedprivacy.ledger import (
     SCHEMA_VERSION,
@@ -194,6 +198,37 @@ def test_work_done_while_a_round_commits_is_returned_only_with_a_durable_record(
     finally:
         reader.execute("ROLLBACK")
         reader.close()
+    assert Ledger(path).steps_spent("a") == 10
+    assert writer.record_round("run", 2, {"a": step})["a"] == pytest.approx(ledger_accounting(step * 2, DELTA))
+
+
+def test_ctrl_c_while_a_round_commits_waits_for_the_writer(tmp_path, monkeypatch):
+    """Ctrl-C while the work is done and the writer still commits: the interrupt is raised only
+    once the writer is done with the connection (the round then stands: recorded, never less),
+    and the ledger goes on."""
+    path = tmp_path / "ledger.sqlite"
+    step = [NoiseEvent(1.5, 0.2, 10)]
+    writer = Ledger(path)
+    writer.open_account("a", 5.0, DELTA)
+    committed = threading.Event()
+    commit = ledger_module._write_and_commit
+
+    def slow_commit(db, rows):  # injected: a commit that takes a second
+        time.sleep(1.0)
+        last = commit(db, rows)
+        committed.set()
+        return last
+
+    monkeypatch.setattr(ledger_module, "_write_and_commit", slow_commit)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run in the background ignores SIGINT
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            writer.record_round_while("run", 1, {"a": step}, lambda outcomes: "trained")
+        assert committed.is_set(), "the interrupt went on while the writer still held the connection"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.undo()
     assert Ledger(path).steps_spent("a") == 10
     assert writer.record_round("run", 2, {"a": step})["a"] == pytest.approx(ledger_accounting(step * 2, DELTA))
 
