@@ -237,16 +237,29 @@ def test_flags_with_a_scenario_file_or_a_bad_flag_are_refused_in_one_line(tmp_pa
 
 
 class FailingEngine(InProcessEngine):
-    """The in-process engine with a fault injected into one cell."""
+    """The in-process engine with a fault injected into the named cells."""
 
-    def __init__(self, failing: str) -> None:
+    def __init__(self, *failing: str) -> None:
         super().__init__()
         self.failing = failing
 
     def run_cell(self, cell, results_dir, on_round):
-        if cell.name == self.failing:
+        if cell.name in self.failing:
             raise RuntimeError("injected fault\nwith a second line")
         super().run_cell(cell, results_dir, on_round)
+
+
+def test_a_sweep_whose_every_cell_failed_still_gets_a_report_of_why(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "sweep"
+    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: FailingEngine(*TINY_CELLS))
+    code, _, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
+    assert code == 1 and list(pd.read_csv(out / "sweep.csv")["status"]) == ["failed", "failed"]
+    code, printed, _ = run_cli(capsys, monkeypatch, "report", str(out))
+    assert code == 0 and printed.startswith("1 files, report:")
+    markdown = (out / "report" / "report.md").read_text()
+    assert "2 cells: 0 completed, 2 failed, 0 pending" in markdown and "No cell completed" in markdown
+    assert [row[0] for row in _markdown_rows(markdown, "## Failed cells")] == [f"cells/{name}" for name in TINY_CELLS]
+    assert markdown.count("RuntimeError: injected fault") == 2 and not list((out / "report").glob("*.png"))
 
 
 def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_path, capsys, monkeypatch):

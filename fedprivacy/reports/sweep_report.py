@@ -4,6 +4,7 @@ report.md holds the tables behind the figures: accuracy per setting (mean, stand
 count over seeds, mean best-round accuracy, the largest ε any client spent, whether every cell
 kept every client within budget), the non-private baselines, budget use per setting (the spread
 of ε spent / ε budget over clients, clients that ran out of budget) and the cells that failed.
+A sweep none of whose cells completed still gets report.md, with why each cell failed.
 """
 
 from __future__ import annotations
@@ -58,18 +59,32 @@ def _figure(path: Path, caption: str) -> str:
     return f"![{caption}]({path.name})\n\n(also [{path.with_suffix('.svg').name}]({path.with_suffix('.svg').name}))"
 
 
-def report_markdown(data: SweepData, figures: list[Path]) -> str:
+def _heading(data: SweepData) -> list[str]:
     counts = data.cells["status"].value_counts()
-    pngs = [p for p in figures if p.suffix == ".png"]
-    failed = data.cells[data.cells["status"] == "failed"][["cell", "error"]]
     grid = "; ".join(f"{key} = {', '.join(map(str, values))}" for key, values in data.grid.items())
-    lines = [
+    return [
         f"# Sweep report: {data.name}",
         "",
         f"{len(data.cells)} cells: {counts.get('completed', 0)} completed, {counts.get('failed', 0)} failed, "
         f"{counts.get('pending', 0)} pending. Grid: {grid}. Means and standard deviations are over seeds; "
         "accuracy is the central test accuracy after the last round.",
         "",
+    ]
+
+
+def _failed_cells(data: SweepData) -> list[str]:
+    return ["## Failed cells", "", _markdown(data.cells[data.cells["status"] == "failed"][["cell", "error"]]), ""]
+
+
+def failures_markdown(data: SweepData) -> str:
+    """The report of a sweep none of whose cells completed: why they failed, no figures."""
+    return "\n".join([*_heading(data), "No cell completed, so there are no figures or tables yet.", "", *_failed_cells(data)])
+
+
+def report_markdown(data: SweepData, figures: list[Path]) -> str:
+    pngs = [p for p in figures if p.suffix == ".png"]
+    lines = [
+        *_heading(data),
         "## Accuracy", "", _figure(pngs[0], "final accuracy"), "", _markdown(accuracy_table(data)), "",
         "### Non-private baseline", "",
         "FedAvg of plain local SGD on the same clients, model, initial weights and local schedule "
@@ -82,7 +97,7 @@ def report_markdown(data: SweepData, figures: list[Path]) -> str:
         "ε spent / ε budget of each client (`used`, over clients and seeds); `out_of_budget` counts clients "
         "that stopped because their next round would have exceeded their budget.", "",
         _figure(pngs[3], "budget use per client"), "", _markdown(budget_table(data)), "",
-        "## Failed cells", "", _markdown(failed), "",
+        *_failed_cells(data),
     ]  # fmt: skip
     return "\n".join(lines)
 
@@ -90,14 +105,14 @@ def report_markdown(data: SweepData, figures: list[Path]) -> str:
 def write_report(sweep_dir: Path, out: Path | None = None) -> list[Path]:
     """Write the figures (PNG and SVG) and report.md into `out` (default `<sweep_dir>/report`)."""
     data = load_sweep(sweep_dir)
-    if data.completed.empty:
-        raise InputError("sweep_dir", str(sweep_dir), "has no completed cell yet: nothing to report")
+    if data.cells["status"].isin(["completed", "failed"]).sum() == 0:
+        raise InputError("sweep_dir", str(sweep_dir), "has no finished cell yet: nothing to report")
     out = out or sweep_dir / REPORT
     try:
         out.mkdir(parents=True, exist_ok=True)
-        figures = write_figures(data, out)
+        figures = write_figures(data, out) if not data.completed.empty else []
         markdown = out / "report.md"
-        markdown.write_text(report_markdown(data, figures), encoding="utf-8")
+        markdown.write_text(report_markdown(data, figures) if figures else failures_markdown(data), encoding="utf-8")
     except OSError as error:
         raise InputError("out", str(out), f"cannot write the report there: {error.strerror or error}") from None
     return [*figures, markdown]
