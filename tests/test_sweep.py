@@ -236,6 +236,19 @@ def test_flags_with_a_scenario_file_or_a_bad_flag_are_refused_in_one_line(tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_resource_flags_apply_to_a_scenario_file():
+    """Where the cells run is not part of the scenario: --workers and the like replace the file's
+    [resources] (grid flags with a file are refused, above)."""
+    from fedprivacy.cli.sweeps import _sweep_scenario
+
+    none = dict.fromkeys(("dataset", "data-path", "partition-by", "partitioning", "model", "rounds", "fraction-train"))
+    sweep = {"engine": "fast", "baseline": None, "clients": None, "seeded-noise": None}
+    resources = {"client-cpus": None, "client-gpus": None, "workers": 2, "worker-gpus": 0.5}
+    spec = _sweep_scenario(TINY, none, {"epsilons": None, "rules": None, "seeds": None}, [], [], sweep, resources, Path("out"))
+    assert (spec.engine, spec.resources.workers, spec.resources.worker_gpus) == ("fast", 2, 0.5)
+    assert spec.grid == load_scenario(TINY).grid and spec.run == load_scenario(TINY).run
+
+
 class FailingEngine(InProcessEngine):
     """The in-process engine with a fault injected into the named cells."""
 

@@ -30,14 +30,15 @@ SCENARIO_HELP = "scenario file (TOML, see scenarios/); or build the grid with th
 
 def _sweep_scenario(scenario: Path | None, run_flags: dict[str, str | None], grid_flags: dict[str, str | None],
                     sets: list[str], grids: list[str], sweep: dict[str, Any], resources: dict[str, Any], out: Path) -> Any:
-    """The validated scenario from a file or from the flags (not both); --engine and --no-baseline apply to either."""
+    """The validated scenario from a file or from the flags (not both); --engine, --no-baseline and the
+    resource flags (where it runs, not what: the results are the same) apply to either."""
     from sims.sweep.flags import scenario_from_flags
     from sims.sweep.spec import read_scenario, validate
 
     if scenario is None:
         raw = scenario_from_flags(run_flags, grid_flags, sets, grids, sweep, resources)
         return validate(raw, base_dir=Path.cwd(), default_name=out.name)
-    inline = {**run_flags, **grid_flags, **resources, "clients": sweep["clients"], "seeded-noise": sweep["seeded-noise"],
+    inline = {**run_flags, **grid_flags, "clients": sweep["clients"], "seeded-noise": sweep["seeded-noise"],
               "set": sets or None, "grid": grids or None}  # fmt: skip
     given = [flag for flag, value in inline.items() if value is not None]
     if given:
@@ -46,6 +47,9 @@ def _sweep_scenario(scenario: Path | None, run_flags: dict[str, str | None], gri
     overrides = {key: sweep[key] for key in ("engine", "baseline") if sweep[key] is not None}
     if overrides and isinstance(raw.get("sweep", {}), dict):
         raw["sweep"] = {**raw.get("sweep", {}), **overrides}
+    placement = {key: value for key, value in resources.items() if value is not None}
+    if placement and isinstance(raw.get("resources", {}), dict):
+        raw["resources"] = {**raw.get("resources", {}), **placement}
     return validate(raw, base_dir=scenario.resolve().parent, default_name=scenario.stem)
 
 
