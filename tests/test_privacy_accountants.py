@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -266,3 +268,25 @@ def test_the_rdp_curve_equals_composing_every_prefix_independently(rule):
     checkpoints = [0, 1, 2, plan.steps // 3, plan.steps // 2 + 1, plan.steps - 1, plan.steps]
     expected = [0.0] + [rdp_epsilon(plan_prefix_events(plan.to_dict(), stop), plan.delta) for stop in checkpoints[1:]]
     assert accountants.rdp_epsilon_curve(events, plan.delta, checkpoints) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_rdp_accountant_leaves_an_unconfigured_root_logger_alone():
+    """dp-accounting warns through absl, whose first warning would configure the root logger
+    (`logging.basicConfig`): an application's INFO records would print from then on. In a fresh
+    interpreter (pytest configures its own root handlers), σ small enough to make some RDP orders
+    fail to converge leaves the root logger without handlers, and prints nothing."""
+    script = (
+        "import logging\n"
+        "from fedprivacy.privacy.accountants import NoiseEvent, rdp_epsilon, rdp_epsilon_curve\n"
+        "absl = []\n"
+        "logging.getLogger('absl').filters.insert(0, lambda record: absl.append(record.msg) or True)\n"
+        "rdp_epsilon([NoiseEvent(0.5, 0.5, 10)], 1e-5)\n"
+        "rdp_epsilon_curve([NoiseEvent(0.4, 0.5, 10)], 1e-5, [5, 10])\n"
+        "assert absl, 'these σ no longer make absl warn: pick smaller ones'\n"
+        "logging.getLogger('server').setLevel(logging.INFO)\n"
+        "logging.getLogger('server').info('an INFO record of the application')\n"
+        "print(len(logging.getLogger().handlers))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0" and "an INFO record" not in result.stderr

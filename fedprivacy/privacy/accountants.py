@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -51,6 +52,24 @@ class _UnconvergedOrders(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_UnconvergedOrders())
+
+
+@contextmanager
+def _root_logger_left_alone() -> Iterator[None]:
+    """absl's logging functions, through which the RDP accountant warns, call `logging.basicConfig()`
+    when the root logger has no handler, and from then on every INFO record of the application's
+    loggers prints (a sweep's progress bars were interleaved with the server's round lines). While
+    the accountant runs, Python's last-resort handler stands in: warnings reach stderr, as with no
+    handler at all, and the root logger is as it was after."""
+    root = logging.getLogger()
+    if root.handlers or logging.lastResort is None:
+        yield
+        return
+    root.addHandler(logging.lastResort)
+    try:
+        yield
+    finally:
+        root.removeHandler(logging.lastResort)
 
 
 class NoiseEvent(NamedTuple):
@@ -154,6 +173,7 @@ def clear_caches() -> None:
 
 
 @lru_cache(maxsize=4096)
+@_root_logger_left_alone()
 def _rdp_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float) -> float:
     if not any(e.count > 0 for e in events):
         return 0.0
@@ -267,6 +287,7 @@ def pld_epsilon_curve(events: Sequence[NoiseEvent], delta: float, checkpoints: S
     return [pld_epsilon(prefix_events(events, stop), delta, SEARCH_DISCRETIZATION) for stop in checkpoints]
 
 
+@_root_logger_left_alone()
 def rdp_epsilon_curve(events: Sequence[NoiseEvent], delta: float, checkpoints: Sequence[int]) -> list[float]:
     """RDP ε after each of the given step counts.
 
