@@ -10,6 +10,7 @@ pool spans a Ray cluster when one machine is not enough (`ray start --head`, the
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -34,8 +35,10 @@ class WorkerPool:
         import ray
 
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     address=os.environ.get("RAY_ADDRESS"))  # fmt: skip
+            with warnings.catch_warnings():  # Ray's tip on how a future version will treat num_gpus=0: CPU workers here use the CPU by name
+                warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         address=os.environ.get("RAY_ADDRESS"))  # fmt: skip
         cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)) // workers)
         actor = ray_worker(num_cpus=cpus, num_gpus=gpus_per_worker)
         device = "cuda" if gpus_per_worker > 0 else "cpu"
