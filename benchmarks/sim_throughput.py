@@ -20,7 +20,8 @@ five histories to compose per round while they all train), and the fast engine's
 10,000 clients.
 
 Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]
-       [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1] [--json PATH]
+       [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1]
+       [--scale-clients 3000,10000] [--memory-clients 10000] [--json PATH]
 """
 
 from __future__ import annotations

@@ -107,6 +107,15 @@ def data_file_missing(settings: RunSettings) -> bool:
     return settings.dataset in ("pums", "csv") and (settings.data_path is None or not settings.data_path.is_file())
 
 
+def require_data_file(settings: RunSettings) -> None:
+    """Refuse a simulation whose pums or csv file is not on this machine: each simulated client
+    checks before it reads, and the simulators before anything runs."""
+    if data_file_missing(settings):
+        raise InputError("data-path", "" if settings.data_path is None else str(settings.data_path),
+                         f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
+                         "the run config's data-path (an absolute path on this machine)")
+
+
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
 
@@ -160,10 +169,7 @@ def simulation_client(settings: RunSettings, partition_id: int, num_partitions: 
     Its account is the data set's identity plus its partition; the ledger pins the partitioning
     per data set (see `open_account`), so an account always names the same rows.
     """
-    if data_file_missing(settings):
-        raise InputError("data-path", "" if settings.data_path is None else str(settings.data_path),
-                         f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
-                         "the run config's data-path (an absolute path on this machine)")
+    require_data_file(settings)
     data = load_client(partition_id, **partition_kwargs(settings, num_partitions))
     dataset_id = dataset_identity(settings)
     return LocalClient(

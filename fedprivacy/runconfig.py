@@ -197,7 +197,7 @@ class RunSettings:
             self.budget(index, num_clients)
             self.client_delta(index, num_clients)
         if num_clients < self.min_clients:
-            raise InputError(field, num_clients, f"must be at least min-clients={self.min_clients}, or the run waits for clients forever")
+            raise InputError(field, num_clients, f"must be at least min-clients={self.min_clients}: the server waits for that many before a round")
 
 
 def _client_value(field: str, values: tuple[float, ...], common: float, index: int, num_clients: int) -> float:

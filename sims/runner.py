@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.data.partition import load_clients
-from fedprivacy.participant import partition_kwargs
+from fedprivacy.participant import partition_kwargs, require_data_file
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 from sims.inprocess import InProcessGrid, run_server
 
@@ -141,6 +141,7 @@ def run_scenario(scenario: Scenario, results_dir: Path, *, run_id: int = 1, quie
     settings = parse_run_config(config)  # refuse a bad scenario before any client starts
     num_clients = scenario.num_clients or natural_client_count(config)
     settings.check_clients(num_clients, field="num_clients")
+    require_data_file(settings)
     base = Path(config["results-dir"])
     before = set(base.iterdir()) if base.is_dir() else set()
     grid = InProcessGrid.simulation(client_app, num_clients, config, run_id)

@@ -38,6 +38,7 @@ def test_a_scenario_runs_the_apps_and_reads_their_results(tmp_path):
 @pytest.mark.parametrize(("config", "clients", "field"), [
     ({"epsilons": "1,2"}, 4, "epsilons"),  # one ε per client: 4 clients, 2 values
     ({}, 1, "num_clients"),  # fewer clients than min-clients: the ServerApp would wait for ever
+    ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),  # every client would fail
 ])  # fmt: skip
 def test_a_scenario_the_apps_cannot_run_is_refused_before_any_client_starts(tmp_path, config, clients, field):
     with pytest.raises(InputError) as refused:

@@ -105,7 +105,7 @@ def report_markdown(data: SweepData, figures: list[Path]) -> str:
 def write_report(sweep_dir: Path, out: Path | None = None) -> list[Path]:
     """Write the figures (PNG and SVG) and report.md into `out` (default `<sweep_dir>/report`)."""
     data = load_sweep(sweep_dir)
-    if data.cells["status"].isin(["completed", "failed"]).sum() == 0:
+    if not data.cells["status"].isin(["completed", "failed"]).any():
         raise InputError("sweep_dir", str(sweep_dir), "has no finished cell yet: nothing to report")
     out = out or sweep_dir / REPORT
     try:

@@ -31,16 +31,16 @@ import torch
 from flwr.app import ArrayRecord
 
 from fedprivacy.aggregation import aggregation_weight
-from fedprivacy.errors import InputError, error_summary
+from fedprivacy.errors import error_summary
 from fedprivacy.ledger import BudgetExceeded, Ledger, NoiseSchedule, Outcome, composed_epsilon, noise_schedule, round_events
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
-    data_file_missing,
     new_model,
     open_accounts,
     reply_constants,
     reply_metrics,
+    require_data_file,
     run_plans,
     simulation_client,
 )
@@ -133,9 +133,7 @@ def run_fast(
     """Run `run_config` on `num_clients` simulated clients; returns (results folder, timings)."""
     settings = parse_run_config({**DEFAULTS, **run_config})
     settings.check_clients(num_clients, field="num_clients")
-    if data_file_missing(settings):
-        raise InputError("data-path", str(settings.data_path or ""), f"no such file: the {settings.dataset} data set needs a CSV "
-                         "file on this machine (the fast engine simulates every client here)")  # fmt: skip
+    require_data_file(settings)
     folder = new_run_folder(settings.results_dir, run_id)
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)

@@ -16,7 +16,7 @@ from typing import Any
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.errors import InputError
-from fedprivacy.participant import data_file_missing, partition_kwargs
+from fedprivacy.participant import partition_kwargs, require_data_file
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from sims.sweep.spec import SweepSpec
 
@@ -83,9 +83,7 @@ def cells(spec: SweepSpec) -> list[Cell]:
         if spec.seeded_noise:
             config["noise-seed"] = config["seed"]
         settings = _settings(config)  # every cell's run config is validated before anything runs
-        if data_file_missing(settings):
-            raise InputError("data-path", str(settings.data_path or ""), f"no such file: the {settings.dataset} data set needs "
-                             "the path of a CSV file on this machine")  # fmt: skip
+        require_data_file(settings)
         num_clients = _client_count(spec, settings, counted)
         settings.check_clients(num_clients, field="sweep.clients")
         found.append(Cell(cell_name(params), params, config, num_clients))

@@ -16,8 +16,8 @@ Everything is checked before anything runs, and the first problem is one `InputE
 field (`grid.epsilon`), the value and what is allowed: an unknown table or key, a value of the
 wrong type (typed by the key's default), an empty grid, a duplicate cell (a value listed twice,
 or a key both fixed and varied), a common budget beside a per-client list that would override it
-(`epsilon` with `epsilons`, `delta` with `deltas`), an unknown engine. Relative paths in a file are relative to the
-file, so a scenario can name data beside the repository. The sweep sets `results-dir` and the
+(`epsilon` with `epsilons`, `delta` with `deltas`), an unknown engine. Relative paths in a file
+are relative to the file, so a scenario can name data beside the repository. The sweep sets `results-dir` and the
 ledger (each cell gets its own), so a scenario may not.
 """
 
