@@ -108,18 +108,18 @@ def test_a_composition_extended_round_by_round_equals_one_made_at_once():
 
 
 def test_rounds_of_different_lengths_build_one_step_of_noise_once():
-    """A run whose rounds hold 2 steps, then 1, builds the one-step loss grid once; each round
-    length's PLD is still that step composed its own number of times (bit for bit what a fresh
-    grid gives), so the ε is dp-accounting's independent one."""
+    """A run whose rounds hold 2 steps, then 1, builds the one-step loss grid once; a 2-step
+    round's PLD is that step composed twice (bit for bit what a fresh grid gives), a 1-step round's
+    is the step's own grid, and the ε is dp-accounting's independent one."""
     accountants.clear_caches()
     rounds = [accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 1)]
     epsilon = accountants.pld_epsilon(rounds, 1e-5)
     assert accountants._one_step_pld.cache_info().misses == 1
     assert accountants._step_pld.cache_info().misses == 2  # 2 steps, 1 step
     truncation = accountants.log_truncation_bound(1e-5)
-    for count in (1, 2):
+    fresh_step = gaussian_pld_module.gaussian_pld(3.0, 0.1, accountants.CERTIFICATE_DISCRETIZATION, truncation)
+    for count, fresh in ((1, fresh_step), (2, fresh_step.self_compose(2))):
         shared = accountants._step_pld(accountants.NoiseEvent(3.0, 0.1, count), accountants.CERTIFICATE_DISCRETIZATION, truncation)
-        fresh = gaussian_pld_module.gaussian_pld(3.0, 0.1, accountants.CERTIFICATE_DISCRETIZATION, truncation).self_compose(count)
         for a, b in ((shared._pmf_remove, fresh._pmf_remove), (shared._pmf_add, fresh._pmf_add)):
             assert (a._lower_loss, a._infinity_mass) == (b._lower_loss, b._infinity_mass) and np.array_equal(a._probs, b._probs)
     assert epsilon == pytest.approx(pld_epsilon([(e.sigma, e.sampling_rate, e.count) for e in rounds], 1e-5), rel=CERTIFICATE_REL_TOL)
