@@ -12,6 +12,7 @@ from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, GaussianPriv
 
 from fedprivacy.privacy import accountants
 from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
+from fedprivacy.privacy import pld_dense
 from fedprivacy.privacy.pld_dense import compose as compose_plds
 from fedprivacy.privacy.pld_dense import epsilon_for_delta
 from fedprivacy.privacy.planner import plan_client
@@ -213,13 +214,20 @@ def test_vectorised_composition_equals_dp_accounting_bit_for_bit(first, second, 
                                        pessimistic_estimate=pessimistic).self_compose(steps)  # fmt: skip
 
     a, b = distribution(*first), distribution(*second)
-    reference, ours = a.compose(b, tail), compose_plds(a, b, tail)
-    assert ours._symmetric == reference._symmetric
-    for mine, theirs in [(ours._pmf_remove, reference._pmf_remove), (ours._pmf_add, reference._pmf_add)]:
-        assert mine._lower_loss == theirs._lower_loss
-        assert mine._infinity_mass == theirs._infinity_mass
-        assert np.array_equal(mine._probs, theirs._probs)
-    assert ours.get_epsilon_for_delta(1e-5) == reference.get_epsilon_for_delta(1e-5)
+    pld_dense._SPECTRA.clear()
+    # b's transforms computed, then taken from the cache, then (a longer history) maybe at another length
+    for call, history in enumerate((a, a, a.compose(b, tail))):
+        reference, ours = history.compose(b, tail), compose_plds(history, b, tail)
+        assert ours._symmetric == reference._symmetric
+        for mine, theirs in [(ours._pmf_remove, reference._pmf_remove), (ours._pmf_add, reference._pmf_add)]:
+            assert mine._lower_loss == theirs._lower_loss
+            assert mine._infinity_mass == theirs._infinity_mass
+            assert np.array_equal(mine._probs, theirs._probs)
+        assert ours.get_epsilon_for_delta(1e-5) == reference.get_epsilon_for_delta(1e-5)
+        if call == 0:
+            kept = len(pld_dense._SPECTRA)
+        elif call == 1:
+            assert len(pld_dense._SPECTRA) == kept > 0  # the same array at the same length: reused
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 7, 1024])

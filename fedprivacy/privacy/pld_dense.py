@@ -13,8 +13,11 @@ Composition. dp-accounting convolves the two PMFs (`scipy.signal.fftconvolve`) a
 each tail whose mass stays within half the truncation bound, finding where by adding the grid's
 values one by one in Python (about 1.4 ms per PMF of a 60,000-point result, two PMFs per
 composition). Here the same convolution, and the same running sums as cumulative sums taken a
-chunk at a time: the result is dp-accounting's, bit for bit. Both operations handle the two
-adjacencies on two threads (SciPy's FFT and numpy release the GIL).
+chunk at a time: the result is dp-accounting's, bit for bit. The convolution keeps the second
+PMF's transform: a ledger composes each growing history with the same round's PLD, so one of
+the three FFTs is reused (0.45 → 0.29 ms per adjacency for a 23,000-point history and a
+10,000-point round). Both operations handle the two adjacencies on two threads (SciPy's FFT and
+numpy release the GIL).
 
 tests/test_privacy_accountants.py compares both with dp-accounting. They read the PMFs' fields,
 which dp-accounting does not publish; this module is the only place that does, and falls back to
@@ -25,14 +28,17 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
 from dp_accounting.pld import pld_pmf, privacy_loss_distribution
-from scipy import signal
+from scipy import fft
 
 TAIL_MASS_TRUNCATION = 1e-15  # dp-accounting's default for composing two PLDs
+SPECTRA_KEPT = 16  # transforms of recent second operands (~0.3 MB each for a 10,000-point round PMF)
 
 
 def epsilon_for_delta(distribution: privacy_loss_distribution.PrivacyLossDistribution, delta: float) -> float:
@@ -112,11 +118,53 @@ def _adjacency_worker(pid: int) -> ThreadPoolExecutor:
 
 def _compose_dense(a: pld_pmf.DensePLDPmf, b: pld_pmf.DensePLDPmf, tail_mass_truncation: float) -> pld_pmf.DensePLDPmf:
     a.validate_composable(b)
-    probs = signal.fftconvolve(a._probs, b._probs)
+    probs = _convolve(a._probs, b._probs)
     infinity_mass = a._infinity_mass + b._infinity_mass - a._infinity_mass * b._infinity_mass
     offset, probs, right_tail = _truncate_tails(probs, tail_mass_truncation, a._pessimistic_estimate)
     return pld_pmf.DensePLDPmf(a._discretization, a._lower_loss + b._lower_loss + offset, probs,
                                infinity_mass + right_tail, a._pessimistic_estimate)  # fmt: skip
+
+
+def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`scipy.signal.fftconvolve(a, b)`, bit for bit: the same padded length and the same real
+    transforms, multiplied in the same order, with `b`'s transform taken from `_SPECTRA` when the
+    same array was a second operand at this length before. Like SciPy, a one-point operand is a
+    plain product."""
+    if len(a) == 1 or len(b) == 1:
+        return a * b
+    size = len(a) + len(b) - 1
+    length = fft.next_fast_len(size, real=True)
+    return fft.irfft(fft.rfft(a, length) * _spectrum(b, length), length)[:size]
+
+
+_SPECTRA: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+_SPECTRA_LOCK = threading.Lock()  # the two adjacencies compose on two threads
+
+
+def _new_lock_in_child() -> None:
+    """A forked child gets a lock of its own (a copy taken while another thread held it would never open)."""
+    global _SPECTRA_LOCK
+    _SPECTRA_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
+def _spectrum(values: np.ndarray, length: int) -> np.ndarray:
+    """`fft.rfft(values, length)`, kept by the array's identity (the entry holds the array, so its
+    id cannot be reused while the entry lives). PMF arrays are never written after they are built."""
+    key = (id(values), length)
+    with _SPECTRA_LOCK:
+        hit = _SPECTRA.get(key)
+        if hit is not None and hit[0] is values:
+            _SPECTRA.move_to_end(key)
+            return hit[1]
+    spectrum = fft.rfft(values, length)
+    with _SPECTRA_LOCK:
+        _SPECTRA[key] = (values, spectrum)
+        if len(_SPECTRA) > SPECTRA_KEPT:
+            _SPECTRA.popitem(last=False)
+    return spectrum
 
 
 def _truncate_tails(probs: np.ndarray, tail_mass_truncation: float, pessimistic: bool) -> tuple[int, np.ndarray, float]:
