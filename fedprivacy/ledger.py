@@ -520,6 +520,10 @@ class Ledger:
         only in `set_budget`, which forgets it."""
         self._forget_if_written_elsewhere(db)
         known, shared = self._known_budgets, self._budget_objects  # one object per distinct budget: rounds group by it
+        try:
+            return {a: known[a] for a in accounts}  # a steady round: every budget read before
+        except KeyError:
+            pass
         for chunk in _chunks([a for a in accounts if a not in known]):
             rows = db.execute(f"SELECT account, epsilon, delta FROM accounts WHERE account IN ({_marks(chunk)})", chunk)
             for account, epsilon, delta in rows:
@@ -538,6 +542,10 @@ class Ledger:
         that have none."""
         self._forget_if_written_elsewhere(db)
         known = self._known_keys
+        try:
+            return {a: known[a] for a in accounts}  # a steady round: every key given before
+        except KeyError:
+            pass
         missing = [a for a in accounts if a not in known]
         if missing:
             db.executemany("INSERT OR IGNORE INTO account_keys (account) VALUES (?)", [(a,) for a in missing])
@@ -585,7 +593,11 @@ class Ledger:
         another writer spent since (one look at the last spend id when none did)."""
         with self._connect() as db:
             histories = self._current_histories(db, accounts)
-        return {account: self._shared.steps(history) for account, history in histories.items()}
+        distinct = set(map(id, histories.values()))
+        if len(distinct) == 1:  # a round's accounts under one plan: one history, one sum
+            return dict.fromkeys(histories, self._shared.steps(next(iter(histories.values()))))
+        steps = self._shared.steps
+        return {account: steps(history) for account, history in histories.items()}
 
     def _pinned(self, account: str) -> Budget:
         budget = self.budget(account)
@@ -676,9 +688,9 @@ class Ledger:
         now = _now()
         accounts = list(spends)
         budgets = self._budgets(db, accounts)
-        missing = [a for a in accounts if a not in budgets]
-        if missing:
-            raise KeyError(f"ledger account {missing[0]!r} has no pinned budget: open_account first")
+        if len(budgets) < len(accounts):
+            missing = next(a for a in accounts if a not in budgets)
+            raise KeyError(f"ledger account {missing!r} has no pinned budget: open_account first")
         histories = self._current_histories(db, accounts)
         keys = self._account_keys(db, accounts)
         repeated = self._rounds_recorded(db, accounts, run_id, server_round)
@@ -700,7 +712,7 @@ class Ledger:
                 continue
             outcomes.update(dict.fromkeys(members, epsilon))
             written.update(dict.fromkeys(members, history))
-            members_keys = json.dumps([keys[a] for a in members])
+            members_keys = json.dumps(list(map(keys.__getitem__, members)))
             rows += [(run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now, members_keys)
                      for e in new_events]  # fmt: skip
         return outcomes, written, rows
@@ -721,7 +733,12 @@ class Ledger:
                                              "ON k.id = s.account_key WHERE s.id > ?", (self._synced,)):  # fmt: skip
                     self._seen.pop(account, None)
             self._synced = last
-        unknown = [a for a in accounts if a not in self._seen]
+        seen = self._seen
+        try:
+            return {a: seen[a] for a in accounts}  # a steady round: every history kept
+        except KeyError:
+            pass
+        unknown = [a for a in accounts if a not in seen]
         fresh = self._histories(db, unknown)
         for account in unknown:
             self._seen[account] = self._shared.intern(fresh.get(account, ()))

@@ -76,6 +76,8 @@ def test_the_budget_is_pinned_on_first_use_and_only_the_operator_changes_it(tmp_
     assert ledger.open_account("a", 2.0, DELTA) == Budget(2.0, DELTA)
     with pytest.raises(KeyError, match="open_account"):
         ledger.record("never-opened", "run1", 1, [NoiseEvent(1.0, 0.1, 1)])
+    with pytest.raises(KeyError, match="'never-opened' has no pinned budget"):  # beside an account whose budget is known
+        ledger.record_round("run1", 1, {"a": [NoiseEvent(1.0, 0.1, 1)], "never-opened": [NoiseEvent(1.0, 0.1, 1)]})
 
 
 def test_a_round_is_recorded_at_most_once_per_run(tmp_path):
