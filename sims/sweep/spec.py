@@ -17,8 +17,8 @@ field (`grid.epsilon`), the value and what is allowed: an unknown table or key, 
 wrong type (typed by the key's default), an empty grid, a duplicate cell (a value listed twice,
 or a key both fixed and varied), a common budget beside a per-client list that would override it
 (`epsilon` with `epsilons`, `delta` with `deltas`), an unknown engine. Relative paths in a file
-are relative to the file, so a scenario can name data beside the repository. The sweep sets `results-dir` and the
-ledger (each cell gets its own), so a scenario may not.
+are relative to the file, so a scenario can name data beside the repository. The sweep sets
+`results-dir` and the ledger (each cell gets its own), so a scenario may not.
 """
 
 from __future__ import annotations
