@@ -369,6 +369,16 @@ def _wait(finished: threading.Event) -> None:
 Outcome = float | RoundRepeated | BudgetExceeded  # a recorded spend's new ε, or why it was refused
 
 
+@dataclass(frozen=True)
+class RoundDecision:
+    """What a round's transaction decided: each account's outcome, and each recorded account's
+    steps once the round is committed (its whole history, other runs' and writers' spends
+    included: read inside the transaction, under the write lock, so nobody can spend in between)."""
+
+    outcomes: dict[str, Outcome]
+    steps: dict[str, int]
+
+
 class Ledger:
     """One SQLite file holding the spends of any number of accounts.
 
@@ -588,17 +598,6 @@ class Ledger:
     def steps_spent(self, account: str) -> int:
         return sum(e.count for e in self.events(account))
 
-    def steps_spent_of(self, accounts: list[str]) -> dict[str, int]:
-        """`steps_spent` of many accounts: from the histories this ledger keeps, re-read where
-        another writer spent since (one look at the last spend id when none did)."""
-        with self._connect() as db:
-            histories = self._current_histories(db, accounts)
-        distinct = set(map(id, histories.values()))
-        if len(distinct) == 1:  # a round's accounts under one plan: one history, one sum
-            return dict.fromkeys(histories, self._shared.steps(next(iter(histories.values()))))
-        steps = self._shared.steps
-        return {account: steps(history) for account, history in histories.items()}
-
     def _pinned(self, account: str) -> Budget:
         budget = self.budget(account)
         if budget is None:
@@ -652,9 +651,9 @@ class Ledger:
 
     def record_round_while(
         self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]],
-        work: Callable[[dict[str, Outcome]], T] | None,
+        work: Callable[[RoundDecision], T] | None,
     ) -> tuple[dict[str, Outcome], T | None]:  # fmt: skip
-        """`record_round`, running `work(outcomes)` while the round's spends are written and
+        """`record_round`, running `work(decision)` while the round's spends are written and
         committed on another thread (a simulation's training overlaps the ledger's disk work); the
         work's result is returned only once the spends are durable. If the write or commit fails,
         its error is raised, the round rolled back and the result dropped. `work` runs before the
@@ -664,25 +663,26 @@ class Ledger:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
-                outcomes, written, rows = self._decide_round(db, run_id, server_round, spends)
+                decision, written, rows = self._decide_round(db, run_id, server_round, spends)
                 if work is None:
                     last, result = _write_and_commit(db, rows), None
                 else:
-                    last, result = _write_and_commit_during(db, rows, lambda: work(outcomes))
+                    last, result = _write_and_commit_during(db, rows, lambda: work(decision))
             except BaseException:
                 self._known_keys.clear()  # keys given in the rolled-back transaction are gone
                 _rollback(db)
                 raise
             self._seen.update(written)  # only once committed
             self._synced = last
-        return outcomes, result
+        return decision.outcomes, result
 
     def _decide_round(
         self, db: sqlite3.Connection, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]
-    ) -> tuple[dict[str, Outcome], dict[str, tuple[NoiseEvent, ...]], list[SpendRow]]:
-        """Inside the round's transaction: every account's outcome, the histories it writes, and the
+    ) -> tuple[RoundDecision, dict[str, tuple[NoiseEvent, ...]], list[SpendRow]]:
+        """Inside the round's transaction: the decision, the histories it writes, and the
         `_INSERT_SPENDS` rows that write them (one per group of equal spends and event)."""
         outcomes: dict[str, Outcome] = {}
+        steps: dict[str, int] = {}
         written: dict[str, tuple[NoiseEvent, ...]] = {}
         rows: list[SpendRow] = []
         now = _now()
@@ -712,10 +712,11 @@ class Ledger:
                 continue
             outcomes.update(dict.fromkeys(members, epsilon))
             written.update(dict.fromkeys(members, history))
+            steps.update(dict.fromkeys(members, self._shared.steps(history)))
             members_keys = json.dumps(list(map(keys.__getitem__, members)))
             rows += [(run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now, members_keys)
                      for e in new_events]  # fmt: skip
-        return outcomes, written, rows
+        return RoundDecision(outcomes, steps), written, rows
 
     def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, tuple[NoiseEvent, ...]]:
         """The accounts' histories inside a transaction. Those seen before are kept unless another

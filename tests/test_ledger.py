@@ -145,19 +145,23 @@ def test_concurrent_writers_never_overshoot(tmp_path):
 
 def test_a_writer_sees_what_another_writer_spent_since_its_last_round(tmp_path):
     """A ledger object keeps the histories it has seen between rounds: a spend by another writer
-    (another process, a twin) must still count in its next check."""
+    (another process, a twin) must still count in its next check, and in the steps its round's
+    decision reports (what a simulated client's reply says it has done)."""
     path = tmp_path / "ledger.sqlite"
     step = [NoiseEvent(1.5, 0.2, 10)]
     budget = ledger_accounting([NoiseEvent(1.5, 0.2, 20)], DELTA) + 1e-6  # room for exactly 2 spends
     first, second = Ledger(path), Ledger(path)
-    first.open_accounts({"a": Budget(budget, DELTA), "b": Budget(budget, DELTA)})
-    assert not any(isinstance(o, Exception) for o in first.record_round("run", 1, {"a": step, "b": step}).values())
+    first.open_accounts({"a": Budget(budget, DELTA), "b": Budget(budget, DELTA), "c": Budget(5.0, DELTA)})
+    assert not any(isinstance(o, Exception) for o in first.record_round("run", 1, {"a": step, "b": step, "c": step}).values())
     second.record("a", "other-run", 1, step)  # the other writer spends a's second share
-    assert first.steps_spent_of(["a", "b"]) == {"a": 20, "b": 10}
-    outcomes = first.record_round("run", 2, {"a": step, "b": step})
+    second.record("c", "other-run", 1, step)
+    decisions = []
+    outcomes, _ = first.record_round_while("run", 2, {"a": step, "b": step, "c": step}, decisions.append)
     assert isinstance(outcomes["a"], BudgetExceeded)
     assert outcomes["b"] == pytest.approx(pld_epsilon([(1.5, 0.2, 20)], DELTA), rel=CERTIFICATE_REL_TOL)
-    assert (Ledger(path).steps_spent("a"), Ledger(path).steps_spent("b")) == (20, 20)
+    assert decisions[0].outcomes == outcomes
+    assert decisions[0].steps == {"b": 20, "c": 30}  # only the recorded accounts; c's other spend counted
+    assert {name: Ledger(path).steps_spent(name) for name in "abc"} == {"a": 20, "b": 20, "c": 30}
 
 
 def test_a_budget_the_operator_changes_counts_in_the_next_round_of_a_running_writer(tmp_path):
@@ -187,8 +191,8 @@ def test_work_done_while_a_round_commits_is_returned_only_with_a_durable_record(
     writer = Ledger(path, busy_timeout=0.2)
     writer.open_accounts({"a": Budget(5.0, DELTA), "b": Budget(ledger_accounting(step, DELTA) / 2, DELTA)})
     seen = []
-    outcomes, result = writer.record_round_while("run", 1, {"a": step, "b": step}, lambda o: seen.append(o) or "trained")
-    assert result == "trained" and seen == [outcomes]
+    outcomes, result = writer.record_round_while("run", 1, {"a": step, "b": step}, lambda d: seen.append(d) or "trained")
+    assert result == "trained" and [d.outcomes for d in seen] == [outcomes] and seen[0].steps == {"a": 10}
     assert isinstance(outcomes["b"], BudgetExceeded) and outcomes["a"] == Ledger(path).epsilon_spent("a")
 
     reader = sqlite3.connect(path, isolation_level=None)
@@ -196,7 +200,7 @@ def test_work_done_while_a_round_commits_is_returned_only_with_a_durable_record(
     reader.execute("SELECT COUNT(*) FROM spends").fetchone()  # holds a shared lock until it ends
     try:
         with pytest.raises(sqlite3.OperationalError, match="locked"):
-            writer.record_round_while("run", 2, {"a": step}, lambda o: "trained")
+            writer.record_round_while("run", 2, {"a": step}, lambda decision: "trained")
     finally:
         reader.execute("ROLLBACK")
         reader.close()
@@ -226,7 +230,7 @@ def test_ctrl_c_while_a_round_commits_waits_for_the_writer(tmp_path, monkeypatch
     try:
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
         with pytest.raises(KeyboardInterrupt):
-            writer.record_round_while("run", 1, {"a": step}, lambda outcomes: "trained")
+            writer.record_round_while("run", 1, {"a": step}, lambda decision: "trained")
         assert committed.is_set(), "the interrupt went on while the writer still held the connection"
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -244,7 +248,7 @@ def test_any_account_name_is_recorded_intact(tmp_path):
     writer = Ledger(path)
     writer.open_accounts({name: Budget(5.0, DELTA) for name in names})
     writer.record_round("run", 1, {name: step for name in names})
-    writer.record_round_while("run", 2, {name: step for name in names}, lambda outcomes: None)
+    writer.record_round_while("run", 2, {name: step for name in names}, lambda decision: None)
     reader = Ledger(path)
     assert {name: reader.steps_spent(name) for name in [*names, "natural"]} == {**dict.fromkeys(names, 20), "natural": 0}
 
@@ -263,10 +267,10 @@ def test_a_round_that_cannot_start_its_writer_leaves_the_ledger_usable(tmp_path,
     with monkeypatch.context() as patch:
         patch.setattr(threading.Thread, "start", no_thread)
         with pytest.raises(RuntimeError, match="new thread"):
-            writer.record_round_while("run", 1, {"a": step}, lambda outcomes: "trained")
+            writer.record_round_while("run", 1, {"a": step}, lambda decision: "trained")
     assert Ledger(path).steps_spent("a") == 0
     Ledger(path, busy_timeout=0.5).record("a", "other", 1, step)
-    assert writer.record_round_while("run", 1, {"a": step}, lambda outcomes: "trained")[1] == "trained"
+    assert writer.record_round_while("run", 1, {"a": step}, lambda decision: "trained")[1] == "trained"
     assert Ledger(path).steps_spent("a") == 20
 
 
@@ -283,7 +287,7 @@ def test_a_child_forked_while_another_thread_writes_has_its_own_connection(tmp_p
     ledger.open_accounts({"a": Budget(5.0, DELTA), "b": Budget(5.0, DELTA)})
     inside, release = threading.Event(), threading.Event()
 
-    def slow_work(outcomes):
+    def slow_work(decision):
         inside.set()
         release.wait(30)
 

@@ -32,7 +32,7 @@ from flwr.app import ArrayRecord
 
 from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
-from fedprivacy.ledger import BudgetExceeded, Ledger, NoiseSchedule, Outcome, composed_epsilon, noise_schedule, round_events
+from fedprivacy.ledger import BudgetExceeded, Ledger, NoiseSchedule, RoundDecision, composed_epsilon, noise_schedule, round_events
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
@@ -100,10 +100,10 @@ class Participation:
 
 @dataclass
 class Timings:
-    """Where a run's time went: accounting (plans, ledger, ε) and the rest. `commit_wait_s` is
-    the part of accounting spent waiting, after the clients trained and the server aggregated and
-    evaluated their updates, for the round's ledger commit to be durable (it depends on the disk's
-    fsync more than on anything the engine computes). The `_by_round` lists hold each round's
+    """Where a run's time went: accounting (plans, ledger, ε, the clients' replies) and the rest.
+    `commit_wait_s` is the part of accounting spent waiting, after the clients trained, the server
+    aggregated and evaluated their updates and the replies were built, for the round's ledger
+    commit to be durable (it depends on the disk's syncs more than on anything the engine computes). The `_by_round` lists hold each round's
     share of the totals (the first round's accounting includes the plans made for its clients)."""
 
     accounting_s: float = 0.0
@@ -246,8 +246,9 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     """The ClientApp's steps for the round's sampled clients, batched: accounts, plans, the
     round's spends in one ledger transaction that refuses what a budget cannot afford, training of
     the clients it recorded, and every sampled client's reply. The transaction commits while they
-    train and `then(trained clients with their rows, result)` runs (the server's aggregation and
-    central evaluation: in memory, nothing leaves the process); the replies and `then`'s result
+    train, `then(trained clients with their rows, result)` runs (the server's aggregation and
+    central evaluation: in memory, nothing leaves the process) and their replies are built (their
+    steps as the transaction read them: what the ledger holds); the replies and `then`'s result
     are returned only once the commit is durable: recording before anything derived from an
     update leaves, as the apps do (a run that crashes mid-round has spent for updates nobody
     used: never less). Returns the replies by client index and `then`'s result."""
@@ -270,7 +271,10 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
         else:  # its plan has no steps left
             out_of_budget.append(client)
 
-    def work(outcomes: dict[str, Outcome]) -> tuple[list[Client], RoundResult, T, float, float, float]:
+    replies: dict[int, dict[str, Any]] = {}
+
+    def work(decision: RoundDecision) -> tuple[list[Client], T, float, float, float]:
+        outcomes = decision.outcomes
         ready = [client for account, client in asking.items() if isinstance(outcomes[account], float)]  # recorded
         begun = time.perf_counter()
         result = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
@@ -279,9 +283,11 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
             raise RuntimeError("the workers returned other clients than were asked to train")
         after = then(list(zip(ready, range(len(ready)))), result)
         ended = time.perf_counter()
-        return ready, result, after, trained_at - begun, ended - begun, ended
+        accounts = [c.local.account for c in ready]
+        _replies(ready, [outcomes[a] for a in accounts], [decision.steps[a] for a in accounts], result, settings, replies)
+        return ready, after, trained_at - begun, ended - begun, time.perf_counter()
 
-    outcomes, (ready, results, after, training, working, worked_at) = ledger.record_round_while(str(run_id), server_round, spends, work)
+    outcomes, (ready, after, training, working, worked_at) = ledger.record_round_while(str(run_id), server_round, spends, work)
     commit_wait = time.perf_counter() - worked_at
     if len(ready) < len(asking):  # some were refused
         for account, client in asking.items():
@@ -290,11 +296,9 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
                 out_of_budget.append(client)
             elif not isinstance(outcome, float):  # a round already recorded: the apps' client refuses it
                 state.drop(recorder, server_round, client, _reason(outcome))
-    replies = _exhausted_replies(out_of_budget, ledger)
-    state.exhausted.update(replies)
-    accounts = [c.local.account for c in ready]
-    steps = ledger.steps_spent_of(accounts)  # as the apps' reply: what the ledger holds
-    _replies(ready, [outcomes[a] for a in accounts], [steps[a] for a in accounts], results, settings, replies)
+    exhausted = _exhausted_replies(out_of_budget, ledger)
+    state.exhausted.update(exhausted)
+    replies.update(exhausted)
     timings.add_round(time.perf_counter() - started - working, training, commit_wait)
     return replies, after
 
