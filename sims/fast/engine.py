@@ -103,8 +103,9 @@ class Timings:
     """Where a run's time went: accounting (plans, ledger, ε, the clients' replies) and the rest.
     `commit_wait_s` is the part of accounting spent waiting, after the clients trained, the server
     aggregated and evaluated their updates and the replies were built, for the round's ledger
-    commit to be durable (it depends on the disk's syncs more than on anything the engine computes). The `_by_round` lists hold each round's
-    share of the totals (the first round's accounting includes the plans made for its clients)."""
+    commit to be durable (it depends on the disk's syncs more than on anything the engine
+    computes). The `_by_round` lists hold each round's share of the totals (the first round's
+    accounting includes the plans made for its clients)."""
 
     accounting_s: float = 0.0
     training_s: float = 0.0
