@@ -103,9 +103,9 @@ class Timings:
     """Where a run's time went: accounting (plans, ledger, ε, the clients' replies) and the rest.
     `commit_wait_s` is the part of accounting spent waiting, after the clients trained, the server
     aggregated and evaluated their updates and the replies were built, for the round's ledger
-    commit to be durable (it depends on the disk's syncs more than on anything the engine
-    computes). The `_by_round` lists hold each round's share of the totals (the first round's
-    accounting includes the plans made for its clients)."""
+    commit to be durable (the syncs of the ledger's journal, which wait for a core while the
+    training threads hold them). The `_by_round` lists hold each round's share of the totals
+    (the first round's accounting includes the plans made for its clients)."""
 
     accounting_s: float = 0.0
     training_s: float = 0.0
@@ -249,8 +249,9 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     the clients it recorded, and every sampled client's reply. The transaction commits while they
     train, `then(trained clients with their rows, result)` runs (the server's aggregation and
     central evaluation: in memory, nothing leaves the process) and their replies are built (their
-    steps as the transaction read them: what the ledger holds); the replies and `then`'s result
-    are returned only once the commit is durable: recording before anything derived from an
+    steps as the transaction read them: what the ledger holds, and their trainer states kept); the
+    replies and `then`'s result are returned only once the commit is durable, and a failed commit
+    ends the run: recording before anything derived from an
     update leaves, as the apps do (a run that crashes mid-round has spent for updates nobody
     used: never less). Returns the replies by client index and `then`'s result."""
     started = time.perf_counter()
