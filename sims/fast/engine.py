@@ -251,9 +251,9 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     central evaluation: in memory, nothing leaves the process) and their replies are built (their
     steps as the transaction read them: what the ledger holds, and their trainer states kept); the
     replies and `then`'s result are returned only once the commit is durable, and a failed commit
-    ends the run: recording before anything derived from an
-    update leaves, as the apps do (a run that crashes mid-round has spent for updates nobody
-    used: never less). Returns the replies by client index and `then`'s result."""
+    ends the run: recording before anything derived from an update leaves, as the apps do (a run
+    that crashes mid-round has spent for updates nobody used: never less). Returns the replies by
+    client index and `then`'s result."""
     started = time.perf_counter()
     _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
     asking: dict[str, Client] = {}  # by account
