@@ -213,3 +213,25 @@ def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_p
     assert json.loads((folder / "summary.json").read_text())["status"] == "failed"
     with sqlite3.connect(ledger) as db:
         assert db.execute("SELECT DISTINCT server_round FROM spends").fetchall() == [(1,)]
+
+
+@pytest.mark.parametrize(("fraction", "composed_ahead"), [(1.0, True), (0.75, False)])
+def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(in_process, tmp_path, monkeypatch, fraction, composed_ahead):
+    """With every client in every round, the ε their plans' rounds will reach is composed when they
+    are first sampled (`Ledger.compose_ahead`) and the later rounds' decisions compose nothing;
+    with clients sampled at random their histories are not their plans' prefixes, and nothing is
+    composed ahead."""
+    from fedprivacy import ledger as ledger_module
+
+    compose = ledger_module.composed_epsilon
+    rounds_done, composed_in_round = [], []
+    monkeypatch.setattr(ledger_module, "composed_epsilon",
+                        lambda *args: composed_in_round.append(len(rounds_done) + 1) or compose(*args))  # fmt: skip
+    config = {**in_process.defaults(), **HETEROGENEOUS, "fraction-train": fraction, "results-dir": str(tmp_path / "r")}
+    run_fast(config, 4, say=lambda _: None, on_round=rounds_done.append)
+    assert len(rounds_done) == 3
+    if composed_ahead:
+        assert set(composed_in_round) == {1}  # four budgets, three rounds each: all before round 1 trains
+        assert len(composed_in_round) == 4 * 3
+    else:
+        assert set(composed_in_round) > {1}

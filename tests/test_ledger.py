@@ -12,6 +12,7 @@ import time
 import pytest
 
 from fedprivacy import ledger as ledger_module
+from fedprivacy.privacy import accountants
 from fedprivacy.errors import InputError
 from fedprivacy.ledger import (
     SCHEMA_VERSION,
@@ -332,6 +333,68 @@ def test_plans_with_equal_noise_schedules_share_one_schedule_object():
     for change in ({"sampling_rate": 0.2}, {"steps": 9}, {"rounds": 2}, {"noise_segments": ((3.0, 5), (2.5, 5))}):
         other = noise_schedule(plan("c", **change))
         assert other is not shared and other != shared, change
+
+
+def _plan(epsilon: float, segments: tuple[tuple[float, int], ...], rounds: int, delta: float = DELTA) -> Plan:
+    steps = sum(count for _, count in segments)
+    return Plan(client_id="c", rule="adp", n=100, epsilon=epsilon, delta=delta, clip_norm=1.0, sigma=segments[0][0],
+                sampling_rate=0.1, steps=steps, rounds=rounds, noise_segments=segments, epsilon_pld=0.5, epsilon_rdp=0.6)  # fmt: skip
+
+
+def _play_rounds(ledger: Ledger, plans: dict[str, Plan], rounds: int) -> list[tuple[dict[str, object], dict[str, int]]]:
+    """Every account asks for its plan's slice in every round, as a simulation's clients do,
+    until its budget refuses one; each round's (outcomes, steps)."""
+    played, refused = [], set()
+    for server_round in range(1, rounds + 1):
+        spends = {a: round_events(p, server_round) for a, p in plans.items() if a not in refused}
+        decisions = []
+        outcomes, _ = ledger.record_round_while("run", server_round, spends, decisions.append)
+        refused |= {a for a, o in outcomes.items() if isinstance(o, BudgetExceeded)}
+        played.append(({a: o if isinstance(o, float) else type(o).__name__ for a, o in outcomes.items()}, decisions[0].steps))
+    return played
+
+
+def _ahead_accounts(ledger: Ledger) -> dict[str, Plan]:
+    """Two accounts sharing a plan and budget, the same plan at another δ, a budget that runs out
+    in round 3, an ADP plan whose σ changes inside a round, and an account that spent before."""
+    constant, adp = _plan(3.0, ((2.0, 40),), 5), _plan(3.0, ((2.5, 18), (2.0, 22)), 5)
+    ledger.open_accounts({"a": Budget(3.0, DELTA), "b": Budget(3.0, DELTA), "c": Budget(3.0, 1e-7),
+                          "d": Budget(1.1, DELTA), "e": Budget(3.0, DELTA), "f": Budget(3.0, DELTA)})  # fmt: skip
+    ledger.record("f", "earlier-run", 1, [NoiseEvent(1.5, 0.2, 7)])
+    return {"a": constant, "b": constant, "c": _plan(3.0, ((2.0, 40),), 5, 1e-7), "d": constant, "e": adp, "f": constant}
+
+
+def test_rounds_composed_ahead_decide_exactly_as_rounds_composed_when_asked(tmp_path, monkeypatch):
+    """`compose_ahead` moves the rounds' compositions before them and changes no decision: the
+    same outcomes, ε (to the bit) and steps as a ledger that composes when each round asks; and
+    the rounds it prepared compose nothing."""
+    accountants.clear_caches()
+    plain = Ledger(tmp_path / "plain.sqlite")
+    expected = _play_rounds(plain, _ahead_accounts(plain), 6)  # round 6: past the plans, nobody spends
+    assert expected[2][0]["d"] == "BudgetExceeded" and isinstance(expected[1][0]["d"], float)
+
+    accountants.clear_caches()
+    ahead = Ledger(tmp_path / "ahead.sqlite")
+    plans = _ahead_accounts(ahead)
+    # folds: a with b, c, d (refused in round 3: three rounds), e, f; five rounds each but d's
+    assert ahead.compose_ahead(plans, first_round=1) == 5 * 4 + 3
+    composed = []
+    monkeypatch.setattr(ledger_module, "composed_epsilon", lambda *args: composed.append(args) or pytest.fail("composed"))
+    assert _play_rounds(ahead, plans, 6) == expected
+    assert composed == []
+
+
+def test_composing_ahead_stops_before_the_shared_histories_would_be_forgotten(tmp_path, monkeypatch):
+    """The folds stop at half the shared histories' limit (past it they would all be dropped,
+    and the work with them); the rounds compose the rest themselves, to the same decisions."""
+    plain = Ledger(tmp_path / "plain.sqlite")
+    expected = _play_rounds(plain, _ahead_accounts(plain), 5)
+    monkeypatch.setattr(ledger_module._SharedHistories, "LIMIT", 40)
+    ahead = Ledger(tmp_path / "ahead.sqlite")
+    plans = _ahead_accounts(ahead)
+    computed = ahead.compose_ahead(plans, first_round=1)
+    assert 0 < computed < 5 * 4 + 3 and ahead._shared.size() <= 20
+    assert _play_rounds(ahead, plans, 5) == expected
 
 
 def test_plans_are_kept_per_account_and_run(tmp_path):

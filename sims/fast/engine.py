@@ -255,7 +255,7 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     that crashes mid-round has spent for updates nobody used: never less). Returns the replies by
     client index and `then`'s result."""
     started = time.perf_counter()
-    _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, pool)
+    _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, server_round, pool)
     asking: dict[str, Client] = {}  # by account
     spends: dict[str, tuple[NoiseEvent, ...]] = {}
     out_of_budget: list[Client] = []
@@ -305,8 +305,12 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     return replies, after
 
 
-def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, pool: WorkerPool) -> None:
-    """Open the accounts and make the plans of clients asked for the first time, in bulk."""
+def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int,
+                    pool: WorkerPool) -> None:  # fmt: skip
+    """Open the accounts and make the plans of clients asked for the first time, in bulk; when
+    every client trains in every round, the ε their rounds will reach is composed now, one fold
+    per distinct plan (`Ledger.compose_ahead`: with clients sampled at random, their histories
+    are not their plans' prefixes, and it would be work for nothing)."""
     if not clients:
         return
     with warnings.catch_warnings():
@@ -324,6 +328,8 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
             continue
         client.plan, client.schedule = outcome, noise_schedule(outcome)
     pool.add_plans({c.index: c.plan for c in opened if c.plan is not None})
+    if settings.fraction_train >= 1.0:
+        ledger.compose_ahead({c.local.account: c.plan for c in opened if c.plan is not None}, server_round)
 
 
 def _reason(error: Exception) -> str:
