@@ -681,15 +681,22 @@ class Ledger:
         Raises `RoundRepeated` if this (run, round) was already recorded and `BudgetExceeded` if the
         new ε would exceed the budget; either way nothing is written.
         """
-        outcome = self.record_round(run_id, server_round, {account: new_events})[account]
+        return self.record_with_steps(account, run_id, server_round, new_events)[0]
+
+    def record_with_steps(self, account: str, run_id: str, server_round: int, new_events: Sequence[NoiseEvent]) -> tuple[float, int]:
+        """`record`, with the account's steps once the spend is recorded (its whole history, read
+        in the same transaction: a client's reply then states one ledger state, even if another
+        writer spends from the account right after)."""
+        decision, _ = self._record_round(run_id, server_round, {account: new_events}, None)
+        outcome = decision.outcomes[account]
         if isinstance(outcome, Exception):
             raise outcome
-        return outcome
+        return outcome, decision.steps[account]
 
     def record_round(self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]) -> dict[str, Outcome]:
         """`record` for every account of a round, in one transaction: each account gets its new ε,
         or the refusal that kept its spend out (the others are written regardless)."""
-        return self.record_round_while(run_id, server_round, spends, None)[0]
+        return self._record_round(run_id, server_round, spends, None)[0].outcomes
 
     def record_round_while(
         self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]],
@@ -702,6 +709,13 @@ class Ledger:
         spends are durable, so it must have no effect visible outside until it returns (training,
         and aggregation and evaluation in memory, whose results are used only after), and it must
         not use this ledger: its connection is busy."""
+        decision, result = self._record_round(run_id, server_round, spends, work)
+        return decision.outcomes, result
+
+    def _record_round(
+        self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]],
+        work: Callable[[RoundDecision], T] | None,
+    ) -> tuple[RoundDecision, T | None]:  # fmt: skip
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -716,7 +730,7 @@ class Ledger:
                 raise
             self._seen.update(written)  # only once committed
             self._synced = last
-        return decision.outcomes, result
+        return decision, result
 
     def _decide_round(
         self, db: sqlite3.Connection, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]

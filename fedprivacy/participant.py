@@ -422,10 +422,10 @@ def train_round(
         logger.warning("client %s, round %d: %d sampled examples had a non-finite gradient and contributed zero",
                        client.client_id, server_round, report.nonfinite_examples)
     try:
-        spent = ledger.record(client.account, run_id, server_round, events)
+        spent, steps = ledger.record_with_steps(client.account, run_id, server_round, events)
     except BudgetExceeded:  # another writer spent the budget meanwhile: this update must not leave
         return RoundResult(None, _exhausted(client, plan, ledger), trainer_state)
-    metrics = reply_metrics(client, plan, spent, ledger.steps_spent(client.account), trained=True, on_gpu=dev.type == "cuda")
+    metrics = reply_metrics(client, plan, spent, steps, trained=True, on_gpu=dev.type == "cuda")
     if settings.diagnostics:  # simulations only (open_account refuses it in a deployment)
         metrics.update(diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples))
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}

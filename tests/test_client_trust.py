@@ -66,6 +66,33 @@ def test_a_client_never_trains_the_same_round_of_a_run_twice(in_process, run_con
     assert not client_app(later, context).has_error()
 
 
+def test_a_reply_states_the_ledger_as_its_own_record_left_it(in_process, run_config, tmp_path, monkeypatch):
+    """The ε and steps a client reports come from the transaction that recorded its round: a
+    spend another writer makes on the account right after that commit is in neither."""
+    from fedprivacy import ledger as ledger_module
+    from fedprivacy.privacy.accountants import NoiseEvent
+
+    ledger = tmp_path / "ledger.sqlite"
+    write, injected = ledger_module._write_and_commit, []
+
+    def another_writer_spends_after_the_commit(db, rows):
+        last = write(db, rows)
+        if not injected:
+            injected.append(db.execute("SELECT account FROM account_keys").fetchone()[0])
+            Ledger(ledger).record(injected[0], "another-run", 1, [NoiseEvent(5.0, 0.01, 5)])
+        return last
+
+    monkeypatch.setattr(ledger_module, "_write_and_commit", another_writer_spends_after_the_commit)
+    message, context = train_message(in_process, run_config, 1, ledger)
+    reply = client_app(message, context).content["metrics"]
+    assert injected and reply["budget-exhausted"] == 0
+    with sqlite3.connect(ledger) as db:
+        ((steps, epsilon),) = db.execute("SELECT steps, epsilon_after FROM spends WHERE run_id = '9'").fetchall()
+    assert reply["steps-done"] == steps and reply["epsilon-spent"] == epsilon
+    (account,) = Ledger(ledger).accounts()
+    assert account.steps == steps + 5  # the other writer's spend is in the ledger, after the reply's
+
+
 def test_a_seeded_simulation_refuses_a_ledger_that_another_run_spent_from(in_process, run_config, tmp_path):
     ledger = tmp_path / "ledger.sqlite"
     config = {**run_config, "ledger-path": str(ledger), "num-server-rounds": 1}  # noise-seed 7

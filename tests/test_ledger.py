@@ -163,6 +163,8 @@ def test_a_writer_sees_what_another_writer_spent_since_its_last_round(tmp_path):
     assert decisions[0].outcomes == outcomes
     assert decisions[0].steps == {"b": 20, "c": 30}  # only the recorded accounts; c's other spend counted
     assert {name: Ledger(path).steps_spent(name) for name in "abc"} == {"a": 20, "b": 20, "c": 30}
+    second.record("c", "other-run", 2, [NoiseEvent(1.5, 0.2, 2)])
+    assert first.record_with_steps("c", "run", 3, step)[1] == 42  # the other writer's new 2 steps counted
 
 
 def test_a_budget_the_operator_changes_counts_in_the_next_round_of_a_running_writer(tmp_path):
