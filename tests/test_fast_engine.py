@@ -228,10 +228,14 @@ def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(in
     monkeypatch.setattr(ledger_module, "composed_epsilon",
                         lambda *args: composed_in_round.append(len(rounds_done) + 1) or compose(*args))  # fmt: skip
     config = {**in_process.defaults(), **HETEROGENEOUS, "fraction-train": fraction, "results-dir": str(tmp_path / "r")}
-    run_fast(config, 4, say=lambda _: None, on_round=rounds_done.append)
+    lines: list[str] = []
+    run_fast(config, 4, say=lines.append, on_round=rounds_done.append)
     assert len(rounds_done) == 3
+    planning = [line for line in lines if line.startswith("planning ")]
     if composed_ahead:
         assert set(composed_in_round) == {1}  # four budgets, three rounds each: all before round 1 trains
         assert len(composed_in_round) == 4 * 3
+        assert planning == ["planning 4 clients sampled for the first time and composing the ε of their rounds"]
     else:
         assert set(composed_in_round) > {1}
+        assert planning and all("composing" not in line for line in planning)

@@ -211,7 +211,7 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
             recorder.sampled(server_round, len(sampled))
             aggregate_and_evaluate = partial(_aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test)
             replies, (global_state, (loss, accuracy)) = _train_round(sampled, global_state, settings, ledger, run_id, server_round, pool,
-                                                                      recorder, state, timings, aggregate_and_evaluate)  # fmt: skip
+                                                                      recorder, state, timings, aggregate_and_evaluate, say)  # fmt: skip
             for client in sampled:
                 if client.index in replies:
                     state.failures[client.index] = 0
@@ -243,7 +243,8 @@ def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Pa
 
 def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], settings: RunSettings, ledger: Ledger, run_id: int,
                  server_round: int, pool: WorkerPool, recorder: RunRecorder, state: Participation, timings: Timings,
-                 then: Callable[[list[tuple[Client, int]], RoundResult], T]) -> tuple[dict[int, dict[str, Any]], T]:  # fmt: skip
+                 then: Callable[[list[tuple[Client, int]], RoundResult], T],
+                 say: Callable[[str], None]) -> tuple[dict[int, dict[str, Any]], T]:  # fmt: skip
     """The ClientApp's steps for the round's sampled clients, batched: accounts, plans, the
     round's spends in one ledger transaction that refuses what a budget cannot afford, training of
     the clients it recorded, and every sampled client's reply. The transaction commits while they
@@ -255,7 +256,7 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     that crashes mid-round has spent for updates nobody used: never less). Returns the replies by
     client index and `then`'s result."""
     started = time.perf_counter()
-    _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, server_round, pool)
+    _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, server_round, pool, say)
     asking: dict[str, Client] = {}  # by account
     spends: dict[str, tuple[NoiseEvent, ...]] = {}
     out_of_budget: list[Client] = []
@@ -306,13 +307,15 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
 
 
 def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int,
-                    pool: WorkerPool) -> None:  # fmt: skip
+                    pool: WorkerPool, say: Callable[[str], None]) -> None:  # fmt: skip
     """Open the accounts and make the plans of clients asked for the first time, in bulk; when
     every client trains in every round, the ε their rounds will reach is composed now, one fold
     per distinct plan (`Ledger.compose_ahead`: with clients sampled at random, their histories
     are not their plans' prefixes, and it would be work for nothing)."""
     if not clients:
         return
+    say(f"planning {len(clients)} client{'s' * (len(clients) != 1)} sampled for the first time"
+        + (" and composing the ε of their rounds" if settings.fraction_train >= 1.0 else ""))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededRunWarning)
         refusals = open_accounts([c.local for c in clients], settings, ledger, str(run_id))
