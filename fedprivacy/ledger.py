@@ -639,7 +639,8 @@ class Ledger:
     def compose_ahead(self, plans: dict[str, Plan], first_round: int) -> int:
         """Compute now the ε that each account's round decisions will ask for if it spends its
         plan's every round from `first_round` on (a simulation whose clients all train in every
-        round), and keep them with the shared histories; returns how many were computed.
+        round), and keep them with the shared histories; returns for how many (history, round)
+        pairs an ε is now ready (computed here, or already known).
 
         A decision composes the new history's PLD (an FFT convolution of a PLD that grows with the
         history) and walks it for ε. Here each distinct (history, plan's schedule, budget) is one
@@ -659,8 +660,10 @@ class Ledger:
                 budgets = self._budgets(db, accounts)
             finally:
                 db.execute("COMMIT")
-        folds = {(id(histories[a]), id(noise_schedule(plans[a])), id(budgets[a])): a for a in accounts if a in budgets}
-        shared, room, computed = self._shared, self._shared.LIMIT // 2, 0
+        # a schedule by value (an id of the interned tuple could be reused once its cache drops it);
+        # histories and budgets by id: the two dicts above hold them while the folds are grouped
+        folds = {(id(histories[a]), noise_schedule(plans[a]), id(budgets[a])): a for a in accounts if a in budgets}
+        shared, room, ready = self._shared, self._shared.LIMIT // 2, 0
         for account in folds.values():
             plan, budget, history = plans[account], budgets[account], histories[account]
             for server_round in range(first_round, plan.rounds + 1):
@@ -668,12 +671,12 @@ class Ledger:
                 if not new_events:
                     continue
                 if shared.size() + 3 > room:  # a new history adds up to two entries, its ε one
-                    return computed
+                    return ready
                 history = shared.extend(history, new_events)
-                computed += 1
+                ready += 1
                 if shared.epsilon(history, budget.delta) > budget.epsilon:
                     break  # refused from this round on: the account spends no further
-        return computed
+        return ready
 
     def record(self, account: str, run_id: str, server_round: int, new_events: Sequence[NoiseEvent]) -> float:
         """Durably add `new_events` to `account` under its pinned budget; return the new cumulative ε.

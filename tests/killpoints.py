@@ -91,7 +91,7 @@ def killable(real: ClientApp) -> ClientApp:
     """The real ClientApp, with the named points in its train handler (and, in this process, in the
     trainer and the ledger: the app module runs in a clientapp process of its own)."""
     _patch(DPTrainer, "run_round", "training", before=True)
-    _patch(Ledger, "record", "recorded", before=False)
+    _patch(Ledger, "record_with_steps", "recorded", before=False)  # what the ClientApp records with
 
     def train(message: Message, context: Context) -> Message:
         _current.update(client=str(context.node_config["client-id"]), round=int(message.content["config"]["server-round"]))

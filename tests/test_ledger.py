@@ -337,9 +337,9 @@ def test_plans_with_equal_noise_schedules_share_one_schedule_object():
         assert other is not shared and other != shared, change
 
 
-def _plan(epsilon: float, segments: tuple[tuple[float, int], ...], rounds: int, delta: float = DELTA) -> Plan:
+def _plan(epsilon: float, segments: tuple[tuple[float, int], ...], rounds: int) -> Plan:
     steps = sum(count for _, count in segments)
-    return Plan(client_id="c", rule="adp", n=100, epsilon=epsilon, delta=delta, clip_norm=1.0, sigma=segments[0][0],
+    return Plan(client_id="c", rule="adp", n=100, epsilon=epsilon, delta=DELTA, clip_norm=1.0, sigma=segments[0][0],
                 sampling_rate=0.1, steps=steps, rounds=rounds, noise_segments=segments, epsilon_pld=0.5, epsilon_rdp=0.6)  # fmt: skip
 
 
@@ -357,13 +357,14 @@ def _play_rounds(ledger: Ledger, plans: dict[str, Plan], rounds: int) -> list[tu
 
 
 def _ahead_accounts(ledger: Ledger) -> dict[str, Plan]:
-    """Two accounts sharing a plan and budget, the same plan at another δ, a budget that runs out
-    in round 3, an ADP plan whose σ changes inside a round, and an account that spent before."""
+    """Two accounts sharing a plan and budget, the same plan under a budget pinned at another δ
+    (the ledger's δ counts, not the plan's), a budget that runs out in round 3, an ADP plan whose
+    σ changes inside a round, and an account that spent before."""
     constant, adp = _plan(3.0, ((2.0, 40),), 5), _plan(3.0, ((2.5, 18), (2.0, 22)), 5)
     ledger.open_accounts({"a": Budget(3.0, DELTA), "b": Budget(3.0, DELTA), "c": Budget(3.0, 1e-7),
                           "d": Budget(1.1, DELTA), "e": Budget(3.0, DELTA), "f": Budget(3.0, DELTA)})  # fmt: skip
     ledger.record("f", "earlier-run", 1, [NoiseEvent(1.5, 0.2, 7)])
-    return {"a": constant, "b": constant, "c": _plan(3.0, ((2.0, 40),), 5, 1e-7), "d": constant, "e": adp, "f": constant}
+    return {"a": constant, "b": constant, "c": constant, "d": constant, "e": adp, "f": constant}
 
 
 def test_rounds_composed_ahead_decide_exactly_as_rounds_composed_when_asked(tmp_path, monkeypatch):

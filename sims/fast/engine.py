@@ -310,8 +310,8 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
                     pool: WorkerPool, say: Callable[[str], None]) -> None:  # fmt: skip
     """Open the accounts and make the plans of clients asked for the first time, in bulk; when
     every client trains in every round, the ε their rounds will reach is composed now, one fold
-    per distinct plan (`Ledger.compose_ahead`: with clients sampled at random, their histories
-    are not their plans' prefixes, and it would be work for nothing)."""
+    per distinct plan, budget and history (`Ledger.compose_ahead`: with clients sampled at random,
+    their histories are not their plans' prefixes, and it would be work for nothing)."""
     if not clients:
         return
     say(f"planning {len(clients)} client{'s' * (len(clients) != 1)} sampled for the first time"
