@@ -118,3 +118,33 @@ def test_steps_that_span_several_nonces_read_the_same_bytes_in_any_split(monkeyp
     alone = np.concatenate([randomness.stream_words(step, 1, 25) for step in range(2, 11)])
     assert together.shape == (9, 25) and np.array_equal(together, alone)
     assert len({row.tobytes() for row in together}) == 9
+
+
+def test_a_round_of_draws_is_its_streams_words_compared_and_transformed(monkeypatch):
+    """Independently of `draw_batch`'s buffers: record i of a step is kept iff its Poisson word is
+    below ⌊q·2⁵³⌋, and the noise is Box–Muller of the step's noise words (computed here in float64);
+    the transform gives the same bits however its rows are chunked and spread over threads. The
+    clients read the same blocks per step (one buffer, one comparison for all) with different n."""
+    clients = [(StepRandomness(f"7:words-{i}"), 2 * i, 1 + i % 3, 150 - i % 4, 0.03 * (i + 1)) for i in range(8)]
+    requests = [DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients]
+    count = 30
+    keep, noise = draw_batch(requests, count)
+    monkeypatch.setattr(rng_module, "TRANSFORM_CHUNK", 64)  # two rows per chunk, nine chunks
+    monkeypatch.setattr(rng_module, "PARALLEL_WORDS", 0)
+    chunked = rng_module.box_muller(rng_module.StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=3)
+    plain = rng_module.box_muller(rng_module.StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=1)
+    assert np.array_equal(chunked, plain)
+    _, noise_in_threads = draw_batch(requests, count)
+    assert torch.equal(noise_in_threads, noise)
+    row = 0
+    for randomness, first, steps, n, q in clients:
+        words = randomness.stream_words(first, steps, count + n)
+        assert np.array_equal(keep[row : row + steps, :n].numpy(), words[:, count:] < sampling_threshold(q))
+        assert not keep[row : row + steps, n:].any()
+        u = words[:, :count].astype(np.float64) * 2.0**-UNIFORM_BITS
+        radius = np.sqrt(-2.0 * np.log1p(-u[:, : count // 2]))
+        angle = 2.0 * np.pi * u[:, count // 2 :]
+        expected = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=1)
+        np.testing.assert_allclose(noise[row : row + steps].numpy(), expected, rtol=1e-5, atol=1e-5)
+        row += steps
+    assert row == keep.shape[0]
