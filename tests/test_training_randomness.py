@@ -148,3 +148,15 @@ def test_a_round_of_draws_is_its_streams_words_compared_and_transformed(monkeypa
         np.testing.assert_allclose(noise[row : row + steps].numpy(), expected, rtol=1e-5, atol=1e-5)
         row += steps
     assert row == keep.shape[0]
+
+
+def test_draws_larger_than_the_kept_buffer_are_the_same_draws(monkeypatch):
+    """A thread keeps its keystream buffer between draws up to a size; a larger draw gets a buffer
+    of its own, and a kept buffer reused by the next draw gives that draw its own bytes."""
+    requests = [DrawRequest(StepRandomness(f"7:kept-{i}"), i, 2, 60, 0.2) for i in range(4)]
+    kept = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
+    monkeypatch.setattr(rng_module, "SCRATCH_KEPT", 0)
+    fresh = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
+    for (keep_a, noise_a), (keep_b, noise_b) in zip(kept, fresh, strict=True):
+        assert torch.equal(keep_a, keep_b) and torch.equal(noise_a, noise_b)
+    assert torch.equal(kept[1][1], kept[0][1][:4])  # the first two clients' rows, redrawn
