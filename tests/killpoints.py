@@ -68,7 +68,9 @@ def _reach(point: str) -> None:
     target = marker(folder, client, armed["token"])
     if wanted != point or target.exists():
         return
-    target.write_text(json.dumps({"point": armed["point"], "round": _current.get("round"), "pid": os.getpid()}))
+    written = target.with_suffix(".tmp")  # whole or not at all: the test reads it as soon as it exists
+    written.write_text(json.dumps({"point": armed["point"], "round": _current.get("round"), "pid": os.getpid()}))
+    os.replace(written, target)
     if armed["point"] in PAUSES:
         time.sleep(3600)  # the test kills this SuperNode now
 
