@@ -131,8 +131,8 @@ def test_a_round_of_draws_is_its_streams_words_compared_and_transformed(monkeypa
     keep, noise = draw_batch(requests, count)
     monkeypatch.setattr(rng_module, "TRANSFORM_CHUNK", 64)  # two rows per chunk, nine chunks
     monkeypatch.setattr(rng_module, "PARALLEL_WORDS", 0)
-    chunked = rng_module.box_muller(rng_module.StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=3)
-    plain = rng_module.box_muller(rng_module.StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=1)
+    chunked = rng_module.box_muller(StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=3)
+    plain = rng_module.box_muller(StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=1)
     assert np.array_equal(chunked, plain)
     _, noise_in_threads = draw_batch(requests, count)
     assert torch.equal(noise_in_threads, noise)
@@ -148,6 +148,12 @@ def test_a_round_of_draws_is_its_streams_words_compared_and_transformed(monkeypa
         np.testing.assert_allclose(noise[row : row + steps].numpy(), expected, rtol=1e-5, atol=1e-5)
         row += steps
     assert row == keep.shape[0]
+    _, noise64 = draw_batch(requests[:1], count, dtype=torch.float64)  # float64 noise: radius and angle in float64
+    randomness, first, steps, n, _ = clients[0]
+    u = randomness.stream_words(first, steps, count + n)[:, :count].astype(np.float64) * 2.0**-UNIFORM_BITS
+    radius, angle = np.sqrt(-2.0 * np.log1p(-u[:, : count // 2])), 2.0 * np.pi * u[:, count // 2 :]
+    expected = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=1)
+    np.testing.assert_allclose(noise64.numpy(), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_draws_larger_than_the_kept_buffer_are_the_same_draws(monkeypatch):
@@ -155,8 +161,10 @@ def test_draws_larger_than_the_kept_buffer_are_the_same_draws(monkeypatch):
     of its own, and a kept buffer reused by the next draw gives that draw its own bytes."""
     requests = [DrawRequest(StepRandomness(f"7:kept-{i}"), i, 2, 60, 0.2) for i in range(4)]
     kept = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
-    monkeypatch.setattr(rng_module, "SCRATCH_KEPT", 0)
+    monkeypatch.setattr(rng_module, "SCRATCH_KEPT", 2 * 2 * 640)  # fits two clients' draw (two steps of ten blocks each), not four's
+    rng_module._scratch.words = bytearray()
     fresh = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
+    assert len(rng_module._scratch.words) == 2 * 2 * 640  # only the draw that fits was kept
     for (keep_a, noise_a), (keep_b, noise_b) in zip(kept, fresh, strict=True):
         assert torch.equal(keep_a, keep_b) and torch.equal(noise_a, noise_b)
     assert torch.equal(kept[1][1], kept[0][1][:4])  # the first two clients' rows, redrawn

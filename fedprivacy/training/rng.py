@@ -85,11 +85,11 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64, threads: int = 1)
     is ten times faster, and float32 noise keeps no more digits anyway). numpy on contiguous
     halves: torch's float64 log on strided views was 100× slower here.
 
-    Rows go in chunks of about `TRANSFORM_CHUNK` words, so that the temporaries stay in cache
+    Rows go in chunks of about `TRANSFORM_CHUNK` words (at least one row), so that the temporaries stay in cache
     and are reused rather than fresh pages (3.5 M words: 23 → 14 ms on 2 cores), and, with
     `threads` > 1 and at least `PARALLEL_WORDS` words, the chunks are spread over that many
     threads (numpy's ufuncs release the GIL: 14 → 8 ms). Every element goes through the same
-    operations either way: the draws are the same bits whatever the chunking.
+    operations either way, so the draws do not depend on the chunking (a test checks the bits).
     """
     pairs = uniforms.shape[1] // 2
     out = np.empty((uniforms.shape[0], 2 * pairs), dtype=dtype)
@@ -101,8 +101,12 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64, threads: int = 1)
             _box_muller_into(uniforms[chunk], out[chunk], dtype)
 
     if threads > 1 and len(chunks) > 1 and uniforms.size >= PARALLEL_WORDS:
-        helpers = _transform_helpers(os.getpid(), threads - 1)
-        others = [helpers.submit(transform, chunks[k::threads]) for k in range(1, threads)]
+        helpers, others = _transform_helpers(os.getpid(), threads - 1), []
+        for k in range(1, threads):
+            try:
+                others.append(helpers.submit(transform, chunks[k::threads]))
+            except RuntimeError:  # the interpreter is shutting down and starts no threads: this one does it
+                transform(chunks[k::threads])
         transform(chunks[0::threads])
         for other in others:
             other.result()
@@ -140,9 +144,9 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 class _Scratch(threading.local):
     """Buffers a thread reuses from one draw to the next. A batched round draws tens of MB of
     keystream, and a fresh buffer each round is fresh pages from the kernel whose first writes
-    (page faults) cost time on a VM (a 1,000-client MLP round's draws: 19–20 → 18–19 ms). Word
-    buffers up to `SCRATCH_KEPT` bytes are kept; a larger draw (10,000 clients) gets a buffer of its
-    own, so that a run's peak memory does not grow by it."""
+    (page faults) cost time on a VM (a 1,000-client MLP round's draws: 19–20 → 18–19 ms). Buffers
+    up to `SCRATCH_KEPT` bytes are kept; a larger draw (10,000 clients) gets one of its own, so that
+    a run's peak memory does not grow by it."""
 
     def __init__(self) -> None:
         self.words = bytearray()
@@ -158,6 +162,8 @@ class _Scratch(threading.local):
 
     def plaintext(self, size: int) -> memoryview:
         """`size` zero bytes: ChaCha20 over zeros is its keystream."""
+        if size > SCRATCH_KEPT:
+            return memoryview(bytes(size))
         if len(self.zeros) < size:
             self.zeros = bytes(size)
         return memoryview(self.zeros)[:size]
