@@ -161,8 +161,9 @@ def test_draws_larger_than_the_kept_buffer_are_the_same_draws(monkeypatch):
     of its own, and a kept buffer reused by the next draw gives that draw its own bytes."""
     requests = [DrawRequest(StepRandomness(f"7:kept-{i}"), i, 2, 60, 0.2) for i in range(4)]
     kept = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
-    monkeypatch.setattr(rng_module, "SCRATCH_KEPT", 2 * 2 * 640)  # fits two clients' draw (two steps of ten blocks each), not four's
-    rng_module._scratch.words = bytearray()
+    # two clients' draw (two steps of ten 64-byte blocks each) fits, four clients' does not
+    monkeypatch.setattr(rng_module, "SCRATCH_KEPT", 2 * 2 * 640)
+    monkeypatch.setattr(rng_module._scratch, "words", bytearray())  # this thread keeps nothing yet
     fresh = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
     assert len(rng_module._scratch.words) == 2 * 2 * 640  # only the draw that fits was kept
     for (keep_a, noise_a), (keep_b, noise_b) in zip(kept, fresh, strict=True):

@@ -33,7 +33,7 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -85,9 +85,9 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64, threads: int = 1)
     is ten times faster, and float32 noise keeps no more digits anyway). numpy on contiguous
     halves: torch's float64 log on strided views was 100× slower here.
 
-    Rows go in chunks of about `TRANSFORM_CHUNK` words (at least one row), so that the temporaries stay in cache
-    and are reused rather than fresh pages (3.5 M words: 23 → 14 ms on 2 cores), and, with
-    `threads` > 1 and at least `PARALLEL_WORDS` words, the chunks are spread over that many
+    Rows go in chunks of about `TRANSFORM_CHUNK` words (at least one row), so that the temporaries
+    stay in cache and are reused rather than fresh pages (3.5 M words: 23 → 14 ms on 2 cores), and,
+    with `threads` > 1 and at least `PARALLEL_WORDS` words, the chunks are spread over that many
     threads (numpy's ufuncs release the GIL: 14 → 8 ms). Every element goes through the same
     operations either way, so the draws do not depend on the chunking (a test checks the bits).
     """
@@ -154,19 +154,20 @@ class _Scratch(threading.local):
 
     def buffer(self, size: int) -> memoryview:
         """`size` bytes for the caller to overwrite: the thread's kept buffer, or a fresh one."""
-        if size > SCRATCH_KEPT:
-            return memoryview(bytearray(size))
-        if len(self.words) < size:
-            self.words = bytearray(size)
-        return memoryview(self.words)[:size]
+        return self._kept("words", size, bytearray)
 
     def plaintext(self, size: int) -> memoryview:
         """`size` zero bytes: ChaCha20 over zeros is its keystream."""
+        return self._kept("zeros", size, bytes)
+
+    def _kept(self, name: str, size: int, make: Callable[[int], bytes | bytearray]) -> memoryview:
+        """The first `size` bytes of the kept buffer `name`, grown with `make` when too short; past
+        `SCRATCH_KEPT`, a buffer of the draw's own."""
         if size > SCRATCH_KEPT:
-            return memoryview(bytes(size))
-        if len(self.zeros) < size:
-            self.zeros = bytes(size)
-        return memoryview(self.zeros)[:size]
+            return memoryview(make(size))
+        if len(getattr(self, name)) < size:
+            setattr(self, name, make(size))
+        return memoryview(getattr(self, name))[:size]
 
 
 _scratch = _Scratch()
