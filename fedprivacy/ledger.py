@@ -13,7 +13,10 @@ The budget belongs to the data owner, so the ledger, not the caller, holds it:
 - a spend is written in one IMMEDIATE transaction that re-checks all of this, so two writers (a
   restarted client, two SuperNodes on one file) can never overshoot the budget;
 - in a simulation, the partitioning that decides which rows an account holds is pinned per data
-  set, so a ledger reused under another seed or scheme cannot move records to a fresh account.
+  set, so a ledger reused under another seed or scheme cannot move records to a fresh account;
+- in a deployment, an account is the node's declared client-id and its data file's digest is
+  pinned beside it: a changed file under the account, or the same file under another account,
+  is refused until the operator says otherwise (`fedprivacy ledger accept-data`).
 
 The file is created readable by its owner only (0600): it tells how much each data set has spent.
 This module never imports flwr: the ClientApp calls it, tests drive it directly.
@@ -38,7 +41,7 @@ from fedprivacy.errors import ClientRefusal, InputError
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
 from fedprivacy.privacy.plan import Plan
 
-SCHEMA_VERSION = 3  # PRAGMA user_version; older layouts are migrated on open (`_migrate`)
+SCHEMA_VERSION = 4  # PRAGMA user_version; older layouts are migrated on open (`_migrate`)
 # Spends name their account by a small integer key (`account_keys`), not by its name: every
 # account of a round appends to its own place in the account index, so a round dirties a page
 # per account there; with names (~30 characters for a simulated account) the index entries were
@@ -79,6 +82,12 @@ CREATE TABLE IF NOT EXISTS partitionings (
     partitioning TEXT NOT NULL,
     pinned_at TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS account_data (
+    account TEXT PRIMARY KEY,
+    digest TEXT NOT NULL,
+    pinned_at TEXT NOT NULL,
+    changed_at TEXT
+);
 """
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS spends_account ON spends(account_key);
@@ -97,6 +106,10 @@ class BudgetMismatch(ClientRefusal):
 
 class RoundRepeated(ClientRefusal):
     """A (run, round) that the account has already released an update for."""
+
+
+class DataMismatch(ClientRefusal):
+    """A deployed account's data file is not the one it was opened on, or its data is another account's."""
 
 
 class PartitioningMismatch(ClientRefusal):
@@ -575,6 +588,50 @@ class Ledger:
             db.execute("UPDATE accounts SET epsilon = ?, delta = ?, changed_at = ? WHERE account = ?",
                        (float(epsilon), float(delta), _now(), account))
         return Budget(float(epsilon), float(delta))
+
+    # ----- data files (deployments) -----
+    def pin_data(self, account: str, digest: str, legacy_account: str | None = None) -> None:
+        """Pin the digest of the data file `account` trains on, or check it.
+
+        Refused (`DataMismatch`): another file under the same account (appending rows, or saving
+        them with other line endings, would otherwise open a fresh budget silently, and edited
+        records would count as the old ones), and the same file under a second account (a node
+        restarted under another client-id would draw on a fresh budget). The messages name
+        accounts only, never digests: a digest is a function of every record. `legacy_account`
+        (the content-keyed name earlier versions gave the account) is renamed to `account` when
+        `account` is new, so its spends keep counting.
+        """
+        with self._transaction() as db:
+            row = db.execute("SELECT digest FROM account_data WHERE account = ?", (account,)).fetchone()
+            if row is not None:
+                if row[0] == digest:
+                    return
+                raise DataMismatch(
+                    f"ledger account {account!r} was opened on another data file than the one its node config names "
+                    f"now. If the records are the same data set grown or corrected, the operator accepts it with: "
+                    f"fedprivacy ledger accept-data {self.path} {account} --data FILE; a different data set needs "
+                    "its own client-id"
+                )
+            other = db.execute("SELECT account FROM account_data WHERE digest = ?", (digest,)).fetchone()
+            if other is not None:
+                raise DataMismatch(f"this data file is already accounted under {other[0]!r} in ledger {self.path}: "
+                                   f"start the node with that client-id, so that its spends keep counting")
+            if legacy_account and self._budget(db, account) is None and self._budget(db, legacy_account) is not None:
+                for table in ("account_keys", "accounts", "plans"):
+                    db.execute(f"UPDATE {table} SET account = ? WHERE account = ?", (account, legacy_account))
+                for cache in (self._known_budgets, self._known_keys, self._seen):
+                    cache.pop(legacy_account, None)
+            db.execute("INSERT INTO account_data (account, digest, pinned_at) VALUES (?, ?, ?)", (account, digest, _now()))
+
+    def accept_data(self, account: str, digest: str) -> None:
+        """The node operator declares that `account`'s records now live in the file of `digest`
+        (the ClientApp never calls this)."""
+        with self._transaction() as db:
+            if self._budget(db, account) is None:
+                raise InputError("account", account, f"no such account in {self.path}")
+            db.execute("INSERT INTO account_data (account, digest, pinned_at, changed_at) VALUES (?, ?, ?, ?) "
+                       "ON CONFLICT(account) DO UPDATE SET digest = excluded.digest, changed_at = excluded.changed_at",
+                       (account, digest, _now(), _now()))
 
     # ----- partitionings (simulations) -----
     def pin_partitioning(self, dataset: str, partitioning: dict[str, object]) -> None:

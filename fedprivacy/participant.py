@@ -33,7 +33,6 @@ from torch import nn
 
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_client
-from fedprivacy.data.splits import split_client
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
 from fedprivacy.ledger import Budget, BudgetExceeded, Ledger, RoundRepeated, round_events
@@ -58,7 +57,7 @@ class LocalClient:
     """Who a client is, what it holds and what it may spend."""
 
     client_id: str
-    account: str  # the ledger key: the records' identity (a deployed file's content, or a simulated partition)
+    account: str  # the ledger key: a deployed node's declared client-id, or a simulated data set's partition
     data: ClientData
     epsilon: float
     delta: float
@@ -66,6 +65,7 @@ class LocalClient:
     deployed: bool = False
     dataset_id: str = ""  # simulations: the data set's identity, whose partitioning the ledger pins
     partitioning: dict[str, Any] | None = None
+    data_digest: str = ""  # deployments: the data file's digest, pinned beside the account in the ledger
 
 
 def _data_options(settings: RunSettings) -> dict[str, Any]:
@@ -185,46 +185,49 @@ def simulation_client(settings: RunSettings, partition_id: int, num_partitions: 
 
 
 def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
-    """A deployed client: its whole file, split as its node config says; budget from the node config.
+    """A deployed client: every row of its own file, read as its node config says; budget from
+    the node config.
 
-    The run config is untrusted: its ε and δ are ignored (with a warning when they differ), and
-    the split depends on the file and the node's test fraction only. The ledger account is the
-    file's content, so every run on the same data draws on the same budget, whatever `client-id`
-    the SuperNode is started with.
+    The run config is untrusted: its ε and δ are ignored (with a warning when they differ), and so
+    is everything about how records are read (data set kind, label and feature columns, classes:
+    the node config's). The client trains on all of its rows: it never evaluates, so it holds
+    none out, and two files that differ in one record give training sets that differ in that
+    record only. Its ledger account is its declared `client-id`; the ledger records the file's
+    digest beside it and refuses a changed file under the same account (`open_accounts`).
     """
-    if settings.dataset not in ("pums", "csv"):
-        raise InputError("dataset", settings.dataset, "a deployment reads each client's own file: use 'pums' or 'csv'")
     if not node.data_path.is_file():
         raise InputError("data-path", str(node.data_path), "no such file on this SuperNode")
-    for key, run_value, node_value in (("epsilon", settings.epsilon, node.epsilon), ("delta", settings.delta, node.delta)):
+    for key, run_value, node_value in (("epsilon", settings.epsilon, node.epsilon), ("delta", settings.delta, node.delta),
+                                       ("dataset", settings.dataset, node.dataset)):  # fmt: skip
         if run_value != node_value:
-            logger.warning("run config %s=%g ignored: a deployed client's budget is its node config's (%s=%g)",
-                           key, run_value, key, node_value)
-    options = _data_options(settings)
-    if settings.dataset == "pums":
-        options["client_column"] = None
-    elif node.num_classes is None:
-        raise ClientRefusal("a deployed csv client needs num-classes in its node config: the model's shape "
-                            "must not depend on which labels its records happen to hold")
-    dataset = load_dataset(settings.dataset, node.data_path, **options)
-    if node.num_classes is not None:
-        dataset = _with_classes(dataset, node.num_classes)
-    digest = file_digest(node.data_path)
-    rng = np.random.default_rng(int(digest, 16))  # the same split every run, whatever the run config
-    data = split_client(node.client_id, dataset, node.test_fraction, rng)
+            shown = [f"{v:g}" if isinstance(v, float) else v for v in (run_value, node_value)]
+            logger.warning("run config %s=%s ignored: a deployed client's %s is its node config's (%s)",
+                           key, shown[0], key, shown[1])
+    if node.dataset == "pums":
+        options: dict[str, Any] = {"client_column": None, "age": settings.pums_age}  # the age encoding changes no row
+    else:
+        options = {"label": node.label_column, "features": list(node.feature_columns or ())}
+    dataset = _with_classes(load_dataset(node.dataset, node.data_path, **options), node.num_classes or 2)
+    rows = ClientData(client_id=node.client_id, train=dataset, test=dataset.subset(np.arange(0)))
     return LocalClient(
         client_id=node.client_id,
-        account=f"data:{digest}",
-        data=data,
+        account=deployed_account(node.client_id),
+        data=rows,
         epsilon=node.epsilon,
         delta=node.delta,
         ledger_path=node.ledger_path or default_ledger_path(),
         deployed=True,
+        data_digest=file_digest(node.data_path),
     )
 
 
+def deployed_account(client_id: str) -> str:
+    """A deployed client's ledger account: the name its operator declares in the node config."""
+    return f"node:{client_id}"
+
+
 def _with_classes(dataset: Dataset, num_classes: int) -> Dataset:
-    """The node's declared label count (labels must lie below it)."""
+    """The node's declared label count (labels must lie below it), whatever labels the rows hold."""
     if int(dataset.labels.max()) >= num_classes:
         raise InputError("num-classes", num_classes, "a label in the data file is not below it")
     return replace(dataset, num_classes=num_classes)
@@ -247,6 +250,12 @@ def open_accounts(clients: list[LocalClient], settings: RunSettings, ledger: Led
     """`open_account` for many clients of one ledger at once (a batched engine's round): each
     account gets its refusal, or None."""
     refusals: dict[str, ClientRefusal | None] = {c.account: _policy_refusal(c, settings) for c in clients}
+    for client in clients:
+        if refusals[client.account] is None and client.data_digest:  # before the budget: it may adopt an old account
+            try:
+                ledger.pin_data(client.account, client.data_digest, legacy_account=f"data:{client.data_digest}")
+            except ClientRefusal as refusal:
+                refusals[client.account] = refusal
     opening = [c for c in clients if refusals[c.account] is None]
     pinned = ledger.open_accounts({c.account: Budget(c.epsilon, c.delta) for c in opening})
     for client in opening:

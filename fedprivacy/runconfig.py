@@ -301,26 +301,40 @@ def _test_fraction(value: Any) -> float:
 
 @dataclass(frozen=True)
 class NodeSettings:
-    """A deployed SuperNode's own identity, data, budget and split (from `--node-config`): the
-    values a client trusts. The run config cannot change any of them."""
+    """A deployed SuperNode's own identity, data, budget and how it reads its records (from
+    `--node-config`): the values a client trusts. The run config cannot change any of them.
+
+    Everything that decides which rows and columns a client trains on is here, not in the run
+    config: a run config that named the label column (or picked feature columns by their content)
+    could make one record fail the client, a free membership oracle. A deployed client trains on
+    every row of its file (it never evaluates), so a record's membership depends on that record
+    alone."""
 
     client_id: str
     data_path: Path
     epsilon: float
     delta: float
     ledger_path: Path | None
-    test_fraction: float
+    dataset: str
+    label_column: str | None
+    feature_columns: tuple[str, ...] | None
     num_classes: int | None
 
 
-NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "ledger-path", "test-fraction", "num-classes")
+NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "ledger-path", "dataset", "label-column", "feature-columns",
+             "num-classes")  # fmt: skip
 NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta")
+NODE_DATASETS = ("pums", "csv")
+_NO_SPLIT = ("a deployed client trains on every row of its file and never evaluates: a held-out split would make "
+             "which rows it trains on depend on the whole file; remove it")  # fmt: skip
 
 
 def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     """`NodeSettings` for a deployed SuperNode; None in a simulation (partition-id is set)."""
     if "partition-id" in node_config:
         return None
+    if "test-fraction" in node_config:
+        raise InputError("test-fraction", node_config["test-fraction"], _NO_SPLIT)
     unknown = sorted(set(node_config) - set(NODE_KEYS))
     if unknown:
         raise InputError(unknown[0], node_config[unknown[0]], f"not a node-config key; known keys: {', '.join(NODE_KEYS)}")
@@ -330,7 +344,8 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
             missing[0],
             None,
             "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1 delta=1e-6\""
-            " (its own budget: the run config cannot set it; ledger-path, test-fraction and num-classes optional)",
+            " (its own budget: the run config cannot set it; ledger-path, dataset, label-column, feature-columns and"
+            " num-classes optional)",
         )
     client_id = node_config["client-id"]
     if not isinstance(client_id, str) or not client_id.strip():
@@ -338,16 +353,45 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     data_path = resolve_path("data-path", node_config["data-path"])
     if data_path is None:
         raise InputError("data-path", node_config["data-path"], "must name the client's data file")
-    num_classes = node_config.get("num-classes")
+    dataset = _choice("dataset", node_config.get("dataset", "pums"), NODE_DATASETS)
+    label, features, num_classes = _node_columns(node_config, dataset)
     return NodeSettings(
         client_id=client_id.strip(),
         data_path=data_path,
         epsilon=limits.epsilon("epsilon", node_config["epsilon"]),
         delta=open_unit("delta", node_config["delta"]),
         ledger_path=resolve_path("ledger-path", node_config.get("ledger-path", "")),
-        test_fraction=_test_fraction(node_config.get("test-fraction", DEFAULTS["test-fraction"])),
-        num_classes=None if num_classes is None else integer_at_least("num-classes", num_classes, 2),
+        dataset=dataset,
+        label_column=label,
+        feature_columns=features,
+        num_classes=num_classes,
     )
+
+
+def _node_columns(node_config: Mapping[str, Any], dataset: str) -> tuple[str | None, tuple[str, ...] | None, int | None]:
+    """(label column, feature columns, number of classes) of a node's file: a csv node names all
+    three (nothing is inferred from its records); the pums layout fixes its own columns."""
+    num_classes = node_config.get("num-classes")
+    num_classes = None if num_classes is None else integer_at_least("num-classes", num_classes, 2)
+    if dataset == "pums":
+        for key in ("label-column", "feature-columns"):
+            if key in node_config:
+                raise InputError(key, node_config[key], "the pums layout fixes its columns; this key is for dataset='csv'")
+        return None, None, num_classes
+    for key in ("label-column", "feature-columns", "num-classes"):
+        if key not in node_config:
+            raise InputError(key, None, "a deployed csv client needs label-column, feature-columns and num-classes in its "
+                             "node config: how it reads its records must not depend on the records or on the run config")
+    label = node_config["label-column"]
+    if not isinstance(label, str) or not label.strip():
+        raise InputError("label-column", label, "must name the label column")
+    features = node_config["feature-columns"]
+    names = tuple(part.strip() for part in features.split(",")) if isinstance(features, str) else ()
+    if not names or "" in names:
+        raise InputError("feature-columns", features, "must be a comma-separated list of column names, e.g. 'age,income'")
+    if label.strip() in names:
+        raise InputError("feature-columns", features, f"must not include the label column {label.strip()!r}")
+    return label.strip(), names, num_classes
 
 
 def default_ledger_path() -> Path:

@@ -34,16 +34,22 @@ logger = logging.getLogger(__name__)
 DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the server cannot see them"
 
 
-def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, node: int, config: ConfigRecord) -> ArrayRecord:
-    """The seeded initial model: sized from the server's test set, or asked of a client."""
+def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, nodes: list[int], config: ConfigRecord) -> ArrayRecord:
+    """The seeded initial model: sized from the server's test set, or asked of the clients in
+    turn (one misconfigured node must not end the run: its refusal is logged and the next one asked)."""
     if test is not None:
         torch.manual_seed(settings.seed)
         return ArrayRecord(new_model(settings, test.features, test.num_classes).state_dict())
-    query = Message(RecordDict({"config": config}), dst_node_id=node, message_type=MessageType.QUERY)
-    (reply,) = grid.send_and_receive([query], timeout=settings.round_timeout)
-    if reply.has_error():
-        raise RuntimeError(f"client on node {node} could not build the initial model: {error_summary(reply.error.reason)}")
-    return reply.content["arrays"]
+    refusals = []
+    for node in nodes:
+        query = Message(RecordDict({"config": config}), dst_node_id=node, message_type=MessageType.QUERY)
+        (reply,) = grid.send_and_receive([query], timeout=settings.round_timeout)
+        if not reply.has_error():
+            return reply.content["arrays"]
+        refusals.append(f"node {node}: {error_summary(reply.error.reason)}")
+        logger.warning("client on node %d could not build the initial model (%s); asking another node",
+                       node, error_summary(reply.error.reason))
+    raise RuntimeError(f"no client could build the initial model: {'; '.join(refusals)}")
 
 
 @app.main()
@@ -118,7 +124,7 @@ def _federate(
     )
     logger.info("%d clients, %d rounds, dataset %s, rule %s; evaluation: %s",
                 len(nodes), settings.num_server_rounds, settings.dataset, settings.rule, evaluation)
-    initial = _initial_arrays(settings, test, grid, nodes[0], strategy.round_config(ConfigRecord(), 0))
+    initial = _initial_arrays(settings, test, grid, list(nodes), strategy.round_config(ConfigRecord(), 0))
     model = None if test is None else new_model(settings, test.features, test.num_classes)
 
     def end_of_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:

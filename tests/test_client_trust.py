@@ -148,15 +148,18 @@ def puma_file(tmp_path) -> Path:
     return path
 
 
-def test_a_deployed_client_takes_budget_and_split_from_its_node_config_only(puma_file, tmp_path, caplog):
+def test_a_deployed_client_takes_budget_and_rows_from_its_node_config_only(puma_file, tmp_path, caplog):
     node = parse_node_config({"client-id": "a", "data-path": str(puma_file), "epsilon": 1.0, "delta": 1e-6,
                               "ledger-path": str(tmp_path / "l.sqlite")})  # fmt: skip
     honest = deployed_client(parse_run_config({"dataset": "pums"}), node)
-    pushy = deployed_client(parse_run_config({"dataset": "pums", "epsilon": 50.0, "delta": 0.3, "seed": 9, "test-fraction": 0.7}), node)
+    pushy = deployed_client(parse_run_config({"dataset": "csv", "label-column": "sex", "epsilon": 50.0, "delta": 0.3,
+                                              "seed": 9, "test-fraction": 0.7}), node)  # fmt: skip
     assert (pushy.epsilon, pushy.delta) == (honest.epsilon, honest.delta) == (1.0, 1e-6)
     assert np.array_equal(pushy.data.train.features, honest.data.train.features)  # the same rows, whatever the run config
-    assert pushy.data.num_examples == round(300 * 0.8)  # the node's test fraction (default 0.2)
+    assert np.array_equal(pushy.data.train.labels, honest.data.train.labels)
+    assert pushy.data.num_examples == 300  # every row: a deployed client holds none out
     assert "run config epsilon=50 ignored" in caplog.text and "run config delta=0.3 ignored" in caplog.text
+    assert "run config dataset=csv ignored" in caplog.text
 
 
 def test_the_ledger_budget_survives_a_server_that_asks_for_more_delta(in_process, run_config, puma_file, tmp_path):

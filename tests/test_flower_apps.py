@@ -155,7 +155,7 @@ def test_each_simulated_client_plans_with_its_own_delta(simulate, run_config):
 def test_node_config_for_a_deployed_client(tmp_path):
     assert parse_node_config({"partition-id": 0, "num-partitions": 2}) is None
     node = parse_node_config({"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 2, "delta": 1e-6})
-    assert node is not None and (node.epsilon, node.delta, node.test_fraction, node.num_classes) == (2.0, 1e-6, 0.2, None)
+    assert node is not None and (node.epsilon, node.delta, node.dataset, node.num_classes) == (2.0, 1e-6, "pums", None)
     with pytest.raises(InputError, match="client-id"):
         parse_node_config({"data-path": "/x.csv", "epsilon": 1, "delta": 1e-6})
     with pytest.raises(InputError, match="absolute path"):
@@ -303,19 +303,21 @@ def test_a_simulated_client_with_one_row_fails_alone(simulate, run_config, tmp_p
     assert failed["status"].startswith("failed: InputError: client 1103=1: row(s) in its partition")
 
 
-def test_a_renamed_deployed_client_keeps_the_budget_its_data_has_spent(in_process, run_config, deployment_nodes, tmp_path):
-    """The ledger account is the data file, not the client id: run 2 under a new name on the same
-    file and ledger starts from run 1's spend (a fresh account would restart at step 0)."""
+def test_a_renamed_deployed_client_cannot_open_a_fresh_budget_on_the_same_file(in_process, run_config, deployment_nodes, tmp_path):
+    """The ledger account is the node's declared client-id, and the file's digest is pinned beside
+    it: the same file under a new name on the same ledger is refused (a fresh account would restart
+    its budget at zero), while the other client trains."""
     first = deployment_nodes[0]
     renamed = {**first, "client-id": "puma-1101-renamed"}
-    steps = {}
+    rows = {}
     for run, node in ((1, first), (2, renamed)):
         config = {**run_config, "dataset": "pums", "results-dir": str(tmp_path / f"r{run}"), "noise-seed": -1}
         in_process.run_server(server_app, in_process.Grid(client_app, [node, deployment_nodes[1]], config, run_id=run), config)
-        rows = {r["client_id"]: r for r in read_csv(run_folder(tmp_path / f"r{run}") / "clients.csv")}
-        steps[run] = int(rows[node["client-id"]]["steps_all_runs"])  # the ledger's cumulative steps
-    plan = json.loads((run_folder(tmp_path / "r1") / "plans" / f"{first['client-id']}.json").read_text())
-    assert steps[1] == plan["steps"] < steps[2]  # run 2 trained on top of run 1's steps
+        rows[run] = {r["client_id"]: r for r in read_csv(run_folder(tmp_path / f"r{run}") / "clients.csv")}
+    assert rows[1][first["client-id"]]["status"] == "ok"
+    statuses = [r["status"] for name, r in rows[2].items() if name != deployment_nodes[1]["client-id"]]
+    assert statuses and all("already accounted under 'node:puma-1101'" in s for s in statuses)
+    assert rows[2][deployment_nodes[1]["client-id"]]["status"] == "ok"
 
 
 def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(simulate, run_config, tmp_path, capsys):
@@ -323,11 +325,11 @@ def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(sim
     the clients then refuse the file by its key, and the results folder says the run failed."""
     missing = tmp_path / "nowhere" / "pums.csv"
     config = {**run_config, "dataset": "pums", "data-path": str(missing), "partition-by": "puma"}
-    with pytest.raises(RuntimeError, match="could not build the initial model: InputError: data-path="):
+    with pytest.raises(RuntimeError, match="no client could build the initial model: node 101: InputError: data-path="):
         simulate(config, num_nodes=2)
     out = capsys.readouterr().out
     assert f"data-path {missing} is not a file on the server" in out
-    assert "run failed: RuntimeError: client on node" in out and "data-path=" in out
+    assert "run failed: RuntimeError: no client could build the initial model: node 101" in out and "data-path=" in out
     summary = json.loads((run_folder(Path(config["results-dir"])) / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds"] == 0
     assert summary["error"].endswith("needs a CSV file: in a simulation every client reads the run config's "

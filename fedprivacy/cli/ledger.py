@@ -74,3 +74,28 @@ def set_budget(
         typer.echo(f"{account}: ε={epsilon:g}, δ={delta:g} (was ε={old.epsilon:g}, δ={old.delta:g})")
 
     guarded(change)
+
+
+@app.command("accept-data")
+def accept_data(
+    path: Path = typer.Argument(..., help="the ledger file"),
+    account: str = typer.Argument(..., help="the account, as `fedprivacy ledger show` lists it (node:<client-id>)"),
+    data: Path = typer.Option(..., "--data", help="the data file the account's records now live in"),
+    yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
+) -> None:
+    """Declare that an account's records now live in another file (rows added or corrected): its
+    spends keep counting against the same budget. A different data set needs its own client-id."""
+    def accept() -> None:
+        from fedprivacy.participant import file_digest
+
+        if not data.is_file():
+            raise InputError("data", str(data), "no such file")
+        ledger = _open(path)
+        if ledger.budget(account) is None:
+            raise InputError("account", account, f"no such account in {path}; see: fedprivacy ledger show {path}")
+        if not yes and not typer.confirm(f"count the records of {data} as {account}'s, against its budget?"):
+            raise typer.Exit(code=1)
+        ledger.accept_data(account, file_digest(data.resolve()))
+        typer.echo(f"{account}: its records are now those of {data}")
+
+    guarded(accept)

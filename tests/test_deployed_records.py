@@ -1,0 +1,195 @@
+"""What a deployed client's records may reach: only the noised update.
+
+The attacks this file holds shut, each through the real deployed client:
+- neighbouring files (one cell of one record changed, or one record added) must give training sets
+  that differ in that record only (a split seeded by the whole file moved 67 of 400 records);
+- the run config must not decide how records are read (a label column that one record breaks made
+  the client fail exactly when that record was present: a free membership oracle);
+- the ledger account is the node's declared name, and the data under it cannot change silently;
+- one misconfigured node does not end a deployed run.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from clients.app import app as client_app
+from fedprivacy.cli import app as cli_app
+from fedprivacy.errors import ClientRefusal, InputError
+from fedprivacy.ledger import DataMismatch, Ledger
+from fedprivacy.participant import deployed_client, file_digest, open_account
+from fedprivacy.privacy.accountants import NoiseEvent
+from fedprivacy.runconfig import parse_node_config, parse_run_config
+from server.app import app as server_app
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+RUN = parse_run_config({"dataset": "csv", "label-column": "y"})
+
+
+def csv_node(path: Path, tmp_path: Path, **extra: object) -> dict[str, object]:
+    return {"client-id": "a", "data-path": str(path), "epsilon": 1.0, "delta": 1e-6, "dataset": "csv",
+            "label-column": "y", "feature-columns": "f0,f1,f2", "num-classes": 2,
+            "ledger-path": str(tmp_path / "ledger.sqlite"), **extra}  # fmt: skip
+
+
+def training_rows(path: Path, tmp_path: Path, run=RUN) -> Counter:
+    client = deployed_client(run, parse_node_config(csv_node(path, tmp_path)))
+    train = client.data.train
+    return Counter(tuple(map(float, row)) + (int(label),) for row, label in zip(train.features, train.labels, strict=True))
+
+
+def random_table(seed: int, n: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    table = pd.DataFrame(rng.integers(0, 5, size=(n, 3)).astype(float), columns=["f0", "f1", "f2"])
+    table["y"] = np.arange(n) % 2  # both classes
+    return table
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), n=st.integers(4, 60), data=st.data())
+def test_neighbouring_files_give_training_sets_that_differ_in_the_one_record(tmp_path, seed, n, data):
+    """Replace one cell of one record (same N), or remove one record: the deployed client's training
+    multiset changes by exactly that record, whatever the rest of the file."""
+    table = random_table(seed, n)
+    target = data.draw(st.integers(0, n - 1))
+    replaced = table.copy()
+    replaced.loc[target, "f1"] = 99.0
+    removed = table.drop(index=target)
+    files = {}
+    for name, frame in (("d", table), ("replaced", replaced), ("removed", removed)):
+        files[name] = tmp_path / f"{name}-{seed}-{n}-{target}.csv"
+        frame.to_csv(files[name], index=False)
+    base = training_rows(files["d"], tmp_path)
+    assert sum(base.values()) == n  # every row: nothing held out
+    swapped = training_rows(files["replaced"], tmp_path)
+    assert sum((base - swapped).values()) == 1 and sum((swapped - base).values()) == 1
+    assert sum((base - training_rows(files["removed"], tmp_path)).values()) == 1
+
+
+def test_the_attack_on_the_split_finds_one_record_to_score_not_sixty_seven(tmp_path):
+    """The audit's setting: N = 400, a changed cell in one record. A server scoring releases by the
+    gradients of records trained under one file only had 67 + 67 records to use; now it has the
+    changed record alone, which is what the certificate covers."""
+    table = random_table(1, 400)
+    neighbour = table.copy()
+    neighbour.loc[123, "f0"] = 7.0
+    table.to_csv(tmp_path / "d.csv", index=False)
+    neighbour.to_csv(tmp_path / "d2.csv", index=False)
+    only_d = training_rows(tmp_path / "d.csv", tmp_path) - training_rows(tmp_path / "d2.csv", tmp_path)
+    assert list(only_d.elements()) == [tuple(map(float, table.loc[123, ["f0", "f1", "f2"]])) + (int(table.loc[123, "y"]),)]
+
+
+def test_the_run_config_cannot_turn_a_record_into_a_failure(tmp_path):
+    """A column of 0/1 values where the target record holds 3 (and a text cell): named as the label
+    (or left for the content-based feature rule) by the run config, it failed the client exactly
+    when the target was present. The node config decides the columns; the run config's are ignored."""
+    table = random_table(2, 40)
+    table["z"] = 0.0
+    table["w"] = "1"
+    with_target = table.copy()
+    with_target.loc[7, ["z", "w"]] = [3.5, "x"]
+    for name, frame in (("without", table), ("with", with_target)):
+        frame.to_csv(tmp_path / f"{name}.csv", index=False)
+    for run in ({"dataset": "csv", "label-column": "z"}, {"dataset": "csv", "label-column": "w"}, {"dataset": "pums"}):
+        settings_ = parse_run_config(run)
+        rows = {name: training_rows(tmp_path / f"{name}.csv", tmp_path, settings_) for name in ("without", "with")}
+        assert rows["with"] == rows["without"]  # both read, the same way, whatever the run config names
+
+
+def test_a_csv_node_declares_how_its_records_are_read(tmp_path):
+    base = {"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 1, "delta": 1e-6, "dataset": "csv"}
+    with pytest.raises(InputError, match="label-column"):
+        parse_node_config(base)
+    with pytest.raises(InputError, match="feature-columns"):
+        parse_node_config({**base, "label-column": "y", "num-classes": 2})
+    with pytest.raises(InputError, match="feature-columns=.*label column"):
+        parse_node_config({**base, "label-column": "y", "feature-columns": "a,y", "num-classes": 2})
+    with pytest.raises(InputError, match="test-fraction=0.2: a deployed client trains on every row"):
+        parse_node_config({**base, "test-fraction": 0.2})
+    with pytest.raises(InputError, match="label-column=.*pums layout fixes its columns"):
+        parse_node_config({**base, "dataset": "pums", "label-column": "y"})
+
+
+def _spend(path: Path, tmp_path: Path, **node_extra: object) -> None:
+    client = deployed_client(RUN, parse_node_config(csv_node(path, tmp_path, **node_extra)))
+    with Ledger(client.ledger_path) as ledger:
+        open_account(client, RUN, ledger, "run-1")
+        ledger.record(client.account, "run-1", 1, [NoiseEvent(3.0, 0.1, 10)])
+
+
+def test_a_changed_file_under_an_account_is_refused_until_the_operator_accepts_it(tmp_path):
+    """Appending a row, or saving the same rows with CRLF line endings, opened a fresh budget
+    (the account was the file's digest). Now the account is the declared client-id: a changed file
+    is refused, without digests in the message (they are functions of every record), until the
+    operator accepts it; its spends keep counting."""
+    data = tmp_path / "a.csv"
+    random_table(3, 30).to_csv(data, index=False)
+    _spend(data, tmp_path)
+    ledger_path = tmp_path / "ledger.sqlite"
+    spent = Ledger(ledger_path).epsilon_spent("node:a")
+    for change in ("append", "crlf"):
+        if change == "append":
+            pd.concat([pd.read_csv(data), random_table(4, 1)]).to_csv(data, index=False)
+        else:
+            data.write_bytes(data.read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
+        client = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path)))
+        with Ledger(ledger_path) as ledger, pytest.raises(DataMismatch, match="opened on another data file") as refused:
+            open_account(client, RUN, ledger, "run-2")
+        assert file_digest(data) not in str(refused.value)
+        result = CliRunner().invoke(cli_app, ["ledger", "accept-data", str(ledger_path), "node:a", "--data", str(data), "--yes"])
+        assert result.exit_code == 0, result.output
+        with Ledger(ledger_path) as ledger:
+            open_account(client, RUN, ledger, "run-2")
+            assert ledger.epsilon_spent("node:a") == spent  # the same account, the same spends
+
+
+def test_the_same_file_under_another_client_id_is_refused(tmp_path):
+    data = tmp_path / "a.csv"
+    random_table(5, 30).to_csv(data, index=False)
+    _spend(data, tmp_path)
+    renamed = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path, **{"client-id": "b"})))
+    with Ledger(tmp_path / "ledger.sqlite") as ledger, pytest.raises(ClientRefusal, match="already accounted under 'node:a'"):
+        open_account(renamed, RUN, ledger, "run-2")
+
+
+def test_an_account_named_by_its_file_in_an_older_ledger_is_adopted_with_its_spends(tmp_path):
+    data = tmp_path / "a.csv"
+    random_table(6, 30).to_csv(data, index=False)
+    ledger_path = tmp_path / "ledger.sqlite"
+    legacy = f"data:{file_digest(data)}"
+    with Ledger(ledger_path) as ledger:
+        ledger.open_account(legacy, 1.0, 1e-6)
+        ledger.record(legacy, "old-run", 1, [NoiseEvent(3.0, 0.1, 10)])
+        spent = ledger.epsilon_spent(legacy)
+    client = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path)))
+    with Ledger(ledger_path) as ledger:
+        open_account(client, RUN, ledger, "run-2")
+        assert ledger.epsilon_spent("node:a") == spent > 0
+    with sqlite3.connect(ledger_path) as db:
+        assert [r[0] for r in db.execute("SELECT account FROM accounts")] == ["node:a"]
+
+
+def test_one_misconfigured_node_does_not_end_a_deployed_run(in_process, run_config, tmp_path, caplog):
+    """The server asked one node for the initial model; a node that rightly refuses (no δ in its
+    node config) ended the run whenever it was the one asked. Now the next node is asked, and the
+    refusing node is named in the log."""
+    data = tmp_path / "a.csv"
+    random_table(7, 200).to_csv(data, index=False)
+    good = csv_node(data, tmp_path, **{"client-id": "good"})
+    bad = {k: v for k, v in csv_node(data, tmp_path, **{"client-id": "bad"}).items() if k != "delta"}
+    config = {**run_config, "dataset": "csv", "label-column": "y", "noise-seed": -1, "min-clients": 2,
+              "num-server-rounds": 1, "rule": "calibrated"}
+    in_process.run_server(server_app, in_process.Grid(client_app, [bad, good], config), config)
+    assert "client on node 101 could not build the initial model" in caplog.text
+    (folder,) = [p for p in Path(config["results-dir"]).iterdir() if p.is_dir()]
+    clients = pd.read_csv(folder / "clients.csv", dtype=str).set_index("client_id")
+    assert clients.loc["good", "status"] == "ok"
