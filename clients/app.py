@@ -3,8 +3,10 @@
 Simulation: the node config holds `partition-id`/`num-partitions`; data and budgets come from the
 run config, and the ledger path from the server's train config (the run's results folder unless
 the run config names one). Deployment: the SuperNode's `--node-config` names the client, its data
-file, its budget (ε and δ) and optionally its ledger (default ~/.fedprivacy/ledger.sqlite), its
-test fraction and label count; nothing the server sends can change them.
+file and how to read it, its budget (ε and δ), the size it declares public, and optionally its
+ledger (default ~/.fedprivacy/ledger.sqlite); nothing the server sends can change them. Every
+message, whatever its type, reads the node's config and file first, so a misconfigured node is
+known from the first message the server sends it (the initial-model query).
 
 Errors. A deployed client's exception may quote its records (a bad cell of its file, say), so
 only errors built from public values leave it with their text: refusals (`ClientRefusal`,

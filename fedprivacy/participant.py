@@ -66,6 +66,13 @@ class LocalClient:
     dataset_id: str = ""  # simulations: the data set's identity, whose partitioning the ledger pins
     partitioning: dict[str, Any] | None = None
     data_digest: str = ""  # deployments: the data file's digest, pinned beside the account in the ledger
+    public_size: int | None = None  # deployments: the size the node declares public (node config)
+
+    @property
+    def planning_size(self) -> int:
+        """The N a plan is made from and a reply carries: a deployed node's declared public size
+        (never its real N, which would tell neighbours apart), a simulated partition's size."""
+        return self.public_size if self.public_size is not None else self.data.num_examples
 
 
 def _data_options(settings: RunSettings) -> dict[str, Any]:
@@ -208,7 +215,7 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
     else:
         options = {"label": node.label_column, "features": list(node.feature_columns or ())}
     dataset = _with_classes(load_dataset(node.dataset, node.data_path, **options), node.num_classes or 2)
-    rows = ClientData(client_id=node.client_id, train=dataset, test=dataset.subset(np.arange(0)))
+    rows = ClientData(client_id=node.client_id, train=dataset.subset(np.arange(len(dataset))), test=dataset.subset(np.arange(0)))
     return LocalClient(
         client_id=node.client_id,
         account=deployed_account(node.client_id),
@@ -218,6 +225,7 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
         ledger_path=node.ledger_path or default_ledger_path(),
         deployed=True,
         data_digest=file_digest(node.data_path),
+        public_size=node.public_size,
     )
 
 
@@ -368,10 +376,10 @@ def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger,
 
 
 def _new_plan(client: LocalClient, settings: RunSettings, compare: bool) -> Plan:
-    plan = plan_from_settings(settings, client.data.num_examples, client.epsilon, client.delta, client.client_id, compare=compare)
+    plan = plan_from_settings(settings, client.planning_size, client.epsilon, client.delta, client.client_id, compare=compare)
     if plan.expected_batch_size < 1:
         raise ClientRefusal(
-            f"num-examples={client.data.num_examples}: too little data for client {client.client_id}: its plan "
+            f"num-examples={client.planning_size}: too little data for client {client.client_id}: its plan "
             f"samples q·N = {plan.expected_batch_size:.2f} < 1 record per step, so most steps would train on nothing"
         )
     return plan
@@ -452,7 +460,7 @@ def reply_constants(client: LocalClient, plan: Plan, *, trained: bool, on_gpu: b
     """The reply's metrics that stay the same from round to round of a run (all but ε spent and
     steps done): a simulator builds them once per client."""
     return {
-        "num-examples": int(client.data.num_examples) if trained else 0,
+        "num-examples": int(client.planning_size) if trained else 0,
         "epsilon-budget": float(client.epsilon),
         "delta": float(client.delta),
         "sigma": float(plan.sigma),

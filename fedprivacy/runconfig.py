@@ -314,6 +314,7 @@ class NodeSettings:
     data_path: Path
     epsilon: float
     delta: float
+    public_size: int
     ledger_path: Path | None
     dataset: str
     label_column: str | None
@@ -321,9 +322,9 @@ class NodeSettings:
     num_classes: int | None
 
 
-NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "ledger-path", "dataset", "label-column", "feature-columns",
-             "num-classes")  # fmt: skip
-NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta")
+NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "public-size", "ledger-path", "dataset", "label-column",
+             "feature-columns", "num-classes")  # fmt: skip
+NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta", "public-size")
 NODE_DATASETS = ("pums", "csv")
 _NO_SPLIT = ("a deployed client trains on every row of its file and never evaluates: a held-out split would make "
              "which rows it trains on depend on the whole file; remove it")  # fmt: skip
@@ -343,9 +344,9 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
         raise InputError(
             missing[0],
             None,
-            "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1 delta=1e-6\""
-            " (its own budget: the run config cannot set it; ledger-path, dataset, label-column, feature-columns and"
-            " num-classes optional)",
+            "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1 delta=1e-6"
+            " public-size=5000\" (its own budget, and the size it declares public: the run config cannot set it; its plan"
+            " is made from that size and only that size is sent; ledger-path, dataset, label-column, feature-columns and num-classes optional)",
         )
     client_id = node_config["client-id"]
     if not isinstance(client_id, str) or not client_id.strip():
@@ -360,6 +361,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
         data_path=data_path,
         epsilon=limits.epsilon("epsilon", node_config["epsilon"]),
         delta=open_unit("delta", node_config["delta"]),
+        public_size=limits.records("public-size", node_config["public-size"]),
         ledger_path=resolve_path("ledger-path", node_config.get("ledger-path", "")),
         dataset=dataset,
         label_column=label,

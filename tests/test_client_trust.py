@@ -150,7 +150,7 @@ def puma_file(tmp_path) -> Path:
 
 def test_a_deployed_client_takes_budget_and_rows_from_its_node_config_only(puma_file, tmp_path, caplog):
     node = parse_node_config({"client-id": "a", "data-path": str(puma_file), "epsilon": 1.0, "delta": 1e-6,
-                              "ledger-path": str(tmp_path / "l.sqlite")})  # fmt: skip
+                              "public-size": 300, "ledger-path": str(tmp_path / "l.sqlite")})  # fmt: skip
     honest = deployed_client(parse_run_config({"dataset": "pums"}), node)
     pushy = deployed_client(parse_run_config({"dataset": "csv", "label-column": "sex", "epsilon": 50.0, "delta": 0.3,
                                               "seed": 9, "test-fraction": 0.7}), node)  # fmt: skip
@@ -167,7 +167,8 @@ def test_the_ledger_budget_survives_a_server_that_asks_for_more_delta(in_process
     history at the larger δ and recorded more rounds. Now the run config's δ is ignored and the
     ledger's pinned δ is used for every composition."""
     ledger = tmp_path / "ledger.sqlite"
-    node = {"client-id": "a", "data-path": str(puma_file), "epsilon": 1.0, "delta": 1e-5, "ledger-path": str(ledger)}
+    node = {"client-id": "a", "data-path": str(puma_file), "epsilon": 1.0, "delta": 1e-5, "public-size": 300,
+            "ledger-path": str(ledger)}
     spent = []
     for run, delta in ((1, 1e-5), (2, 1e-2)):
         config = {**run_config, "dataset": "pums", "delta": delta, "noise-seed": -1, "min-clients": 1,

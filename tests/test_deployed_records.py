@@ -36,7 +36,7 @@ RUN = parse_run_config({"dataset": "csv", "label-column": "y"})
 
 
 def csv_node(path: Path, tmp_path: Path, **extra: object) -> dict[str, object]:
-    return {"client-id": "a", "data-path": str(path), "epsilon": 1.0, "delta": 1e-6, "dataset": "csv",
+    return {"client-id": "a", "data-path": str(path), "epsilon": 1.0, "delta": 1e-6, "public-size": 100, "dataset": "csv",
             "label-column": "y", "feature-columns": "f0,f1,f2", "num-classes": 2,
             "ledger-path": str(tmp_path / "ledger.sqlite"), **extra}  # fmt: skip
 
@@ -106,7 +106,8 @@ def test_the_run_config_cannot_turn_a_record_into_a_failure(tmp_path):
 
 
 def test_a_csv_node_declares_how_its_records_are_read(tmp_path):
-    base = {"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 1, "delta": 1e-6, "dataset": "csv"}
+    base = {"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 1, "delta": 1e-6, "public-size": 10,
+            "dataset": "csv"}
     with pytest.raises(InputError, match="label-column"):
         parse_node_config(base)
     with pytest.raises(InputError, match="feature-columns"):

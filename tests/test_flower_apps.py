@@ -154,14 +154,17 @@ def test_each_simulated_client_plans_with_its_own_delta(simulate, run_config):
 
 def test_node_config_for_a_deployed_client(tmp_path):
     assert parse_node_config({"partition-id": 0, "num-partitions": 2}) is None
-    node = parse_node_config({"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 2, "delta": 1e-6})
-    assert node is not None and (node.epsilon, node.delta, node.dataset, node.num_classes) == (2.0, 1e-6, "pums", None)
+    node = parse_node_config({"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 2, "delta": 1e-6,
+                              "public-size": 1000})
+    assert node is not None and (node.epsilon, node.delta, node.public_size, node.dataset) == (2.0, 1e-6, 1000, "pums")
     with pytest.raises(InputError, match="client-id"):
-        parse_node_config({"data-path": "/x.csv", "epsilon": 1, "delta": 1e-6})
+        parse_node_config({"data-path": "/x.csv", "epsilon": 1, "delta": 1e-6, "public-size": 10})
     with pytest.raises(InputError, match="absolute path"):
-        parse_node_config({"client-id": "a", "data-path": "a.csv", "epsilon": 1, "delta": 1e-6})
-    with pytest.raises(InputError, match="delta=None: .*its own budget: the run config cannot set it"):
-        parse_node_config({"client-id": "a", "data-path": "/a.csv", "epsilon": 1})
+        parse_node_config({"client-id": "a", "data-path": "a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 10})
+    with pytest.raises(InputError, match="delta=None: .*its own budget, .*the run config cannot set it"):
+        parse_node_config({"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "public-size": 10})
+    with pytest.raises(InputError, match="public-size=None: .*only that size is sent"):
+        parse_node_config({"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6})
 
 
 def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate, run_config, tmp_path, capsys):
@@ -243,11 +246,11 @@ def deployment_nodes(tmp_path) -> list[dict[str, Any]]:
     for puma, epsilon in ((1101, 1.0), (1102, 2.0)):
         path = tmp_path / f"puma{puma}.csv"
         table[table.puma == puma].sample(400, random_state=0).to_csv(path, index=False)
-        nodes.append({"client-id": f"puma-{puma}", "data-path": str(path), "epsilon": epsilon, "delta": 1e-5,
+        nodes.append({"client-id": f"puma-{puma}", "data-path": str(path), "epsilon": epsilon, "delta": 1e-5, "public-size": 400,
                       "ledger-path": str(tmp_path / f"ledger-{puma}.sqlite")})
     tiny = tmp_path / "tiny.csv"
     table.head(3).to_csv(tiny, index=False)
-    nodes.append({"client-id": "tiny", "data-path": str(tiny), "epsilon": 1.0, "delta": 1e-5,
+    nodes.append({"client-id": "tiny", "data-path": str(tiny), "epsilon": 1.0, "delta": 1e-5, "public-size": 3,
                   "ledger-path": str(tmp_path / "ledger-tiny.sqlite")})
     return nodes
 

@@ -99,16 +99,18 @@ ADVERSARIAL = {
 
 @pytest.fixture
 def neighbours(tmp_path) -> dict[str, Path]:
-    """Two PUMA data files that differ in one record (replace-one: N is the same, and public)."""
+    """Three PUMA data files: D, D' with one record replaced, D⁻ with one record removed. The node
+    declares public-size=300 for all three, so only that size is sent and add/remove is coherent."""
     if not PUMS.is_file():
         pytest.skip(f"PUMS file missing: {PUMS}")
     table = pd.read_csv(PUMS)
     base = table[table.puma == 1101].sample(300, random_state=1)
     other = base.copy()
     other.iloc[0] = table[table.puma == 1102].iloc[0]
-    files = {"D": tmp_path / "d.csv", "D'": tmp_path / "d-prime.csv"}
+    files = {"D": tmp_path / "d.csv", "D'": tmp_path / "d-prime.csv", "D-": tmp_path / "d-minus.csv"}
     base.to_csv(files["D"], index=False)
     other.to_csv(files["D'"], index=False)
+    base.iloc[1:].to_csv(files["D-"], index=False)
     return files
 
 
@@ -131,9 +133,9 @@ def replies(in_process, tmp_path: Path, data: Path, run_config: dict[str, Any], 
         return reply
 
     nodes = [
-        {"client-id": "audited", "data-path": str(data), "epsilon": 1.0, "delta": 1e-5,
+        {"client-id": "audited", "data-path": str(data), "epsilon": 1.0, "delta": 1e-5, "public-size": 300,
          "ledger-path": str(tmp_path / f"{name}-audited.sqlite")},
-        {"client-id": "other", "data-path": str(data), "epsilon": 2.0, "delta": 1e-5,
+        {"client-id": "other", "data-path": str(data), "epsilon": 2.0, "delta": 1e-5, "public-size": 300,
          "ledger-path": str(tmp_path / f"{name}-other.sqlite")},
     ]  # fmt: skip
     config = {**in_process.defaults(), **run_config, "results-dir": str(tmp_path / f"results-{name}")}
@@ -147,7 +149,7 @@ def replies(in_process, tmp_path: Path, data: Path, run_config: dict[str, Any], 
 
 def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_data(in_process, tmp_path, neighbours):
     runs = {name: replies(in_process, tmp_path, path, ADVERSARIAL, name.replace("'", "p")) for name, path in neighbours.items()}
-    assert runs["D"] == runs["D'"]  # nothing but the (noised) weights depends on the replaced record
+    assert runs["D"] == runs["D'"] == runs["D-"]  # nothing but the (noised) weights depends on the record
     kinds = [kind for kind, _ in runs["D"]]
     assert kinds.count("train") == 2 and kinds.count("evaluate") == 1  # evaluation is declined once, then not asked
     for kind, content in runs["D"]:
@@ -174,7 +176,7 @@ def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_da
 def test_a_deployed_client_refuses_seeds_and_diagnostics_with_the_same_public_words(in_process, tmp_path, neighbours, override, refusal):
     runs = {name: replies(in_process, tmp_path, path, {**ADVERSARIAL, **override}, name.replace("'", "p"))
             for name, path in neighbours.items()}  # fmt: skip
-    assert runs["D"] == runs["D'"]
+    assert runs["D"] == runs["D'"] == runs["D-"]
     trains = [content for kind, content in runs["D"] if kind == "train"]
     assert trains and all(c[0] == "error" and refusal in c[1] for c in trains)
 

@@ -104,10 +104,23 @@ def test_rounds_must_run_in_order() -> None:
         t.run_round(2)
 
 
-def test_data_must_match_the_plan_size() -> None:
+def test_every_real_row_is_sampled_and_the_sum_divided_by_the_plans_public_size() -> None:
+    """A deployed node plans from the size it declares public, not its real N (add/remove is then
+    coherent): the trainer samples each of its real rows at q and divides by q·N_public."""
     x, y = data(30)
-    with pytest.raises(ValueError, match="n=40"):
-        DPTrainer(build_model("mlp", 15, 2), make_plan(n=40), x, y)
+    with pytest.raises(ValueError, match="30/29 rows"):
+        DPTrainer(build_model("mlp", 15, 2), make_plan(n=40), x, y[:29])
+    plan = make_plan(n=40, q=1.0, steps=1, sigma=1e-9, clip=1e3, lr=1.0)  # noise std σC = 1e-6
+    model = build_model("logreg", 15, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    DPTrainer(model, plan, x, y, seed=1).run_steps(1)
+    step = [b - a.detach() for a, b in zip(model.parameters(), before, strict=True)]
+    reference = build_model("logreg", 15, 2)
+    reference.load_state_dict(dict(zip(dict(reference.named_parameters()), before, strict=True)))
+    torch.nn.functional.cross_entropy(reference(x), y, reduction="sum").backward()
+    expected = [p.grad / 40 for p in reference.parameters()]  # all 30 rows, unclipped, over q·N_public = 40
+    for got, want in zip(step, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 # ----- empty batches still spend a step and add noise -----

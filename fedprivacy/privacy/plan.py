@@ -16,6 +16,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 LR_SCHEDULES = ("constant", "inverse_sqrt", "adagrad_norm")
+# The neighbour relation every certificate here holds for: data sets that differ by adding or
+# removing one record, with N public (the plan's q, T and the replies' `num-examples` are functions
+# of N, so N must be a declared public size: a deployed node's `public-size`, a simulation's
+# partition size, the N given to `fedprivacy plan`). Replace-one is not certified yet.
+ADD_REMOVE_PUBLIC_N = "add/remove one record; N public (declared)"
 ALPHA_SCHEDULES = ("constant", "inverse_sqrt_lr", "power")
 
 
@@ -35,7 +40,7 @@ class Condition:
 
 @dataclass(frozen=True)
 class Plan:
-    """A client's certified DP-SGD plan (Poisson sampling, add/remove-one adjacency)."""
+    """A client's certified DP-SGD plan (Poisson sampling; the neighbour relation in `neighbours`)."""
 
     client_id: str
     rule: str
@@ -59,6 +64,7 @@ class Plan:
     lr_params: dict[str, float] = field(default_factory=dict)
     alpha_schedule: str = "constant"
     alpha_params: dict[str, float] = field(default_factory=dict)
+    neighbours: str = ADD_REMOVE_PUBLIC_N
 
     # ----- derived quantities (part of the JSON contract) -----
     @property

@@ -140,6 +140,7 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
         ("client", str(plan.client_id)),
         ("local records N", str(plan.n)),
         ("target (ε, δ)", f"({plan.epsilon:g}, {plan.delta:.3g})"),
+        ("neighbouring data sets", plan.neighbours),
         ("clipping norm C", f"{plan.clip_norm:g}"),
         ("rule", plan.rule),
         ("noise multiplier σ", _fmt(plan.sigma)

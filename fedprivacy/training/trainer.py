@@ -82,11 +82,12 @@ class DPTrainer:
         dtype = self.clipper.parameters[0].dtype
         self.features = torch.as_tensor(features).to(self.device, dtype)
         self.labels = torch.as_tensor(labels, dtype=torch.long).to(self.device)
-        if len(self.features) != plan.n or len(self.labels) != plan.n:
-            raise ValueError(
-                f"features/labels have {len(self.features)}/{len(self.labels)} rows but the plan "
-                f"was certified for n={plan.n}: sampling rate and noise would not match"
-            )
+        if len(self.features) != len(self.labels):
+            raise ValueError(f"features/labels have {len(self.features)}/{len(self.labels)} rows: one label per row")
+        # Every row is Poisson-sampled at the plan's q; the sum is divided by q·N with N the plan's
+        # (public) size. Under add/remove neighbours the certificate holds whatever the real row
+        # count, so a node that declared a public size different from its real one stays private.
+        self.num_rows = len(self.features)
         self.randomness = StepRandomness(seed)
         self.step = 0
         self.step_size = StepSize(plan)
@@ -108,9 +109,9 @@ class DPTrainer:
     def _draws(self, steps_wanted: int) -> StepDraws:
         """Samples and noise for the next steps, drawn together (at most a chunk's worth)."""
         noise_count = sum(p.numel() for p in self.clipper.parameters)
-        steps = min(steps_wanted, self.randomness.chunk_steps(self.plan.n, noise_count))
+        steps = min(steps_wanted, self.randomness.chunk_steps(self.num_rows, noise_count))
         return self.randomness.draws(
-            self.step, steps, self.plan.n, self.plan.sampling_rate, noise_count,
+            self.step, steps, self.num_rows, self.plan.sampling_rate, noise_count,
             dtype=self.clipper.parameters[0].dtype, device=self.device,
         )  # fmt: skip
 
@@ -145,8 +146,8 @@ class DPTrainer:
                 f"{self.plan.steps} steps ({self.steps_left} left)"
             )
         plan = self.plan
-        n, q, clip = plan.n, plan.sampling_rate, plan.clip_norm
-        expected = q * n
+        q, clip = plan.sampling_rate, plan.clip_norm
+        expected = q * plan.n
         first = self.step
         loss_sum = torch.zeros((), device=self.device)
         clipped = torch.zeros((), dtype=torch.long, device=self.device)

@@ -92,7 +92,7 @@ def pums_nodes(tmp_path: Path, budgets: dict[int, float]) -> list[str]:
         path = tmp_path / f"puma{puma}.csv"
         table[table.puma == puma].sample(400, random_state=0).to_csv(path, index=False)
         ledger = tmp_path / f"ledger-{puma}.sqlite"
-        configs.append(f"client-id='puma-{puma}' data-path='{path}' epsilon={epsilon} delta=1e-5 ledger-path='{ledger}'")
+        configs.append(f"client-id='puma-{puma}' data-path='{path}' epsilon={epsilon} delta=1e-5 public-size=400 ledger-path='{ledger}'")
     return configs
 
 
