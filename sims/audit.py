@@ -7,7 +7,9 @@ both with production noise (fresh OS keys):
   the noise; its standard deviation on every coordinate must be σC.
 - **canary membership** (in the style of Jagielski et al. 2020 and Nasr et al. 2021): one step is
   trained on a data set with or without a canary record whose clipped gradient points in a known
-  direction; the attacker scores each release by its projection on that direction and guesses
+  direction (add/remove neighbours), or on two data sets of the same size whose last record is
+  the canary or its mirror image (replace-one neighbours: sensitivity 2C, judged against the
+  replace-one certificate, `replace_one_epsilon`); the attacker scores each release by its projection on that direction and guesses
   "canary in" above a threshold. The threshold is chosen on one half of the trials and judged on
   the other (picked by its bound at a stricter confidence, `PICK_CONFIDENCE`); Clopper–Pearson
   bounds on its false-positive and false-negative rates, each at 1 − (1 − c)/2 so that both hold
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import dp_accounting
 import numpy as np
 import torch
 from scipy import stats
@@ -63,8 +66,13 @@ def weakened(plan: Plan, factor: float) -> Plan:
     return dataclasses.replace(plan, noise_segments=tuple((s / factor, c) for s, c in plan.noise_segments))
 
 
-def audit_data(n: int, canary: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """n − 1 ordinary records (zero features) and, last, either the canary or one more ordinary record.
+NEIGHBOURS = ("add-remove", "replace-one")
+
+
+def audit_data(n: int, canary: bool, neighbours: str = "add-remove") -> tuple[torch.Tensor, torch.Tensor]:
+    """n − 1 ordinary records (zero features) and, last, the canary or, without it, one more
+    ordinary record (add/remove: the mechanism cannot tell an absent record from a zero one) or
+    the canary's mirror image (replace-one: feature 0 at −100 instead of +100, the same N).
 
     From a zero model every ordinary record's weight gradient is zero, so the canary's clipped
     gradient (norm C, on the weights of feature 0) is the only signal in that direction.
@@ -73,7 +81,21 @@ def audit_data(n: int, canary: bool) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.zeros(n, dtype=torch.long)
     if canary:
         x[-1, 0] = 100.0
+    elif neighbours == "replace-one":
+        x[-1, 0] = -100.0
     return x, y
+
+
+def replace_one_epsilon(plan: Plan) -> float:
+    """The plan's ε under replace-one neighbours (dp-accounting's PLD accountant, REPLACE_ONE): what
+    a release certifies when N is not public. The plans here are certified for add/remove."""
+    accountant = dp_accounting.pld.PLDAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    for sigma, count in plan.noise_segments:
+        step: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(sigma)
+        if plan.sampling_rate < 1.0:
+            step = dp_accounting.PoissonSampledDpEvent(plan.sampling_rate, step)
+        accountant.compose(dp_accounting.SelfComposedDpEvent(step, count))
+    return float(accountant.get_epsilon(plan.delta))
 
 
 def zero_logreg() -> nn.Module:
@@ -137,9 +159,9 @@ def _fast_releases(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, st
 ENGINES = ("trainer", "fast")
 
 
-def canary_scores(plan: Plan, trials: int, canary: bool, engine: str = "trainer") -> np.ndarray:
+def canary_scores(plan: Plan, trials: int, canary: bool, engine: str = "trainer", neighbours: str = "add-remove") -> np.ndarray:
     """The attacker's score of each release: its projection on the canary's direction."""
-    x, y = audit_data(plan.n, canary)
+    x, y = audit_data(plan.n, canary, neighbours)
     updates = released_updates(plan, x, y, trials, engine=engine)[:, : 2 * NUM_FEATURES]
     return (updates @ canary_direction()).numpy() * plan.expected_batch_size
 
@@ -190,9 +212,11 @@ def epsilon_lower_bound(scores_out: np.ndarray, scores_in: np.ndarray, delta: fl
     return AuditBound(max(0.0, _epsilon(fpr_up, fnr_up, delta)), threshold, fpr_up, fnr_up, len(judge_out), confidence)
 
 
-def audit_canary(plan: Plan, trials: int, confidence: float = 0.95, engine: str = "trainer") -> AuditBound:
-    """Run the canary membership test on `plan` (trials per side) against `engine`."""
-    scores = [canary_scores(plan, trials, canary, engine) for canary in (False, True)]
+def audit_canary(plan: Plan, trials: int, confidence: float = 0.95, engine: str = "trainer",
+                 neighbours: str = "add-remove") -> AuditBound:  # fmt: skip
+    """Run the canary membership test on `plan` (trials per side) against `engine`, between
+    add/remove or replace-one neighbours."""
+    scores = [canary_scores(plan, trials, canary, engine, neighbours) for canary in (False, True)]
     return epsilon_lower_bound(*scores, plan.delta, confidence)
 
 

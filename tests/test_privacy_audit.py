@@ -13,12 +13,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import dp_accounting
 import numpy as np
 import pandas as pd
 import pytest
 
 from clients.app import app as client_app
 from fedprivacy.participant import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS
+from fedprivacy.privacy.planner import plan_client
 from independent import CERTIFICATE_REL_TOL, pld_epsilon
 from server.app import app as server_app
 from sims import audit
@@ -57,6 +59,29 @@ def test_the_audit_catches_a_trainer_whose_noise_was_divided_by_three(plan, engi
     broken = audit.weakened(plan, 3.0)
     assert broken.epsilon_pld == plan.epsilon_pld  # it claims the same certificate
     assert audit.audit_canary(broken, TRIALS, engine=engine).epsilon_lower_bound > plan.epsilon_pld
+
+
+def test_the_replace_one_certificate_is_the_gaussian_at_twice_the_sensitivity():
+    """Independent check of `replace_one_epsilon` for a full-batch step: replacing a record moves
+    the clipped sum by up to 2C, so it is the Gaussian mechanism at σ/2 (PLD closed form, and RDP
+    as an upper bound); a Poisson-sampled plan's replace-one ε lies above its add/remove ε."""
+    plan = audit.one_step_plan(3.0, 1e-5, 10)
+    replace_one = audit.replace_one_epsilon(plan)
+    assert replace_one == pytest.approx(pld_epsilon([(plan.sigma / 2, 1.0, 1)], 1e-5), rel=CERTIFICATE_REL_TOL)
+    rdp = dp_accounting.rdp.RdpAccountant()
+    rdp.compose(dp_accounting.GaussianDpEvent(plan.sigma / 2))
+    assert replace_one <= rdp.get_epsilon(1e-5)
+    default_like = plan_client(5736, 1.0, 1e-5, rule="calibrated", compare=False)
+    assert audit.replace_one_epsilon(default_like) > 1.5 * default_like.epsilon_pld  # why N must be public
+
+
+@pytest.mark.parametrize("engine", audit.ENGINES)
+def test_a_replace_one_canary_stays_below_the_replace_one_certificate(plan, engine):
+    """The canary against its mirror image (same N): the attack a server could mount if N were
+    sent as it is. It stays below the replace-one certificate; it is why a deployed node declares
+    its size (then add/remove, and the certificate the plans carry, is the relation that holds)."""
+    bound = audit.audit_canary(plan, TRIALS, engine=engine, neighbours="replace-one")
+    assert 0.5 < bound.epsilon_lower_bound <= audit.replace_one_epsilon(plan)
 
 
 def test_the_lower_bound_holds_both_error_rates_jointly_at_its_confidence():
