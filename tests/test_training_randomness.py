@@ -120,11 +120,26 @@ def test_steps_that_span_several_nonces_read_the_same_bytes_in_any_split(monkeyp
     assert len({row.tobytes() for row in together}) == 9
 
 
+def box_muller_closed_form(words: np.ndarray) -> np.ndarray:
+    """Box–Muller of raw keystream rows [m radius words, m angle words], in float64, written out
+    independently of rng.py: u₁ = (w + ½)·2⁻⁶⁴ from the whole radius word (no word is 0 in these
+    streams: probability 2⁻⁶⁴ each), θ = 2π·s·2⁻⁶⁴ with s the angle word read as a signed integer."""
+    pairs = words.shape[1] // 2
+    radius_words, angle_words = words[:, :pairs], words[:, pairs : 2 * pairs]
+    assert radius_words.all()
+    u1 = (radius_words.astype(np.float64) + 0.5) * 2.0**-64
+    radius = np.sqrt(-2.0 * np.log(u1))
+    signed = np.where(angle_words >= 2**63, angle_words.astype(np.float64) - 2.0**64, angle_words.astype(np.float64))
+    angle = 2.0 * np.pi * signed * 2.0**-64
+    return np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=1)
+
+
 def test_a_round_of_draws_is_its_streams_words_compared_and_transformed(monkeypatch):
-    """Independently of `draw_batch`'s buffers: record i of a step is kept iff its Poisson word is
-    below ⌊q·2⁵³⌋, and the noise is Box–Muller of the step's noise words (computed here in float64);
-    the transform gives the same bits however its rows are chunked and spread over threads. The
-    clients read the same blocks per step (one buffer, one comparison for all) with different n."""
+    """Independently of `draw_batch`'s buffers: record i of a step is kept iff the top 53 bits of
+    its Poisson word are below ⌊q·2⁵³⌋, and the noise is Box–Muller of the step's whole 64-bit noise
+    words (computed here in float64); the transform gives the same bits however its rows are
+    chunked and spread over threads. The clients read the same blocks per step (one buffer, one
+    comparison for all) with different n."""
     clients = [(StepRandomness(f"7:words-{i}"), 2 * i, 1 + i % 3, 150 - i % 4, 0.03 * (i + 1)) for i in range(8)]
     requests = [DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients]
     count = 30
@@ -139,21 +154,29 @@ def test_a_round_of_draws_is_its_streams_words_compared_and_transformed(monkeypa
     row = 0
     for randomness, first, steps, n, q in clients:
         words = randomness.stream_words(first, steps, count + n)
-        assert np.array_equal(keep[row : row + steps, :n].numpy(), words[:, count:] < sampling_threshold(q))
+        poisson = words[:, count:] >> np.uint64(64 - UNIFORM_BITS)  # the top 53 bits
+        assert np.array_equal(keep[row : row + steps, :n].numpy(), poisson < sampling_threshold(q))
         assert not keep[row : row + steps, n:].any()
-        u = words[:, :count].astype(np.float64) * 2.0**-UNIFORM_BITS
-        radius = np.sqrt(-2.0 * np.log1p(-u[:, : count // 2]))
-        angle = 2.0 * np.pi * u[:, count // 2 :]
-        expected = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=1)
+        expected = box_muller_closed_form(words[:, :count])
         np.testing.assert_allclose(noise[row : row + steps].numpy(), expected, rtol=1e-5, atol=1e-5)
         row += steps
     assert row == keep.shape[0]
     _, noise64 = draw_batch(requests[:1], count, dtype=torch.float64)  # float64 noise: radius and angle in float64
     randomness, first, steps, n, _ = clients[0]
-    u = randomness.stream_words(first, steps, count + n)[:, :count].astype(np.float64) * 2.0**-UNIFORM_BITS
-    radius, angle = np.sqrt(-2.0 * np.log1p(-u[:, : count // 2])), 2.0 * np.pi * u[:, count // 2 :]
-    expected = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=1)
+    expected = box_muller_closed_form(randomness.stream_words(first, steps, count + n)[:, :count])
     np.testing.assert_allclose(noise64.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_radius_is_rayleigh_from_its_whole_words():
+    """The noise's radius sqrt(z₁² + z₂²) of a pair is Rayleigh, and it is the radius of the pair's
+    whole 64-bit radius word (`radius_from_words`, float64), to rounding."""
+    count = 200_000
+    draws = StepRandomness(13).draws(0, 1, 0, 0.5, count, dtype=torch.float64).noise[0].numpy()
+    radius = np.hypot(draws[: count // 2], draws[count // 2 :])
+    assert stats.kstest(radius, "rayleigh").pvalue > 1e-3
+    assert stats.kstest(radius**2 / 2, "expon").pvalue > 1e-3
+    words = StepRandomness(13).stream_words(0, 1, count)[0, : count // 2]
+    np.testing.assert_allclose(radius, rng_module.radius_from_words(words), rtol=1e-13)
 
 
 def test_draws_larger_than_the_kept_buffer_are_the_same_draws(monkeypatch):

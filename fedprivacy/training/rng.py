@@ -15,15 +15,40 @@ Either way the security level is that of ChaCha20 (a 256-bit key; ≥ 128 bits a
 attack), not the 32 or 64 bits of a seeded PRNG such as torch's CPU generator, whose state can be
 searched.
 
-Each step's 64-bit words are read in a fixed layout: two per pair of Gaussians, then one per
-record for its Poisson draw. The draws are computed on the CPU, for many steps at once (one vectorised
-pass instead of ~15 small operations per step), and copied to the model's device:
-- uniforms are 53-bit integers u (the top bits of 64-bit words);
-- Poisson sampling keeps record i iff uᵢ < ⌊q·2⁵³⌋, so the realised rate is ⌊q·2⁵³⌋/2⁵³ ≤ q
-  exactly (a float32 comparison with q rounds q *up* to the next multiple of 2⁻²⁴);
-- Gaussians come from the Box–Muller transform in float64, then cast to the parameters' dtype.
-Floating-point Gaussian samplers have known side channels (Mironov 2012); SECURITY.md says what
-that does and does not cover.
+Each step's 64-bit words are read in a fixed layout: with m pairs of Gaussians, m radius words,
+then m angle words, then one word per record for its Poisson draw. The draws are computed on the
+CPU, for many steps at once (one vectorised pass instead of ~15 small operations per step), and
+copied to the model's device:
+- Poisson sampling keeps record i iff the top 53 bits uᵢ of its word are below ⌊q·2⁵³⌋, so the
+  realised rate is ⌊q·2⁵³⌋/2⁵³ ≤ q exactly (a float32 comparison with q rounds q *up* to the
+  next multiple of 2⁻²⁴);
+- Gaussians come from the Box–Muller transform (Box & Muller 1958), z = sqrt(−2 ln u₁)·(cos θ,
+  sin θ), the radius in float64 and the angle θ = 2π·s·2⁻⁶⁴ ∈ [−π, π) (s: the angle word read as
+  a signed integer) in the parameters' dtype.
+
+The radius's tail must be exact, not merely long. A sampler whose |z| never exceeds some r_max
+makes every output beyond g + σ·r_max impossible under a dataset whose gradient sum is g, while
+under its neighbour (gradient sum g + Δ, |Δ| ≤ the clip norm C, noise σ·C) those outputs have
+probability P(Z > r_max − 1/σ): a δ that no certificate holds. At the smallest σ the limits allow
+(ε = 100, σ ≈ 0.095, 1/σ ≈ 10.6) that is close to 1 for the r_max of any one word (53 bits: 8.57;
+64 bits: 9.42). So u₁, uniform on (0, 1], is the binary expansion u₁ = 2⁻⁶⁴·(w + v) of the whole
+radius word w and a continuation v, itself uniform on (0, 1]:
+- w ≥ 1 (all but 2⁻⁶⁴ of the pairs): v = ½, u₁ = (w + ½)·2⁻⁶⁴ in float64 (the smallest is 1.5·2⁻⁶⁴);
+- w = 0: v is read the same way from further words, so after k leading zero words and a word w_k,
+  −ln u₁ = 64k·ln 2 − ln((w_k + ½)·2⁻⁶⁴), computed in that form: u₁ itself is never formed (below
+  2⁻¹⁰²² it would be subnormal and lose its digits). The expansion stops at `RADIUS_WORDS` = 16
+  words, 2⁻¹⁰²⁴ deep (all zero: v = ½ again), so |z| ≤ `MAX_RADIUS` = sqrt(2·1025·ln 2) ≈ 37.7;
+  the true radius exceeds it with probability 2⁻¹⁰²⁵ ≈ e⁻⁷¹⁰. tests/test_noise_tail.py checks that
+  this, times e^ε and with the shift 1/σ, is below 10⁻¹² of δ at the largest budget.
+The words after a zero radius word are not the keystream's: they are read from `os.urandom`
+(fresh randomness, 15 words per zero word). A seeded run therefore replays exactly except in an
+event of probability 2⁻⁶⁴ per pair of Gaussians (about 5·10⁻¹² over 10⁸ pairs), in which that one
+radius is fresh. The common path pays one reduction per chunk to find zero words and one pass to
+read whole words as signed integers (`_midpoints`): the transform of 3.6 M words takes 3–4%
+longer, and a 1,000-client MLP round's draws the same time within the noise (about 22 ms on 2
+cores), since only the Poisson words are shifted to 53 bits.
+Floating-point Gaussian samplers have further, known side channels (Mironov 2012); SECURITY.md
+says what that does and does not cover.
 """
 
 from __future__ import annotations
@@ -43,9 +68,10 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from torch import Tensor
 
-UNIFORM_BITS = 53
-_UNIFORM_MASK = (1 << UNIFORM_BITS) - 1
-_UNIFORM_SCALE = 2.0**-UNIFORM_BITS
+UNIFORM_BITS = 53  # Poisson words: their top 53 bits
+RADIUS_BITS = 64  # radius words: all of their bits
+RADIUS_WORDS = 16  # a radius's expansion stops after this many words (the keystream's, then 15 more)
+MAX_RADIUS = math.sqrt(2 * (RADIUS_BITS * RADIUS_WORDS + 1) * math.log(2))  # −ln u₁ ≤ 1025·ln 2: 37.70
 COUNTER_BLOCKS = 1 << 32  # ChaCha20 blocks one nonce addresses (its 32-bit block counter)
 NOISE_CHUNK = 1 << 22  # random words drawn per pass at most (32 MiB)
 TRANSFORM_CHUNK = 1 << 17  # words per pass of the Gaussian transform (1 MiB: its temporaries stay in cache)
@@ -70,37 +96,92 @@ def sampling_threshold(q: float) -> int:
     return math.floor(q * (1 << UNIFORM_BITS))  # q·2⁵³ is exact in binary floating point
 
 
-def uniform53(buffer: bytearray | memoryview) -> np.ndarray:
-    """The buffer's little-endian 64-bit words, each reduced to its top 53 bits (uint64), in place."""
-    words = np.frombuffer(buffer, dtype="<u8")
+def uniform53(words: np.ndarray) -> np.ndarray:
+    """64-bit words (uint64, any view) reduced to their top 53 bits, in place: the Poisson uniforms."""
     words >>= np.uint64(64 - UNIFORM_BITS)
     return words
 
 
-def box_muller(uniforms: np.ndarray, dtype: type = np.float64, threads: int = 1) -> np.ndarray:
-    """Standard normals from 53-bit uniforms [rows, 2m], row by row: a row of 2m words gives 2m draws.
+def radius_from_words(words: np.ndarray, extension: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
+    """Box–Muller radii sqrt(−2 ln u₁) (float64, the shape of `words`) of 64-bit radius words (uint64).
 
-    z = sqrt(−2 ln u₁)·(cos 2πu₂, sin 2πu₂), with u₁ ∈ (0, 1] so that no log(0) occurs; the
-    radius (whose tail is the Gaussian's) always in float64, the angle in `dtype` (float32 trig
-    is ten times faster, and float32 noise keeps no more digits anyway). numpy on contiguous
-    halves: torch's float64 log on strided views was 100× slower here.
+    A word w ≥ 1 gives u₁ = (w + ½)·2⁻⁶⁴. A zero word's u₁ continues its binary expansion with
+    `RADIUS_WORDS` − 1 further words: `extension(count)` gives `count` uint64 words for all the
+    zero words at once, `RADIUS_WORDS` − 1 each in their C order (default: `os.urandom`). After k
+    leading zero words and a word w_k, −ln u₁ = 64k·ln 2 − ln((w_k + ½)·2⁻⁶⁴), at most 1025·ln 2
+    (all 16 words zero): radii up to `MAX_RADIUS` (see the module docstring).
+    """
+    radius = _midpoints(words)
+    deep = radius.size > 0 and radius.min() < 2.0**-RADIUS_BITS  # only a zero word's midpoint, 2⁻⁶⁵, is below
+    np.log(radius, out=radius)
+    np.multiply(radius, -2.0, out=radius)
+    if deep:
+        _continue_zero_words(words, radius, extension or _fresh_words)
+    np.sqrt(radius, out=radius)
+    return radius
+
+
+def _midpoints(words: np.ndarray) -> np.ndarray:
+    """(w + ½)·2⁻⁶⁴ in float64 for uint64 words w. numpy converts a uint64 with its top bit set
+    about 12× slower than an int64 (a branch per element that the random top bit mispredicts), so
+    the words are read as int64 s and s·2⁻⁶⁴ + 2⁻⁶⁵ < 0 (w ≥ 2⁶³) is moved up by 1: exact up to
+    float64's rounding, relative 2⁻⁵³, everywhere."""
+    u = np.empty(words.shape, dtype=np.float64)
+    np.copyto(u, words.view(np.int64), casting="unsafe")
+    np.multiply(u, 2.0**-RADIUS_BITS, out=u)
+    np.add(u, 2.0 ** -(RADIUS_BITS + 1), out=u)
+    np.add(u, u < 0.0, out=u)
+    return u
+
+
+def _fresh_words(count: int) -> np.ndarray:
+    """`count` uint64 words from the operating system's CSPRNG: zero radius words' continuations."""
+    return np.frombuffer(os.urandom(8 * count), dtype="<u8").astype(np.uint64)
+
+
+def _continue_zero_words(words: np.ndarray, squared: np.ndarray, extension: Callable[[int], np.ndarray]) -> None:
+    """−2 ln u₁ into `squared` wherever a radius word is 0, from its continuation words."""
+    where = np.nonzero(words == 0)
+    count = len(where[0])
+    more = np.asarray(extension(count * (RADIUS_WORDS - 1)), dtype=np.uint64).reshape(count, RADIUS_WORDS - 1)
+    nonzero = more != 0
+    # the word that ends each expansion: its first nonzero one, or its last one if all are zero
+    last = np.where(nonzero.any(axis=1), nonzero.argmax(axis=1), RADIUS_WORDS - 2)
+    zero_words = last + 1  # leading zero words, the keystream's included
+    minus_log = zero_words * (RADIUS_BITS * math.log(2)) - np.log(_midpoints(more[np.arange(count), last]))
+    squared[where] = 2.0 * minus_log
+
+
+def box_muller(words: np.ndarray, dtype: type = np.float64, threads: int = 1) -> np.ndarray:
+    """Standard normals from keystream rows [rows, 2m] of m radius words then m angle words (uint64,
+    all 64 bits): a row of 2m words gives 2m draws.
+
+    z = sqrt(−2 ln u₁)·(cos θ, sin θ) (Box & Muller 1958). The radius is `radius_from_words`:
+    u₁ ∈ (0, 1] (no log(0)), its binary expansion continued past a zero word, so that the radius
+    follows the Rayleigh tail down to 2⁻¹⁰²⁴ instead of stopping at 8.57 (53-bit words) or 9.42
+    (64-bit words): a cut makes the outputs beyond it impossible under one neighbour and possible
+    under the other, which no certified δ covers (the module docstring gives the numbers). The
+    radius is always in float64; the angle θ = 2π·s·2⁻⁶⁴, s the angle word as a signed integer,
+    in `dtype` (float32 trig is ten times faster, and float32 noise keeps no more digits anyway).
+    numpy on contiguous halves: torch's float64 log on strided views was 100× slower here.
 
     Rows go in chunks of about `TRANSFORM_CHUNK` words (at least one row), so that the temporaries
     stay in cache and are reused rather than fresh pages (3.5 M words: 23 → 14 ms on 2 cores), and,
     with `threads` > 1 and at least `PARALLEL_WORDS` words, the chunks are spread over that many
     threads (numpy's ufuncs release the GIL: 14 → 8 ms). Every element goes through the same
-    operations either way, so the draws do not depend on the chunking (a test checks the bits).
+    operations either way, so the draws do not depend on the chunking (a test checks the bits);
+    the one exception is a zero radius word, whose continuation is fresh from `os.urandom`.
     """
-    pairs = uniforms.shape[1] // 2
-    out = np.empty((uniforms.shape[0], 2 * pairs), dtype=dtype)
-    rows = max(1, TRANSFORM_CHUNK // max(uniforms.shape[1], 1))
-    chunks = [slice(start, start + rows) for start in range(0, uniforms.shape[0], rows)]
+    pairs = words.shape[1] // 2
+    out = np.empty((words.shape[0], 2 * pairs), dtype=dtype)
+    rows = max(1, TRANSFORM_CHUNK // max(words.shape[1], 1))
+    chunks = [slice(start, start + rows) for start in range(0, words.shape[0], rows)]
 
     def transform(part: list[slice]) -> None:
         for chunk in part:
-            _box_muller_into(uniforms[chunk], out[chunk], dtype)
+            _box_muller_into(words[chunk], out[chunk], dtype)
 
-    if threads > 1 and len(chunks) > 1 and uniforms.size >= PARALLEL_WORDS:
+    if threads > 1 and len(chunks) > 1 and words.size >= PARALLEL_WORDS:
         helpers, others = _transform_helpers(os.getpid(), threads - 1), []
         for k in range(1, threads):
             try:
@@ -115,16 +196,11 @@ def box_muller(uniforms: np.ndarray, dtype: type = np.float64, threads: int = 1)
     return out
 
 
-def _box_muller_into(uniforms: np.ndarray, out: np.ndarray, dtype: type) -> None:
-    pairs = uniforms.shape[1] // 2
-    radius = np.ascontiguousarray(uniforms[:, :pairs], dtype=np.float64)
-    np.multiply(radius, -_UNIFORM_SCALE, out=radius)
-    np.add(radius, 1.0, out=radius)
-    np.log(radius, out=radius)
-    np.multiply(radius, -2.0, out=radius)
-    np.sqrt(radius, out=radius)
-    angle = uniforms[:, pairs : 2 * pairs].astype(dtype)
-    angle *= dtype(2.0 * math.pi * _UNIFORM_SCALE)
+def _box_muller_into(words: np.ndarray, out: np.ndarray, dtype: type) -> None:
+    pairs = words.shape[1] // 2
+    radius = radius_from_words(words[:, :pairs])
+    angle = words[:, pairs : 2 * pairs].view(np.int64).astype(dtype)  # s ∈ [−2⁶³, 2⁶³)
+    angle *= dtype(2.0 * math.pi * 2.0**-64)  # θ = 2π·s·2⁻⁶⁴ ∈ [−π, π)
     np.cos(angle, out=out[:, :pairs])
     np.sin(angle, out=out[:, pairs:])
     out[:, :pairs] *= radius
@@ -220,7 +296,7 @@ def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.d
         noise = box_muller(words[:, : 2 * pairs], float_type, torch.get_num_threads())
         # every row has `most` Poisson words (a shorter client's last ones are its padding): one comparison
         steps = [r.steps for r in requests]
-        keep = words[:, 2 * pairs : 2 * pairs + most] < np.repeat([thresholds[r.q] for r in requests], steps)[:, None]
+        keep = uniform53(words[:, 2 * pairs : 2 * pairs + most]) < np.repeat([thresholds[r.q] for r in requests], steps)[:, None]
         if any(r.n < most for r in requests):
             keep &= np.arange(most) < np.repeat([r.n for r in requests], steps)[:, None]
         return torch.from_numpy(keep), torch.from_numpy(noise[:, :noise_count]).to(dtype)
@@ -229,7 +305,7 @@ def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.d
     keep = np.zeros((noise.shape[0], most), dtype=bool)
     row = 0
     for r, words in zip(requests, streams, strict=True):
-        np.less(words[:, 2 * pairs : 2 * pairs + r.n], thresholds[r.q], out=keep[row : row + r.steps, : r.n])
+        np.less(uniform53(words[:, 2 * pairs : 2 * pairs + r.n]), thresholds[r.q], out=keep[row : row + r.steps, : r.n])
         row += r.steps
     return torch.from_numpy(keep), torch.from_numpy(noise[:, :noise_count]).to(dtype)
 
@@ -240,14 +316,15 @@ def _blocks(width: int) -> int:
 
 
 def _filled_rows(requests: Sequence[DrawRequest], blocks: int) -> np.ndarray:
-    """[rows, 8·blocks] 53-bit uniforms: each request's steps in order, written straight into one
-    buffer (the thread's kept one, if it fits: the result is valid until the thread's next draw)."""
+    """[rows, 8·blocks] keystream words (uint64): each request's steps in order, written straight
+    into one buffer (the thread's kept one, if it fits: the result is valid until the thread's
+    next draw)."""
     view, start = _scratch.buffer(sum(r.steps for r in requests) * blocks * 64), 0
     for r in requests:
         end = start + r.steps * blocks * 64
         r.randomness.fill_steps(r.first_step, r.steps, blocks, view[start:end])
         start = end
-    return uniform53(view).reshape(-1, blocks * 8)
+    return np.frombuffer(view, dtype="<u8").reshape(-1, blocks * 8)
 
 
 class StepRandomness:
@@ -269,12 +346,12 @@ class StepRandomness:
         return self._key is not None
 
     def stream_words(self, first_step: int, steps: int, width: int) -> np.ndarray:
-        """[steps, width] 53-bit uniforms (uint64), one row per step: its noise words, then its
-        Poisson words (see the module docstring)."""
+        """[steps, width] keystream words (uint64, all 64 bits), one row per step: its radius
+        words, its angle words, then its Poisson words (see the module docstring)."""
         blocks = _blocks(width)
         buffer = bytearray(steps * blocks * 64)
         self.fill_steps(first_step, steps, blocks, memoryview(buffer))
-        return uniform53(buffer).reshape(steps, blocks * 8)[:, :width]
+        return np.frombuffer(buffer, dtype="<u8").reshape(steps, blocks * 8)[:, :width]
 
     def fill_steps(self, first_step: int, steps: int, blocks: int, out: memoryview) -> None:
         """The raw keystream of `steps` steps of `blocks` blocks each, into `out` (steps·blocks·64 bytes).
