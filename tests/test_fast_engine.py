@@ -239,3 +239,37 @@ def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(in
     else:
         assert set(composed_in_round) > {1}
         assert planning and all("composing" not in line for line in planning)
+
+
+def test_the_noise_scale_is_sigma_times_c_in_float64_rounded_up_once(in_process, tmp_path, monkeypatch):
+    """Each noise coordinate the fast engine adds is s·z with s = σ·C formed in float64 from the
+    plan's σ and C and rounded once to float32, upwards (the trainer's `noise_scale`): the noise's
+    std is never below the certified σC. A float32 σ times a float32 C is below it at C = 1.3
+    for the proactive σ(ε = 1, δ = 1e-5), which the old engine used."""
+    import dataclasses
+
+    from fedprivacy.privacy.proactive import proactive_sigma
+    from fedprivacy.training.step import noise_scale
+    from sims.fast import stack
+
+    clip, sigma = 1.3, proactive_sigma(1.0, 1e-5)
+    scale = float(noise_scale(sigma, clip))
+    assert scale >= sigma * clip and scale - sigma * clip <= 2**-23 * sigma * clip
+    two_roundings = float(torch.tensor(sigma, dtype=torch.float32) * torch.tensor(clip, dtype=torch.float32))
+    assert two_roundings < sigma * clip  # what the check below tells apart
+    release, seen = stack.release, []
+
+    def spy(sums, step, add_noise=True):
+        unit = dataclasses.replace(step, expected_batch=torch.ones_like(step.expected_batch))
+        noise = release([torch.zeros_like(s) for s in sums], unit, add_noise)  # the noise alone, undivided
+        seen.append((torch.cat([n.flatten(1) for n in noise], dim=1), step.normals.clone(), step.active.clone()))
+        return release(sums, step, add_noise)
+
+    monkeypatch.setattr(stack, "release", spy)
+    config = {**in_process.defaults(), "rule": "proactive", "epsilon": 1.0, "delta": 1e-5, "clip-norm": clip,
+              "num-server-rounds": 1, "noise-seed": 7, "results-dir": str(tmp_path / "r")}  # fmt: skip
+    run_fast(config, 2, say=lambda _: None)
+    assert seen
+    for noise, normals, active in seen:
+        assert noise.dtype == torch.float32
+        assert torch.equal(noise[active], torch.tensor(scale, dtype=torch.float32) * normals[active])

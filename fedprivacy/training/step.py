@@ -9,10 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from fedprivacy.training.clipping import ClippedBatch, PerExampleClipper
+
+
+def noise_scale(sigma: float | np.ndarray, clip_norm: float | np.ndarray, dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """σ·C formed in float64 and rounded once into `dtype`, upwards: the noise's standard deviation
+    is never below the certified σC (a float32 σ times a float32 C could land 1 ulp under it). The
+    trainer and the fast engine both scale their normals by it."""
+    exact = np.asarray(sigma, dtype=np.float64) * np.asarray(clip_norm, dtype=np.float64)
+    target = np.float32 if dtype == torch.float32 else np.float64
+    rounded = exact.astype(target)
+    return np.where(rounded < exact, np.nextafter(rounded, target(np.inf)), rounded)
 
 
 def release(
@@ -28,7 +39,7 @@ def release(
     """
     noise = [chunk.view_as(g) for chunk, g in zip(normals.split([g.numel() for g in grad_sums]), grad_sums, strict=True)]
     # torch._foreach_*: one call per list instead of one per tensor (what torch.optim uses).
-    torch._foreach_add_(grad_sums, noise, alpha=sigma * clip_norm)
+    torch._foreach_add_(grad_sums, noise, alpha=float(noise_scale(sigma, clip_norm, grad_sums[0].dtype)))
     torch._foreach_div_(grad_sums, expected_batch)
     return grad_sums
 

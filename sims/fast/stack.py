@@ -4,8 +4,12 @@ weights stacked along a first dimension, every step one batched forward and back
 It is the trainer's mechanism (`fedprivacy.training`), client by client: Poisson samples and
 noise from each client's own stream (`draw_batch`, the same bytes `DPTrainer` reads), per-example
 gradients by book-keeping (Bu et al.: the layer inputs A and output gradients D; for a Linear layer
-‖gᵢ‖² = ‖dᵢ‖²(‖aᵢ‖² + 1) and the clipped sum is (w⊙D)ᵀA), clipping at each client's C, noise
-σ_t·C on the sum, division by the expected batch qN, and each client's learning rate. Clients
+‖gᵢ‖² = ‖dᵢ‖²(‖aᵢ‖² + 1) and the clipped sum is (w⊙D)ᵀA), the norms and clip weights in float64 by
+the trainer's own functions (`linear_norms`, `clip_weights`: no norm can underflow to 0 and let an
+example in unclipped), clipping at each client's C, noise
+σ_t·C on the sum (σ_t·C kept in float64 until it multiplies the standard normals, the product
+then cast to the parameters' dtype: `release`), division by the expected batch qN, and each
+client's learning rate. Clients
 whose rounds have fewer steps are masked out of the steps they do not take.
 
 Batching by padding was chosen by measurement (sims/fast/README section of docs/simulator.md):
@@ -22,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedprivacy.training.clipping import PerExampleClipper
+from fedprivacy.training.clipping import NORM_DTYPE, Float64Scratch, PerExampleClipper, Slack, clip_weights, linear_norms
+from fedprivacy.training.step import noise_scale
+
+_FLOAT64 = Float64Scratch()  # the float64 copies for the norms, reused step after step (one stack at a time)
 
 
 @dataclass(frozen=True)
@@ -110,18 +117,20 @@ def clipped_sums(weights: list[Tensor], step: StepInputs, clip_examples: bool = 
     losses = -log_p.gather(-1, step.labels.unsqueeze(-1)).squeeze(-1)
     d_logits = (log_p.exp() - F.one_hot(step.labels, logits.shape[-1]).to(logits.dtype)) * valid.unsqueeze(-1)
     deltas = _backward(weights, inputs, d_logits)
-    sq = torch.zeros_like(losses)
-    for a, d in zip(inputs, deltas, strict=True):
-        d_sq = torch.linalg.vecdot(d, d)
-        sq = sq + torch.addcmul(d_sq, d_sq, torch.linalg.vecdot(a, a))
-    finite = torch.isfinite(sq)
+    # Per-example squared norms and slacks in float64, from the float32 A and D that are summed below.
+    sq, slack = linear_norms(inputs[0], deltas[0], _FLOAT64, 0)
+    for layer, (a, d) in enumerate(zip(inputs[1:], deltas[1:], strict=True), start=1):
+        layer_sq, layer_slack = linear_norms(a, d, _FLOAT64, layer)
+        sq, slack = sq + layer_sq, slack.plus(layer_slack)
+    finite = torch.isfinite(sq)  # a finite norm implies a finite slack
     if not bool(torch.isfinite(sq.sum())):  # a diverged or crafted model: drop those examples
         keep = finite.unsqueeze(-1)
         inputs = [torch.where(keep, a, 0.0) for a in inputs]
         deltas = [torch.where(keep, d, 0.0) for d in deltas]
-        sq = torch.where(finite, sq, 0.0)
-    clip = step.clip.unsqueeze(-1)
-    w = sq.maximum(clip.square()).rsqrt() * clip if clip_examples else torch.ones_like(sq)  # C / max(‖gᵢ‖, C)
+        sq, slack = torch.where(finite, sq, 0.0), Slack(torch.where(finite, slack.mass, 0.0), slack.coefficient, slack.constant)
+    clip = step.clip.to(NORM_DTYPE).unsqueeze(-1)
+    # C / max(‖gᵢ‖, C), in float64, cast so that the cast never raises it (see clip_weights)
+    w = clip_weights(sq, slack, clip, logits.dtype) if clip_examples else torch.ones_like(losses)
     sums = []
     for a, d in zip(inputs, deltas, strict=True):
         wd = d * w.unsqueeze(-1)
@@ -136,8 +145,15 @@ def clipped_sums(weights: list[Tensor], step: StepInputs, clip_examples: bool = 
 
 
 def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> list[Tensor]:
-    """(Σ clipped + σC·N(0, I)) / (qN) per client, the noise split in parameter order."""
-    scale = (step.sigma * step.clip * add_noise).view(-1, 1)
+    """(Σ clipped + σC·N(0, I)) / (qN) per client, the noise split in parameter order.
+
+    The noise scale σ_t·C is the trainer's (`fedprivacy.training.step.noise_scale`): formed in
+    float64 from the plan's σ_t and C, rounded once to the parameters' dtype, upwards, so the
+    noise's standard deviation is never below the certified σC (tests/test_fast_engine.py checks it).
+    """
+    dtype = sums[0].dtype
+    scale64 = (step.sigma.to(torch.float64) * step.clip.to(torch.float64)).cpu().numpy()
+    scale = torch.from_numpy(noise_scale(scale64, 1.0, dtype)).to(step.normals.device) * add_noise
     normals = step.normals.split([s[0].numel() for s in sums], dim=1)
     return [
         (s + scale.view(-1, *(1,) * (s.dim() - 1)) * n.view_as(s)) / step.expected_batch.view(-1, *(1,) * (s.dim() - 1))

@@ -147,9 +147,10 @@ class LocalWorker:
         for k, (request, first, count) in enumerate(zip(requests, firsts, counts, strict=True)):
             sigmas, rates = self.schedules[request.index]
             sigma[k, :count], rate[k, :count] = sigmas[first : first + count], rates[first : first + count]
-        sigma, rate = torch.from_numpy(sigma).float(), torch.from_numpy(rate).float()
+        # σ_t stays float64, as the plan has it, until stack.release multiplies σ_t·C into the normals
+        sigma, rate = torch.from_numpy(sigma), torch.from_numpy(rate).float()
         adaptive = AdaptiveRates(plans, [r.state for r in requests], self.device)
-        clip = torch.tensor([p.clip_norm for p in plans], device=self.device)
+        clip = torch.tensor([p.clip_norm for p in plans], dtype=torch.float64, device=self.device)
         expected = torch.tensor([p.sampling_rate * p.n for p in plans], device=self.device)
         steps = torch.tensor(counts, device=self.device)
         sigma, rate = sigma.to(self.device), rate.to(self.device)
