@@ -215,7 +215,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
     rc = {**DEFAULTS, **run_config}
     dataset = _choice("dataset", rc["dataset"], DATASETS)
     data_path = resolve_path("data-path", rc["data-path"])
-    epochs = None if rc["epochs"] == 0 else positive("epochs", rc["epochs"])
+    epochs = None if rc["epochs"] == 0 else limits.epochs("epochs", rc["epochs"])
     results_dir = resolve_path("results-dir", rc["results-dir"])
     if results_dir is None:
         raise InputError("results-dir", rc["results-dir"], "must name a folder (an absolute path)")
@@ -241,7 +241,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
         delta=open_unit("delta", rc["delta"]),
         deltas=per_client_values("deltas", rc["deltas"], open_unit, "1e-5,1e-6"),
         rule=_choice("rule", rc["rule"], RULE_NAMES),
-        clip_norm=positive("clip-norm", rc["clip-norm"]),
+        clip_norm=limits.clip_norm("clip-norm", rc["clip-norm"]),
         learning_rate=positive("learning-rate", rc["learning-rate"]),
         lr_schedule=_choice("lr-schedule", rc["lr-schedule"], ("", *LR_SCHEDULES)),
         lr_offset=positive("lr-offset", rc["lr-offset"]),

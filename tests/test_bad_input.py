@@ -252,3 +252,84 @@ def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path):
     assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
     a, b = load_dataset("csv", plain, label="x"), load_dataset("csv", marked, label="x")
     assert a.feature_names == b.feature_names == ("y",) and (a.labels == b.labels).all()
+
+
+# ---------------- schedules that sample (almost) nothing ----------------
+# epochs = 1e-9 used to plan q = 1e-9 (T = ⌈2k²/ε⌉ = 1): the σ calibration then allocated until the
+# process died, and the proactive rule raised a bare "math domain error". Such schedules are refused
+# in one line naming the input that set q, before any accountant work, for every rule.
+
+from fedprivacy.participant import plan_from_settings  # noqa: E402
+from fedprivacy.privacy import limits  # noqa: E402
+from fedprivacy.privacy.planner import plan_client  # noqa: E402
+
+RULES = ("proactive", "calibrated", "adp")
+TINY_SCHEDULES = [  # (schedule inputs for N = 5736, the field the refusal names)
+    (dict(epochs=1e-9), "epochs"),  # the audit's case: q = 1e-9, T = 1
+    (dict(epochs=1e-4, steps=1), "epochs"),  # q·N = 0.57
+    (dict(epochs=1e-300), "epochs"),
+    (dict(sampling_rate=limits.SAMPLING_RATE_MIN / 10), "sampling-rate"),  # below the minimum rate
+    (dict(sampling_rate=1e-5, epochs=1e-5), "sampling-rate"),  # q·N = 0.057
+    (dict(sampling_rate=1e-5, steps=10), "sampling-rate"),
+    (dict(expected_batch_size=0.5, steps=10), "expected-batch-size"),
+    (dict(expected_batch_size=1e-6), "expected-batch-size"),
+    (dict(steps=10**6), "steps"),  # the default k over 10⁶ steps: q·N = 0.03
+    (dict(epochs=1e155), "epochs"),  # T ≥ k > STEPS_MAX (2k²/ε overflowed a float)
+]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize(("schedule", "field"), TINY_SCHEDULES, ids=[f"{f}:{s}" for s, f in TINY_SCHEDULES])
+def test_a_schedule_sampling_under_one_record_per_step_is_refused_quickly_by_every_rule(rule, schedule, field, monkeypatch):
+    from fedprivacy.privacy import accountants
+
+    def no_accountant(*_args, **_kwargs):
+        raise AssertionError("the accountant ran before the schedule was checked")
+
+    for name in ("calibrate_pld", "calibrate_rdp", "pld_epsilon", "rdp_epsilon"):
+        monkeypatch.setattr(accountants, name, no_accountant)
+    with pytest.raises(InputError) as refused:
+        plan_client(5736, 1.0, 1e-5, rule=rule, **schedule)
+    message = str(refused.value)
+    assert refused.value.field == field and message.startswith(f"{field}=") and "\n" not in message, message
+    assert "[" in message and "]" in message, message  # the allowed range
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize(("flags", "field", "shows"), [
+    (("--epochs", "1e-9"), "epochs", "1e-09"),
+    (("--sampling-rate", "1e-10"), "sampling-rate", "1e-10"),
+    (("--sampling-rate", "0.0001", "--steps", "10"), "sampling-rate", "0.0001"),
+    (("--batch-size", "0.5"), "expected-batch-size", "0.5"),
+])  # fmt: skip
+def test_the_cli_refuses_a_schedule_sampling_under_one_record_per_step(rule, flags, field, shows, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = run_cli([*PLAN, "--epsilon", "1", "--delta", "1e-5", "--rule", rule, *flags], monkeypatch)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (code, out, err)
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: {field}={shows}: ") and "q·N" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("rule", RULES)
+def test_a_run_config_with_tiny_epochs_is_refused_when_a_client_plans(rule, tmp_path):
+    """The run config (and a scenario's [run] table, which becomes one) passes `epochs` to every
+    client's planner: each client refuses it in one line instead of calibrating for ever."""
+    from fedprivacy.runconfig import parse_run_config
+
+    settings = parse_run_config({"epochs": 1e-9, "rule": rule, "results-dir": str(tmp_path / "r")})
+    with pytest.raises(InputError) as refused:
+        plan_from_settings(settings, 5736, 1.0, 1e-5, "c0", compare=False)
+    assert refused.value.field == "epochs" and "q·N" in str(refused.value)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_batch_of_exactly_one_record_plans(rule):
+    """q·N = 1 is the edge, not a refusal (q = 1/N rounds either way in floating point)."""
+    for n in (49, 5736):
+        plan = plan_client(n, 1.0, 0.5 / n, rule=rule, expected_batch_size=1, epochs=1, compare=False)
+        assert plan.sampling_rate * n == pytest.approx(1.0) and plan.epsilon_pld <= 1.0
