@@ -924,6 +924,9 @@ class Ledger:
     def save_plans(self, run_id: str, plans: dict[str, Plan]) -> dict[str, Plan]:
         """`save_plan` for many accounts in one transaction; returns the plan each account now has
         for the run: a plan saved before (by a restarted twin, say) is kept and returned instead."""
+        other = [p.neighbours for p in plans.values() if p.neighbours != "add-remove"]
+        if other:  # its spends are composed as add/remove steps: another relation would be misreported
+            raise ValueError(f"a {other[0]} plan cannot be run: a ledger composes add/remove steps (N public)")
         with self._transaction() as db:
             kept = self._plans(db, list(plans), run_id)
             db.executemany("INSERT INTO plans (account, run_id, plan_json) VALUES (?, ?, ?)",

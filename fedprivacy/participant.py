@@ -376,7 +376,14 @@ def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger,
 
 
 def _new_plan(client: LocalClient, settings: RunSettings, compare: bool) -> Plan:
-    plan = plan_from_settings(settings, client.planning_size, client.epsilon, client.delta, client.client_id, compare=compare)
+    """A new plan. A deployed client's planning inputs are public (its declared size, its budget,
+    the run config), so the planner's refusal leaves it with its text, as a `ClientRefusal`."""
+    try:
+        plan = plan_from_settings(settings, client.planning_size, client.epsilon, client.delta, client.client_id, compare=compare)
+    except InputError as error:
+        if not client.deployed:
+            raise
+        raise ClientRefusal(f"client {client.client_id}: {error}") from None
     if plan.expected_batch_size < 1:
         raise ClientRefusal(
             f"num-examples={client.planning_size}: too little data for client {client.client_id}: its plan "

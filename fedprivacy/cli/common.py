@@ -14,7 +14,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from fedprivacy.errors import InputError, PlanRefused
-from fedprivacy.privacy.plan import ALPHA_SCHEDULES, LR_SCHEDULES
+from fedprivacy.privacy.plan import ALPHA_SCHEDULES, LR_SCHEDULES, NEIGHBOUR_RELATIONS
 from fedprivacy.privacy.rules import RULE_NAMES
 
 T = TypeVar("T")
@@ -37,6 +37,7 @@ def choices(name: str, values: tuple[str, ...]) -> type[Enum]:
 Rule = choices("Rule", RULE_NAMES)
 LrSchedule = choices("LrSchedule", LR_SCHEDULES)
 AlphaSchedule = choices("AlphaSchedule", ALPHA_SCHEDULES)
+Adjacency = choices("Adjacency", tuple(NEIGHBOUR_RELATIONS))
 RULE_HELP = "proactive: σ of the proactive rule; calibrated: the smallest σ PLD certifies; adp: ADP-SGD's schedule"
 
 # The options every planning command takes, declared once.
@@ -44,8 +45,11 @@ SizeOption = Annotated[int, typer.Option("--n", help="local data size N of the c
 EpsilonOption = Annotated[float, typer.Option("--epsilon", help="target ε (0.01 to 100)")]
 DeltaOption = Annotated[float, typer.Option("--delta", help="target δ, below 1/N")]
 RuleOption = Annotated[Rule, typer.Option("--rule", help=RULE_HELP)]
-ClipNormOption = Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C")]
+ClipNormOption = Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C (1e-6 to 1e6)")]
 RoundsOption = Annotated[int, typer.Option("--rounds", help="federated rounds the steps are split over")]
+AdjacencyOption = Annotated[Adjacency, typer.Option(
+    "--adjacency", help="the neighbour relation ε holds for: add-remove (N public: what a run plans) or replace-one "
+    "(N may be the real size)")]  # fmt: skip
 
 
 def value(choice: Enum | None) -> str | None:

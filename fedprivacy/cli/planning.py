@@ -14,6 +14,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fedprivacy.cli.common import (
+    Adjacency,
+    AdjacencyOption,
     AlphaSchedule,
     ClipNormOption,
     DeltaOption,
@@ -47,10 +49,11 @@ def _plan_table(plan: Any) -> Table:
     table.add_column("value", justify="right")
     rows = [
         ("N, ε, δ", f"{plan.n}, {plan.epsilon:g}, {plan.delta:.3g}"),
+        ("neighbours", plan.neighbours),
         ("σ (noise multiplier)", f"{plan.sigma:.4f}"),
         ("q (Poisson rate) / expected batch", f"{plan.sampling_rate:.4g} / {plan.expected_batch_size:.1f}"),
         ("T steps / epochs k", f"{plan.steps} / {plan.epochs:.3g}"),
-        ("certified ε: PLD / RDP", f"{plan.epsilon_pld:.4f} / {plan.epsilon_rdp:.4f}"),
+        ("certified ε: PLD / RDP", f"{plan.epsilon_pld:.4f} / " + ("n/a" if plan.epsilon_rdp is None else f"{plan.epsilon_rdp:.4f}")),
         ("budget unused", f"{plan.budget_unused:.4f}"),
         ("noise std on averaged gradient", f"{plan.noise_std_on_mean:.4g}"),
     ]
@@ -79,16 +82,19 @@ def plan(
     lr_schedule: Annotated[LrSchedule | None, typer.Option("--lr-schedule", help="default: constant (adp: inverse_sqrt)")] = None,
     alpha_schedule: Annotated[AlphaSchedule | None, typer.Option("--alpha-schedule", help="the noise schedule α_t of rule adp")] = None,
     alpha_power: Annotated[float, typer.Option("--alpha-power", help="p in [0, 1] of the power schedule α_t² ∝ t^p")] = 0.5,
+    adjacency: AdjacencyOption = Adjacency("add-remove"),
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object and nothing else")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="also write the planning sheet (md, html, png, json) into this folder")] = None,
 ) -> None:
     """Plan, certify and explain one client's DP-SGD parameters."""
+    from fedprivacy.privacy import limits
     from fedprivacy.privacy.planner import plan_client
 
     the_plan = guarded(lambda: plan_client(
-        n, epsilon, delta, rule=value(rule), clip_norm=clip_norm, epochs=epochs, sampling_rate=sampling_rate,
+        n, epsilon, delta, rule=value(rule), clip_norm=limits.clip_norm("clip-norm", clip_norm), epochs=epochs, sampling_rate=sampling_rate,
         expected_batch_size=batch_size, steps=steps, rounds=rounds, client_id=client_id, learning_rate=learning_rate,
         lr_schedule=value(lr_schedule), alpha_schedule=value(alpha_schedule), alpha_power=alpha_power,
+        neighbours=value(adjacency),
     ))  # fmt: skip
     written = guarded(lambda: _write_sheets([the_plan], out, index=False)) if out is not None else []
     if as_json:
@@ -111,6 +117,7 @@ def sheets(
     clip_norm: ClipNormOption = 1.0,
     epochs: Annotated[float | None, typer.Option("--epochs", help="epochs k = qT")] = None,
     rounds: RoundsOption = 1,
+    adjacency: AdjacencyOption = Adjacency("add-remove"),
     out: Annotated[Path, typer.Option("--out", help="folder for the sheets and the index")] = Path("sheets"),
 ) -> None:
     """One planning sheet per client of a CSV split by a column, plus an index."""
@@ -122,6 +129,7 @@ def sheets(
     console = Console(stderr=True)
 
     def build() -> list[Any]:
+        limits.clip_norm("clip-norm", clip_norm)
         sizes = partition_sizes(read_table(data, [partition_by]), partition_by)
         given = per_client_values("epsilons", epsilons or "", limits.epsilon, "0.5,1,2")
         budgets = one_per_client("epsilons", given, len(sizes)) if given else (epsilon,) * len(sizes)
@@ -130,7 +138,7 @@ def sheets(
             task = progress.add_task("planning clients", total=len(sizes))
             for (client, size), budget in zip(sizes.items(), budgets, strict=True):
                 plans.append(plan_client(size, budget, delta, rule=value(rule), clip_norm=clip_norm, epochs=epochs,
-                                         rounds=rounds, client_id=f"{partition_by}-{client}"))  # fmt: skip
+                                         rounds=rounds, client_id=f"{partition_by}-{client}", neighbours=value(adjacency)))  # fmt: skip
                 progress.advance(task)
         return plans
 
@@ -154,6 +162,7 @@ def calculator(
     delta: DeltaOption = 1e-5,
     rule: RuleOption = Rule("calibrated"),
     clip_norm: ClipNormOption = 1.0,
+    adjacency: AdjacencyOption = Adjacency("add-remove"),
     as_json: Annotated[bool, typer.Option("--json", help="print the table as a JSON list")] = False,
 ) -> None:
     """List every feasible plan over a grid of epochs and sampling rates, ranked a priori."""
@@ -164,16 +173,17 @@ def calculator(
     def run() -> list[Any]:
         below_one_over_n(delta, limits.records("n", n))
         limits.epsilon("epsilon", epsilon)
+        limits.clip_norm("clip-norm", clip_norm)
         with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
             task = progress.add_task("certifying grid", total=None)
-            return feasible_plans(n, epsilon, delta, rule=value(rule), clip_norm=clip_norm,
+            return feasible_plans(n, epsilon, delta, rule=value(rule), clip_norm=clip_norm, neighbours=value(adjacency),
                                   on_progress=lambda done, total: progress.update(task, completed=done, total=total))  # fmt: skip
 
     rows = guarded(run)
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in rows]) + "\n")
         return
-    table = Table(title=f"Feasible plans for N={n}, ε={epsilon:g}, δ={delta:.2g} ({value(rule)}); ranked by {UTILITY_PROXY}")
+    table = Table(title=f"Feasible plans for N={n}, ε={epsilon:g}, δ={delta:.2g} ({value(rule)}, {value(adjacency)}); ranked by {UTILITY_PROXY}")
     for column in ("k", "q", "batch", "T", "σ", "σC/(qN)", "PLD ε", "rank"):
         table.add_column(column, justify="right")
     for r in rows:

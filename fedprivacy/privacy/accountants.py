@@ -1,9 +1,16 @@
 """Tight accountants (PLD, RDP) for Poisson-subsampled Gaussian steps, through dp-accounting.
 
 The mechanism (the DP-SGD of Abadi et al. 2016 with Poisson sampling): each step Poisson-samples records with
-probability q and adds N(0, σ²C²) to the sum of clipped gradients; neighbouring data sets differ
-by adding or removing one record. A run is a sequence of `NoiseEvent`s (σ, q, count), so a plan
-with a constant σ is one event and an ADP-SGD plan is one event per noise segment.
+probability q and adds N(0, σ²C²) to the sum of clipped gradients. A run is a sequence of
+`NoiseEvent`s (σ, q, count), so a plan with a constant σ is one event and an ADP-SGD plan is one
+event per noise segment.
+
+Neighbouring data sets differ by adding or removing one record (`ADD_REMOVE`, with N public: what
+every run certifies), or by replacing one (`REPLACE_ONE`, for `fedprivacy plan --adjacency
+replace-one`: a release whose N is the real size). Replace-one is certified by dp-accounting's
+own PLD accountant (`NeighboringRelation.REPLACE_ONE`); its RDP accountant has no replace-one
+analysis of Poisson sampling, so a replace-one RDP ε exists for full-batch steps only (the Gaussian
+at twice the sensitivity) and is NaN otherwise.
 
 PLD with a 1e-4 loss discretisation (pessimistic, connect-the-dots) is the certificate. Each
 step's PLD is dp-accounting's, built by `gaussian_pld` (δ(ε) vectorised) with a noise-mass
@@ -32,6 +39,8 @@ from fedprivacy.privacy.gaussian_pld import gaussian_pld
 from fedprivacy.privacy.pld_dense import compose, epsilon_for_delta
 
 ADJACENCY = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+ADD_REMOVE, REPLACE_ONE = "add-remove", "replace-one"
+NEIGHBOURS = (ADD_REMOVE, REPLACE_ONE)
 CERTIFICATE_DISCRETIZATION = 1e-4
 SEARCH_DISCRETIZATION = 1e-3
 CALIBRATION_TOLERANCE = 0.005  # bisection tolerance; a calibrated σ's certified ε lands in [(1 - 2·tol)·target, target]
@@ -172,7 +181,8 @@ def _pld_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float, discretiza
 
 def clear_caches() -> None:
     """Forget every cached composition and calibration (benchmarks time cold computations)."""
-    for cached in (_pld_epsilon_cached, _rdp_epsilon_cached, _calibrate_pld_cached, _calibrate_rdp_cached, _step_pld, _one_step_pld):
+    for cached in (_pld_epsilon_cached, _rdp_epsilon_cached, _calibrate_pld_cached, _calibrate_rdp_cached, _step_pld, _one_step_pld,
+                   _replace_one_pld_epsilon):  # fmt: skip
         cached.cache_clear()
     _COMPOSED.clear()
 
@@ -188,15 +198,36 @@ def _rdp_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float) -> float:
 
 
 def pld_epsilon(
-    events: Sequence[NoiseEvent], delta: float, discretization: float = CERTIFICATE_DISCRETIZATION
+    events: Sequence[NoiseEvent], delta: float, discretization: float = CERTIFICATE_DISCRETIZATION,
+    neighbours: str = ADD_REMOVE,
 ) -> float:
     """ε of the composed events under the privacy-loss-distribution accountant."""
+    if neighbours == REPLACE_ONE:
+        return _replace_one_pld_epsilon(tuple(events), float(delta), float(discretization))
     return _pld_epsilon_cached(tuple(events), float(delta), float(discretization))
 
 
-def rdp_epsilon(events: Sequence[NoiseEvent], delta: float) -> float:
+def rdp_epsilon(events: Sequence[NoiseEvent], delta: float, neighbours: str = ADD_REMOVE) -> float:
     """ε of the composed events under the Rényi-DP accountant (a looser cross-check)."""
+    if neighbours == REPLACE_ONE:
+        if any(e.sampling_rate < 1.0 for e in events if e.count > 0):
+            return math.nan  # dp-accounting's RDP has no replace-one analysis of Poisson sampling
+        events = [NoiseEvent(e.sigma / 2.0, e.sampling_rate, e.count) for e in events]  # sensitivity 2C
     return _rdp_epsilon_cached(tuple(events), float(delta))
+
+
+@lru_cache(maxsize=1024)
+def _replace_one_pld_epsilon(events: tuple[NoiseEvent, ...], delta: float, discretization: float) -> float:
+    """dp-accounting's PLD accountant under replace-one neighbours (pessimistic, as the certificate)."""
+    active = [e for e in events if e.count > 0]
+    if not active:
+        return 0.0
+    if any(e.sigma <= 0 for e in active):
+        return math.inf
+    accountant = pld.PLDAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
+                                   value_discretization_interval=discretization)  # fmt: skip
+    accountant.compose(_dp_event(active))
+    return float(accountant.get_epsilon(delta))
 
 
 def constant_events(sigma: float, sampling_rate: float, steps: int) -> tuple[NoiseEvent, ...]:
@@ -253,20 +284,23 @@ def calibrate_pld(
     delta: float,
     sampling_rate: float,
     relative_segments: Sequence[tuple[float, int]],
+    neighbours: str = ADD_REMOVE,
 ) -> float:
     """Smallest scale whose certified (fine-grid PLD) ε is ≤ target and within 1% of it."""
-    return _calibrate_pld_cached(float(target_epsilon), float(delta), float(sampling_rate), tuple(relative_segments))
+    return _calibrate_pld_cached(float(target_epsilon), float(delta), float(sampling_rate), tuple(relative_segments),
+                                 neighbours)  # fmt: skip
 
 
 @lru_cache(maxsize=1024)
-def _calibrate_pld_cached(target, delta, rate, segments) -> float:
+def _calibrate_pld_cached(target, delta, rate, segments, neighbours=ADD_REMOVE) -> float:
     def coarse(scale: float) -> float:
-        return pld_epsilon(scaled_events(scale, rate, segments), delta, SEARCH_DISCRETIZATION)
+        return pld_epsilon(scaled_events(scale, rate, segments), delta, SEARCH_DISCRETIZATION, neighbours)
 
     def fine(scale: float) -> float:
-        return pld_epsilon(scaled_events(scale, rate, segments), delta, CERTIFICATE_DISCRETIZATION)
+        return pld_epsilon(scaled_events(scale, rate, segments), delta, CERTIFICATE_DISCRETIZATION, neighbours)
 
-    start = _calibrate_rdp_cached(target, delta, rate, segments)  # RDP ≥ PLD: a good upper start
+    # RDP ≥ PLD: a good upper start (replace-one needs up to twice the noise: the search widens itself)
+    start = _calibrate_rdp_cached(target, delta, rate, segments) * (2.0 if neighbours == REPLACE_ONE else 1.0)
     scale = _bisect_scale(coarse, target, start / 2.0, start, CALIBRATION_TOLERANCE / 2.0)
     if fine(scale) > target or fine(scale) < (1.0 - 2 * CALIBRATION_TOLERANCE) * target:
         scale = _bisect_scale(fine, target, scale / 1.05, scale * 1.05, CALIBRATION_TOLERANCE)

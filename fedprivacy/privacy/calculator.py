@@ -40,6 +40,7 @@ class CalculatorRow:
             "noise_std_on_mean": p.noise_std_on_mean,
             "epsilon_pld": p.epsilon_pld,
             "rule": p.rule,
+            "neighbours": p.neighbours,
             "rank_at_equal_epochs": self.rank,
         }
 
@@ -54,6 +55,7 @@ def feasible_plans(
     epochs_grid: Sequence[float] = DEFAULT_EPOCHS,
     rate_grid: Sequence[float] = DEFAULT_RATES,
     on_progress: Callable[[int, int], None] | None = None,
+    neighbours: str = "add-remove",
 ) -> list[CalculatorRow]:
     """All certified plans of the grid, sorted by epochs, then by the utility proxy.
 
@@ -65,7 +67,8 @@ def feasible_plans(
     for done, (k, q) in enumerate(grid, start=1):
         try:
             plans.append(
-                (k, plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=k, sampling_rate=q, compare=False))
+                (k, plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=k, sampling_rate=q, compare=False,
+                                neighbours=neighbours))
             )
         except PlanRefused:
             pass

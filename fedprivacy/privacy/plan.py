@@ -16,11 +16,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 LR_SCHEDULES = ("constant", "inverse_sqrt", "adagrad_norm")
-# The neighbour relation every certificate here holds for: data sets that differ by adding or
-# removing one record, with N public (the plan's q, T and the replies' `num-examples` are functions
-# of N, so N must be a declared public size: a deployed node's `public-size`, a simulation's
-# partition size, the N given to `fedprivacy plan`). Replace-one is not certified yet.
-ADD_REMOVE_PUBLIC_N = "add/remove one record; N public (declared)"
+# The neighbour relation a plan's certificate holds for. Add/remove one record needs N public: the
+# plan's q, T and the replies' `num-examples` are functions of N, so N must be a declared size (a
+# deployed node's `public-size`, a simulation's partition size, the N given to `fedprivacy plan`).
+# Every run plans add/remove; `fedprivacy plan --adjacency replace-one` certifies a release whose N
+# is the real size (same N, one record replaced: the sensitivity is 2C).
+NEIGHBOUR_RELATIONS = {
+    "add-remove": "add/remove one record; N public (declared)",
+    "replace-one": "replace one record; N may be the real size",
+}
 ALPHA_SCHEDULES = ("constant", "inverse_sqrt_lr", "power")
 
 
@@ -54,7 +58,7 @@ class Plan:
     rounds: int
     noise_segments: tuple[tuple[float, int], ...]
     epsilon_pld: float
-    epsilon_rdp: float
+    epsilon_rdp: float | None  # None: no RDP analysis of the relation (replace-one with Poisson sampling)
     conditions: tuple[Condition, ...] = ()
     sigma_by_rule: dict[str, float | None] = field(default_factory=dict)
     epsilon_bounds: dict[str, float | None] = field(default_factory=dict)
@@ -64,7 +68,7 @@ class Plan:
     lr_params: dict[str, float] = field(default_factory=dict)
     alpha_schedule: str = "constant"
     alpha_params: dict[str, float] = field(default_factory=dict)
-    neighbours: str = ADD_REMOVE_PUBLIC_N
+    neighbours: str = "add-remove"  # a key of NEIGHBOUR_RELATIONS
 
     # ----- derived quantities (part of the JSON contract) -----
     @property

@@ -53,18 +53,29 @@ def resolve_schedule(
 
     Two of them fix the third (k = qT). With k alone, T is the proactive T = ⌈2k²/ε⌉; with
     nothing, k is the smallest epoch count meeting the proactive ln N condition.
+
+    Every schedule is checked here, in constant time and before any accountant work: q ≥
+    limits.SAMPLING_RATE_MIN, an expected batch q·N ≥ 1 record (with δ < 1/N this keeps q > δ,
+    which keeps the σ calibration bounded: see `limits.sampling`) and T ≤ limits.STEPS_MAX. A
+    refusal names the input that set the value it refuses.
     """
     if expected_batch_size is not None:
         if sampling_rate is not None:
             raise InputError("expected-batch-size", expected_batch_size, "give either a sampling rate or a batch size, not both")
         batch = errors.positive("expected-batch-size", expected_batch_size)
-        if batch > n:
-            raise InputError("expected-batch-size", expected_batch_size, f"must be in (0, N] = (0, {n}]")
+        if not limits.EXPECTED_BATCH_MIN <= batch <= n:
+            raise InputError(
+                "expected-batch-size", expected_batch_size,
+                f"must be in [{limits.EXPECTED_BATCH_MIN:g}, N] = [{limits.EXPECTED_BATCH_MIN:g}, {n}] "
+                "(an expected batch q·N of less than one record per step mostly trains on nothing)",
+            )
         sampling_rate = batch / n
-    if sampling_rate is not None:
+    elif sampling_rate is not None:
         sampling_rate = errors.unit_rate("sampling-rate", sampling_rate)
+        limits.sampling("sampling-rate", sampling_rate, sampling_rate, n, "choose a larger sampling rate")
+    epochs_given, steps_given = epochs is not None, steps is not None
     if epochs is not None:
-        epochs = errors.positive("epochs", epochs)
+        epochs = limits.epochs("epochs", epochs)
     if steps is not None:
         steps = errors.integer_at_least("steps", steps, 1)
         limits.steps("steps", steps, steps)
@@ -79,11 +90,22 @@ def resolve_schedule(
         limits.steps("sampling-rate", sampling_rate, limits.steps_for(epochs, sampling_rate))
         return sampling_rate, max(1, math.ceil(epochs / sampling_rate - 1e-9))
     if steps is None:
-        steps = proactive_steps(epochs, epsilon)
-        limits.steps("epsilon", epsilon, steps)
+        steps = proactive_steps(epochs, epsilon)  # finite: k ≤ limits.EPOCHS_MAX
+        limits.steps("epochs" if epochs_given else "epsilon", epochs if epochs_given else epsilon, steps)
     rate = epochs / steps
     if rate > 1.0:
         raise InputError("epochs", epochs, f"k = {epochs:g} epochs need at least {math.ceil(epochs)} steps; steps={steps} is too few")
+    # q = k/T: the refusal names the input that made it small. The default schedule (nothing
+    # given: k ≥ 1, so qT ≥ 1 > δ and the calibration stays bounded) is left to the caller: a
+    # run's participant refuses q·N < 1 naming the client (fedprivacy/participant.py).
+    if epochs_given:
+        if steps_given or steps == 1:  # q = k/T grows with k
+            hint = f"k = {epochs:g} epochs over T = {steps} steps; choose more epochs" + (" or fewer steps" if steps_given else "")
+        else:  # q = k/⌈2k²/ε⌉ ≈ ε/(2k) shrinks as k grows
+            hint = f"k = {epochs:g} epochs over the proactive T = ⌈2k²/ε⌉ = {steps} steps; choose fewer epochs or a sampling rate"
+        limits.sampling("epochs", epochs, rate, n, hint)
+    elif steps_given:
+        limits.sampling("steps", steps, rate, n, f"the default k = {epochs:g} epochs over T = {steps} steps; choose fewer steps")
     return rate, steps
 
 
@@ -123,11 +145,17 @@ def plan_client(
     alpha_schedule: str | None = None,
     alpha_power: float = 0.5,  # Wu et al. §5.2: α_t² = sqrt(b0² + tC) grows as t^(1/2) under adagrad_norm
     compare: bool = True,
+    neighbours: str = accountants.ADD_REMOVE,
 ) -> Plan:
-    """Plan, certify and return one client's DP-SGD parameters (see the module docstring)."""
+    """Plan, certify and return one client's DP-SGD parameters (see the module docstring).
+
+    `neighbours`: the relation the certificate holds for, add-remove (N public: what every run
+    plans) or replace-one (N may be the real size; dp-accounting's replace-one PLD certifies it)."""
+    if neighbours not in accountants.NEIGHBOURS:
+        raise InputError("adjacency", neighbours, f"must be one of: {', '.join(accountants.NEIGHBOURS)}")
     budget = Budget(limits.records("n", n), limits.epsilon("epsilon", epsilon), 0.0)
-    budget = Budget(budget.n, budget.epsilon, below_one_over_n(delta, budget.n))
-    clip_norm = errors.positive("clip-norm", clip_norm)
+    budget = Budget(budget.n, budget.epsilon, below_one_over_n(delta, budget.n), neighbours)
+    clip_norm = limits.clip_norm("clip-norm", clip_norm)
     rounds = limits.rounds("rounds", rounds)
     learning_rate = errors.positive("learning-rate", learning_rate)
     noise_rule = find_rule(rule)
@@ -141,7 +169,7 @@ def plan_client(
     schedule = Schedule(rate, steps, alphas, adp.alpha_segments(alphas))
     sigma, segments = noise_rule.noise(budget, schedule)
     events = [NoiseEvent(s, rate, count) for s, count in segments]
-    epsilon_pld = accountants.pld_epsilon(events, budget.delta)
+    epsilon_pld = accountants.pld_epsilon(events, budget.delta, neighbours=neighbours)
     conditions = (*noise_rule.conditions(budget, schedule), _certified(epsilon_pld, budget.epsilon))
     _refuse_if_over(client_id, noise_rule.name, sigma, schedule, epsilon_pld, budget.epsilon, conditions)
     plan = Plan(
@@ -157,7 +185,7 @@ def plan_client(
         rounds=rounds,
         noise_segments=segments,
         epsilon_pld=epsilon_pld,
-        epsilon_rdp=accountants.rdp_epsilon(events, budget.delta),
+        epsilon_rdp=_known(accountants.rdp_epsilon(events, budget.delta, neighbours)),
         conditions=conditions,
         epsilon_bounds=noise_rule.looser_bounds(sigma, budget, schedule),
         learning_rate=learning_rate,
@@ -165,6 +193,7 @@ def plan_client(
         lr_params=lr_params,
         alpha_schedule=alpha_schedule,
         alpha_params={"power": alpha_power} if alpha_schedule == "power" else {},
+        neighbours=neighbours,
     )
     return with_rule_comparison(plan) if compare else plan
 
@@ -174,6 +203,9 @@ def with_rule_comparison(plan: Plan) -> Plan:
     (unchanged if it has them); computed once per distinct comparison."""
     if plan.sigma_by_rule:
         return plan
+    if plan.neighbours != accountants.ADD_REMOVE:  # the other rules' analyses are stated for add/remove
+        pld_sigma = accountants.calibrate_pld(plan.epsilon, plan.delta, plan.sampling_rate, ((1.0, plan.steps),), plan.neighbours)
+        return replace(plan, sigma_by_rule={"pld_calibrated": pld_sigma, "proactive": proactive_sigma(plan.epsilon, plan.delta)})
     by_rule, moments_c = _comparison(plan.epsilon, plan.delta, plan.sampling_rate, plan.steps, plan.alpha_schedule,
                                      plan.learning_rate, plan.lr_schedule, tuple(sorted(plan.lr_params.items())),
                                      plan.alpha_params.get("power", 0.5))  # fmt: skip
@@ -201,6 +233,11 @@ def _step_sizes(
     if not noise_rule.adapts_noise and alpha_schedule != "constant":
         raise InputError("alpha-schedule", alpha_schedule, "adapts the noise only under rule 'adp'")
     return lr_schedule, lr_params, alpha_schedule
+
+
+def _known(value: float) -> float | None:
+    """None where an accountant has no analysis (NaN): a plan's JSON holds no NaN."""
+    return None if math.isnan(value) else value
 
 
 def _certified(epsilon_pld: float, target: float) -> Condition:

@@ -33,11 +33,12 @@ Segments = tuple[tuple[float, int], ...]
 
 @dataclass(frozen=True)
 class Budget:
-    """What a client plans for: its N records and its (ε, δ)."""
+    """What a client plans for: its N records, its (ε, δ), and the neighbour relation ε holds for."""
 
     n: int
     epsilon: float
     delta: float
+    neighbours: str = accountants.ADD_REMOVE
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class _ConstantNoise:
         return lr_schedule or "constant", "constant"
 
     def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+        if budget.neighbours != accountants.ADD_REMOVE:
+            return {}  # the classical amplification bounds here are stated for add/remove
         return {
             "naive": classical.naive_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
             "strong": classical.strong_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
@@ -98,7 +101,7 @@ class Calibrated(_ConstantNoise):
     name = "calibrated"
 
     def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
-        sigma = accountants.calibrate_pld(budget.epsilon, budget.delta, schedule.rate, schedule.relative)
+        sigma = accountants.calibrate_pld(budget.epsilon, budget.delta, schedule.rate, schedule.relative, budget.neighbours)
         return sigma, tuple((sigma * alpha, count) for alpha, count in schedule.relative)
 
     def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
@@ -119,6 +122,8 @@ class Adp(Calibrated):
         return adp.theorem41_conditions(budget.epsilon, budget.delta, schedule.rate, schedule.alphas)
 
     def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+        if budget.neighbours != accountants.ADD_REMOVE:
+            return {}
         lemma = adp.lemma22_epsilon(sigma, budget.delta, schedule.rate, schedule.relative)  # None where ε_t ≤ 1 fails
         return {"extended_advanced_composition": lemma if math.isfinite(lemma) else None}
 

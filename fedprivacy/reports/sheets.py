@@ -32,7 +32,7 @@ from matplotlib.figure import Figure
 
 from fedprivacy.privacy import accountants, classical
 from fedprivacy.privacy.accountants import NoiseEvent
-from fedprivacy.privacy.plan import Plan
+from fedprivacy.privacy.plan import NEIGHBOUR_RELATIONS, Plan
 from fedprivacy.privacy.planner import with_rule_comparison
 
 CURVE_POINTS = 24
@@ -60,6 +60,7 @@ class PlanFigure:
     steps: int
     noise_segments: tuple[tuple[float, int], ...]
     sigma_by_rule: tuple[tuple[str, float | None], ...]
+    neighbours: str = "add-remove"
 
     @classmethod
     def of(cls, plan: Plan) -> PlanFigure:
@@ -72,6 +73,7 @@ class PlanFigure:
             steps=plan.steps,
             noise_segments=tuple((float(sigma), int(count)) for sigma, count in plan.noise_segments),
             sigma_by_rule=tuple(plan.sigma_by_rule.items()),
+            neighbours=plan.neighbours,
         )
 
     @property
@@ -84,6 +86,11 @@ def epsilon_curves(figure: PlanFigure) -> dict[str, list[float]]:
     """ε after t steps of this plan under each accountant, at CURVE_POINTS step counts."""
     checkpoints = sorted({int(round(x)) for x in np.geomspace(1, figure.steps, CURVE_POINTS)})
     events = [NoiseEvent(sigma, figure.sampling_rate, count) for sigma, count in figure.noise_segments]
+    if figure.neighbours != "add-remove":  # dp-accounting's PLD under that relation; no other analysis here
+        prefixes = [accountants.prefix_events(events, t) for t in checkpoints]
+        pld_curve = [accountants.pld_epsilon(e, figure.delta, accountants.SEARCH_DISCRETIZATION, figure.neighbours)
+                     for e in prefixes]  # fmt: skip
+        return {"steps": checkpoints, "PLD": pld_curve}
     curves = {
         "steps": checkpoints,
         "PLD": accountants.pld_epsilon_curve(events, figure.delta, checkpoints),
@@ -107,7 +114,8 @@ def draw_figure(figure: PlanFigure, curves: dict[str, list[float]], path: Path) 
     left.set_yscale("log")
     left.set_xlabel("local noisy steps t")
     left.set_ylabel(f"ε after t steps (δ = {figure.delta:.2g})")
-    left.set_title(f"{figure.rule} plan: σ = {figure.sigma:.3g}, q = {figure.sampling_rate:.3g}, T = {figure.steps}")
+    left.set_title(f"{figure.rule} plan ({figure.neighbours}): σ = {figure.sigma:.3g}, q = {figure.sampling_rate:.3g}, "
+                   f"T = {figure.steps}")  # fmt: skip
     left.legend(fontsize=8)
     left.grid(True, which="both", alpha=0.25)
 
@@ -140,7 +148,7 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
         ("client", str(plan.client_id)),
         ("local records N", str(plan.n)),
         ("target (ε, δ)", f"({plan.epsilon:g}, {plan.delta:.3g})"),
-        ("neighbouring data sets", plan.neighbours),
+        ("neighbouring data sets", NEIGHBOUR_RELATIONS.get(plan.neighbours, plan.neighbours)),
         ("clipping norm C", f"{plan.clip_norm:g}"),
         ("rule", plan.rule),
         ("noise multiplier σ", _fmt(plan.sigma)
