@@ -1,6 +1,8 @@
-"""Slow tier: two SuperNodes pointed at the same ledger and the same data file (one account),
-as separate processes, in the same run: every round is spent once, by the one whose update the
-server aggregates; the other is refused before its update leaves. No spend lost, none doubled."""
+"""Slow tier: two SuperNodes started with the same node config (one client-id, one data file, one
+ledger: one account), as separate processes, in the same run: every round is spent once, by the
+one whose update the server aggregates; the other is refused before its update leaves. No spend
+lost, none doubled. (Two client-ids on one file and ledger are refused outright:
+tests/test_deployed_records.py.)"""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def test_two_supernodes_on_one_ledger_and_data_spend_each_round_once(flower, tmp
     (config,) = pums_nodes(tmp_path, {1101: 1.0})
     port = start_superlink(flower)
     for name in ("twin-a", "twin-b"):
-        start_supernode(flower, name, port, config.replace("client-id='puma-1101'", f"client-id='{name}'"))
+        start_supernode(flower, name, port, config)
     run_id = flower.submit("deployment", f"dataset='pums' min-clients=2 fraction-evaluate=0 num-server-rounds={ROUNDS} "
                                          f"results-dir='{tmp_path / 'r'}'")  # fmt: skip
     run = flower.wait_finished(run_id, timeout=240)
