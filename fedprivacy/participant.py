@@ -216,6 +216,7 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
         options = {"label": node.label_column, "features": list(node.feature_columns or ())}
     dataset = _with_classes(load_dataset(node.dataset, node.data_path, **options), node.num_classes or 2)
     rows = ClientData(client_id=node.client_id, train=dataset.subset(np.arange(len(dataset))), test=dataset.subset(np.arange(0)))
+    _warn_locally_about_the_real_size(node, len(dataset))
     return LocalClient(
         client_id=node.client_id,
         account=deployed_account(node.client_id),
@@ -227,6 +228,18 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
         data_digest=file_digest(node.data_path),
         public_size=node.public_size,
     )
+
+
+def _warn_locally_about_the_real_size(node: NodeSettings, rows: int) -> None:
+    """Advice for the operator, in the SuperNode's log only: nothing about the real row count may
+    reach the server (a refusal would tell neighbours apart by N), so none of this refuses."""
+    if node.delta * rows >= 1.0:
+        logger.warning("client %s: delta=%g is not below 1/N for the %d rows of its file: a delta that large allows "
+                       "releasing a record outright; choose a smaller delta", node.client_id, node.delta, rows)
+    if not 0.5 <= rows / node.public_size <= 2.0:
+        logger.warning("client %s: its file holds %d rows, its public-size is %d: its updates are scaled by "
+                       "q·public-size, so a size far from the real one slows or destabilises training",
+                       node.client_id, rows, node.public_size)
 
 
 def deployed_account(client_id: str) -> str:

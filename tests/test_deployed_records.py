@@ -194,3 +194,14 @@ def test_one_misconfigured_node_does_not_end_a_deployed_run(in_process, run_conf
     (folder,) = [p for p in Path(config["results-dir"]).iterdir() if p.is_dir()]
     clients = pd.read_csv(folder / "clients.csv", dtype=str).set_index("client_id")
     assert clients.loc["good", "status"] == "ok"
+
+
+def test_advice_about_the_real_size_stays_in_the_nodes_log(tmp_path, caplog):
+    """δ ≥ 1/N for the real N, or a public size far from it, is the operator's business: logged on
+    the node, never a refusal (a refusal would tell neighbours apart by N)."""
+    data = tmp_path / "a.csv"
+    random_table(8, 400).to_csv(data, index=False)
+    client = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path, delta=0.004, **{"public-size": 100})))
+    assert client.data.num_examples == 400 and client.planning_size == 100
+    assert "delta=0.004 is not below 1/N for the 400 rows" in caplog.text
+    assert "holds 400 rows, its public-size is 100" in caplog.text
