@@ -8,10 +8,11 @@ ledger (default ~/.fedprivacy/ledger.sqlite); nothing the server sends can chang
 message, whatever its type, reads the node's config and file first, so a misconfigured node is
 known from the first message the server sends it (the initial-model query).
 
-Errors. A deployed client's exception may quote its records (a bad cell of its file, say), so
-only errors built from public values leave it with their text: refusals (`ClientRefusal`,
-`PlanRefused`) and bad run or node config. Anything else reaches the server as its exception
-type only; the full text is logged on the SuperNode.
+Errors. A deployed client's exception may quote its records, so only errors built from public
+values leave it with their text: refusals (`ClientRefusal`, `PlanRefused`) and bad run or node
+config. Anything else reaches the server as one constant sentence, not even its exception type;
+the full text is logged on the SuperNode. (A bad row of its file is not an error: it is dropped
+alone, `fedprivacy.data.loaders`.)
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def _handler(body: Callable[[Message, Context, RunSettings, NodeSettings | None]
                 raise
             logger.exception("client %s: %s failed", node.client_id, msg.metadata.message_type)
             raise ClientRefusal(
-                f"client {node.client_id} failed with {type(error).__name__}; its message stays in the "
-                "SuperNode's log (it may quote the client's records)"
+                f"client {node.client_id} failed; its message stays in the SuperNode's log (it may quote "
+                "the client's records, and so may the kind of error)"
             ) from None
 
     return handle

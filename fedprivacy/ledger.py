@@ -616,7 +616,10 @@ class Ledger:
             if other is not None:
                 raise DataMismatch(f"this data file is already accounted under {other[0]!r} in ledger {self.path}: "
                                    f"start the node with that client-id, so that its spends keep counting")
-            if legacy_account and self._budget(db, account) is None and self._budget(db, legacy_account) is not None:
+            legacy_known = legacy_account is not None and db.execute(
+                "SELECT 1 FROM account_keys WHERE account = ? UNION SELECT 1 FROM accounts WHERE account = ?",
+                (legacy_account, legacy_account)).fetchone() is not None  # spends of a layout without budgets too
+            if legacy_known and self._budget(db, account) is None:
                 for table in ("account_keys", "accounts", "plans"):
                     db.execute(f"UPDATE {table} SET account = ? WHERE account = ?", (account, legacy_account))
                 for cache in (self._known_budgets, self._known_keys, self._seen):
@@ -629,6 +632,9 @@ class Ledger:
         with self._transaction() as db:
             if self._budget(db, account) is None:
                 raise InputError("account", account, f"no such account in {self.path}")
+            other = db.execute("SELECT account FROM account_data WHERE digest = ? AND account != ?", (digest, account)).fetchone()
+            if other is not None:
+                raise InputError("data", digest, f"is already the data of account {other[0]!r}: one file, one budget")
             db.execute("INSERT INTO account_data (account, digest, pinned_at, changed_at) VALUES (?, ?, ?, ?) "
                        "ON CONFLICT(account) DO UPDATE SET digest = excluded.digest, changed_at = excluded.changed_at",
                        (account, digest, _now(), _now()))

@@ -35,7 +35,7 @@ from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_client
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
-from fedprivacy.ledger import Budget, BudgetExceeded, Ledger, RoundRepeated, round_events
+from fedprivacy.ledger import Budget, BudgetExceeded, DataMismatch, Ledger, RoundRepeated, round_events
 from fedprivacy.models import build_model, evaluate_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client, with_rule_comparison
@@ -205,16 +205,16 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
     if not node.data_path.is_file():
         raise InputError("data-path", str(node.data_path), "no such file on this SuperNode")
     for key, run_value, node_value in (("epsilon", settings.epsilon, node.epsilon), ("delta", settings.delta, node.delta),
-                                       ("dataset", settings.dataset, node.dataset)):  # fmt: skip
+                                       ("dataset", settings.dataset, node.dataset), ("pums-age", settings.pums_age, node.pums_age)):  # fmt: skip
         if run_value != node_value:
             shown = [f"{v:g}" if isinstance(v, float) else v for v in (run_value, node_value)]
             logger.warning("run config %s=%s ignored: a deployed client's %s is its node config's (%s)",
                            key, shown[0], key, shown[1])
     if node.dataset == "pums":
-        options: dict[str, Any] = {"client_column": None, "age": settings.pums_age}  # the age encoding changes no row
+        options: dict[str, Any] = {"client_column": None, "age": node.pums_age, "per_row": True}
     else:
-        options = {"label": node.label_column, "features": list(node.feature_columns or ())}
-    dataset = _with_classes(load_dataset(node.dataset, node.data_path, **options), node.num_classes or 2)
+        options = {"label": node.label_column, "features": list(node.feature_columns or ()), "num_classes": node.num_classes}
+    dataset = load_dataset(node.dataset, node.data_path, **options)  # a bad row is dropped alone, never a failure
     rows = ClientData(client_id=node.client_id, train=dataset.subset(np.arange(len(dataset))), test=dataset.subset(np.arange(0)))
     _warn_locally_about_the_real_size(node, len(dataset))
     return LocalClient(
@@ -247,13 +247,6 @@ def deployed_account(client_id: str) -> str:
     return f"node:{client_id}"
 
 
-def _with_classes(dataset: Dataset, num_classes: int) -> Dataset:
-    """The node's declared label count (labels must lie below it), whatever labels the rows hold."""
-    if int(dataset.labels.max()) >= num_classes:
-        raise InputError("num-classes", num_classes, "a label in the data file is not below it")
-    return replace(dataset, num_classes=num_classes)
-
-
 def open_account(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id: str) -> None:
     """Pin or check the client's budget in its ledger, and refuse runs that could reuse noise.
 
@@ -275,8 +268,11 @@ def open_accounts(clients: list[LocalClient], settings: RunSettings, ledger: Led
         if refusals[client.account] is None and client.data_digest:  # before the budget: it may adopt an old account
             try:
                 ledger.pin_data(client.account, client.data_digest, legacy_account=f"data:{client.data_digest}")
-            except ClientRefusal as refusal:
-                refusals[client.account] = refusal
+            except DataMismatch as mismatch:  # what changed is a function of the records: it stays here
+                logger.warning("client %s: %s", client.client_id, mismatch)
+                refusals[client.account] = ClientRefusal(
+                    f"client {client.client_id}: its ledger refused its data file for account {client.account}; "
+                    "the reason and the operator's remedy are in the SuperNode's log")
     opening = [c for c in clients if refusals[c.account] is None]
     pinned = ledger.open_accounts({c.account: Budget(c.epsilon, c.delta) for c in opening})
     for client in opening:

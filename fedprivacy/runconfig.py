@@ -320,10 +320,11 @@ class NodeSettings:
     label_column: str | None
     feature_columns: tuple[str, ...] | None
     num_classes: int | None
+    pums_age: str = "linear"
 
 
 NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "public-size", "ledger-path", "dataset", "label-column",
-             "feature-columns", "num-classes")  # fmt: skip
+             "feature-columns", "num-classes", "pums-age")  # fmt: skip
 NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta", "public-size")
 NODE_DATASETS = ("pums", "csv")
 _NO_SPLIT = ("a deployed client trains on every row of its file and never evaluates: a held-out split would make "
@@ -367,6 +368,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
         label_column=label,
         feature_columns=features,
         num_classes=num_classes,
+        pums_age=_choice("pums-age", node_config.get("pums-age", "linear"), PUMS_AGE_ENCODINGS),
     )
 
 
@@ -376,10 +378,12 @@ def _node_columns(node_config: Mapping[str, Any], dataset: str) -> tuple[str | N
     num_classes = node_config.get("num-classes")
     num_classes = None if num_classes is None else integer_at_least("num-classes", num_classes, 2)
     if dataset == "pums":
-        for key in ("label-column", "feature-columns"):
+        for key in ("label-column", "feature-columns", "num-classes"):
             if key in node_config:
-                raise InputError(key, node_config[key], "the pums layout fixes its columns; this key is for dataset='csv'")
-        return None, None, num_classes
+                raise InputError(key, node_config[key], "the pums layout fixes its columns and classes; this key is for dataset='csv'")
+        return None, None, 2
+    if "pums-age" in node_config:
+        raise InputError("pums-age", node_config["pums-age"], "encodes the pums layout's age; this node reads dataset='csv'")
     for key in ("label-column", "feature-columns", "num-classes"):
         if key not in node_config:
             raise InputError(key, None, "a deployed csv client needs label-column, feature-columns and num-classes in its "

@@ -127,7 +127,7 @@ def _spend(path: Path, tmp_path: Path, **node_extra: object) -> None:
         ledger.record(client.account, "run-1", 1, [NoiseEvent(3.0, 0.1, 10)])
 
 
-def test_a_changed_file_under_an_account_is_refused_until_the_operator_accepts_it(tmp_path):
+def test_a_changed_file_under_an_account_is_refused_until_the_operator_accepts_it(tmp_path, caplog):
     """Appending a row, or saving the same rows with CRLF line endings, opened a fresh budget
     (the account was the file's digest). Now the account is the declared client-id: a changed file
     is refused, without digests in the message (they are functions of every record), until the
@@ -143,9 +143,11 @@ def test_a_changed_file_under_an_account_is_refused_until_the_operator_accepts_i
         else:
             data.write_bytes(data.read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
         client = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path)))
-        with Ledger(ledger_path) as ledger, pytest.raises(DataMismatch, match="opened on another data file") as refused:
+        with Ledger(ledger_path) as ledger, pytest.raises(ClientRefusal, match="its ledger refused its data file") as refused:
             open_account(client, RUN, ledger, "run-2")
-        assert file_digest(data) not in str(refused.value)
+        assert "another data file" not in str(refused.value)  # what changed stays on the node ...
+        assert "opened on another data file" in caplog.text  # ... in its log, with the remedy
+        assert file_digest(data) not in str(refused.value) + caplog.text
         result = CliRunner().invoke(cli_app, ["ledger", "accept-data", str(ledger_path), "node:a", "--data", str(data), "--yes"])
         assert result.exit_code == 0, result.output
         with Ledger(ledger_path) as ledger:
@@ -158,8 +160,14 @@ def test_the_same_file_under_another_client_id_is_refused(tmp_path):
     random_table(5, 30).to_csv(data, index=False)
     _spend(data, tmp_path)
     renamed = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path, **{"client-id": "b"})))
-    with Ledger(tmp_path / "ledger.sqlite") as ledger, pytest.raises(ClientRefusal, match="already accounted under 'node:a'"):
+    with Ledger(tmp_path / "ledger.sqlite") as ledger, pytest.raises(ClientRefusal, match="its ledger refused its data file"):
         open_account(renamed, RUN, ledger, "run-2")
+    with Ledger(tmp_path / "ledger.sqlite") as ledger, pytest.raises(DataMismatch, match="already accounted under 'node:a'"):
+        ledger.pin_data("node:b", file_digest(data))
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:  # nor can the operator put one file under two budgets
+        ledger.open_account("node:b", 1.0, 1e-6)
+        with pytest.raises(InputError, match="already the data of account 'node:a'"):
+            ledger.accept_data("node:b", file_digest(data))
 
 
 def test_an_account_named_by_its_file_in_an_older_ledger_is_adopted_with_its_spends(tmp_path):
@@ -205,3 +213,43 @@ def test_advice_about_the_real_size_stays_in_the_nodes_log(tmp_path, caplog):
     assert client.data.num_examples == 400 and client.planning_size == 100
     assert "delta=0.004 is not below 1/N for the 400 rows" in caplog.text
     assert "holds 400 rows, its public-size is 100" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["text cell", "empty cell", "infinite cell", "label out of range",
+                                    "fractional label", "negative label", "too many fields"])
+def test_a_bad_row_is_dropped_alone_so_no_record_can_fail_the_client(tmp_path, damage):
+    """A deployed client that refused its file for one bad row failed exactly when that row was
+    present (the server sees the failure): now the row is dropped on its own, and the client trains
+    on the same rows as on the neighbouring file without it."""
+    table = random_table(9, 40).astype(object)
+    without = table.drop(index=5)
+    without.to_csv(tmp_path / "without.csv", index=False)
+    if damage == "text cell":
+        table.loc[5, "f1"] = "secret-value"
+    elif damage == "empty cell":
+        table.loc[5, "f1"] = ""
+    elif damage == "infinite cell":
+        table.loc[5, "f1"] = "inf"
+    elif damage == "label out of range":
+        table.loc[5, "y"] = 3
+    elif damage == "fractional label":
+        table.loc[5, "y"] = 0.5
+    elif damage == "negative label":
+        table.loc[5, "y"] = -1
+    table.to_csv(tmp_path / "with.csv", index=False)
+    if damage == "too many fields":
+        lines = (tmp_path / "without.csv").read_text().splitlines()
+        lines.insert(6, "1.0,2.0,3.0,1,extra")
+        (tmp_path / "with.csv").write_text("\n".join(lines) + "\n")
+    assert training_rows(tmp_path / "with.csv", tmp_path) == training_rows(tmp_path / "without.csv", tmp_path)
+
+
+def test_a_file_of_one_class_or_no_rows_trains_as_any_other(tmp_path):
+    """Refusing a file with a single class (or none) told apart the neighbour that held the one
+    record of the other class; the node declares its classes, so it trains."""
+    one_class = random_table(10, 20).assign(y=1)
+    one_class.to_csv(tmp_path / "one.csv", index=False)
+    one_class.head(0).to_csv(tmp_path / "none.csv", index=False)
+    assert sum(training_rows(tmp_path / "one.csv", tmp_path).values()) == 20
+    client = deployed_client(RUN, parse_node_config(csv_node(tmp_path / "none.csv", tmp_path)))
+    assert client.data.num_examples == 0 and client.data.train.features.shape == (0, 3)

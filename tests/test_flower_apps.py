@@ -319,7 +319,7 @@ def test_a_renamed_deployed_client_cannot_open_a_fresh_budget_on_the_same_file(i
         rows[run] = {r["client_id"]: r for r in read_csv(run_folder(tmp_path / f"r{run}") / "clients.csv")}
     assert rows[1][first["client-id"]]["status"] == "ok"
     statuses = [r["status"] for name, r in rows[2].items() if name != deployment_nodes[1]["client-id"]]
-    assert statuses and all("already accounted under 'node:puma-1101'" in s for s in statuses)
+    assert statuses and all("its ledger refused its data file for account node:puma-1101-renamed" in s for s in statuses)
     assert rows[2][deployment_nodes[1]["client-id"]]["status"] == "ok"
 
 

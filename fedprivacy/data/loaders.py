@@ -7,6 +7,7 @@ cache keyed by (name, file and its modification time, options): a second load co
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedprivacy.data.tables import cell, class_labels, numeric_column, read_table
+from fedprivacy.data.tables import cell, class_labels, numeric_column, read_table, readable_rows
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError, integer_at_least
+
+logger = logging.getLogger(__name__)
 
 # The seed slides' binary features, then the optional ones that lift accuracy (see pums/README.md).
 PUMS_BASE_FEATURES = (
@@ -76,20 +79,28 @@ def load_digits(path: Path | None = None, images: bool = False) -> Dataset:
 
 
 def load_pums(
-    path: Path | None = None, extended: bool = True, client_column: str | None = "puma", age: str = "linear"
+    path: Path | None = None, extended: bool = True, client_column: str | None = "puma", age: str = "linear",
+    per_row: bool = False,
 ) -> Dataset:
     """The census PUMS layout: predict `employed`; 10 binary features, 15 with `extended`.
 
     `client_column` (default the PUMA) is kept as each row's natural client. `age="bands"` replaces
     the single age/100 feature by one indicator per band of `PUMS_AGE_BANDS`: employment rises and
-    falls with age, which a linear feature cannot express.
+    falls with age, which a linear feature cannot express. `per_row` (a deployed client's file):
+    a row with a bad cell is dropped alone, instead of refusing the file (`_rows_kept`).
     """
     file = _needs_path("pums", path)
     extended = _flag("extended", extended)
     if age not in PUMS_AGE_ENCODINGS:
         raise InputError("pums-age", age, f"must be one of: {', '.join(PUMS_AGE_ENCODINGS)}")
     needed = _PUMS_COLUMNS + (_PUMS_EXTRA_COLUMNS if extended else ())
-    table = read_table(file, needed + ((client_column,) if client_column else ()))
+    table = read_table(file, needed + ((client_column,) if client_column else ()), per_row=per_row)
+    if per_row:
+        binary = [c for c in needed if c not in _PUMS_NOT_BINARY]
+        keep = readable_rows(table, needed)
+        for c in binary:
+            keep &= pd.to_numeric(table[c], errors="coerce").isin((0.0, 1.0)).to_numpy()
+        table = _rows_kept(table, keep, file)
     col = {c: numeric_column(table, c, str(file)) for c in needed}
     for c in (c for c in needed if c not in _PUMS_NOT_BINARY):
         outside = ~np.isin(col[c], (0.0, 1.0))
@@ -107,7 +118,7 @@ def load_pums(
         columns += [*ages.values(), col["educ"] / 16, col["latino"], col["divorced"], col["children"]]
         names += (*ages, *PUMS_EXTRA_FEATURES[1:])
     features = np.clip(np.column_stack(columns).astype(np.float32), 0.0, 1.0)
-    labels, num_classes = class_labels(table, PUMS_LABEL, str(file))
+    labels, num_classes = (col[PUMS_LABEL].astype(np.int64), 2) if per_row else class_labels(table, PUMS_LABEL, str(file))
     return Dataset(
         features=features,
         labels=labels,
@@ -134,16 +145,27 @@ def load_csv(
     label: str | None = None,
     features: Sequence[str] | None = None,
     client_column: str | None = None,
+    num_classes: int | None = None,
 ) -> Dataset:
     """Any CSV: the user names the label column, and optionally the features and the client column.
 
     Features default to every other numeric column (a column mostly of numbers counts, and its
-    other cells are refused by name).
+    other cells are refused by name). With `num_classes` and `features` declared (a deployed
+    client's node config), nothing is inferred from the records: a row whose features are not all
+    finite numbers or whose label is not an integer in [0, num_classes) is dropped alone
+    (`_rows_kept`), so no single record can fail the client.
     """
     file = _needs_path("csv", path)
     if not label:
         raise InputError("label", label, "the csv dataset needs label=<the label column>")
-    table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])])
+    per_row = num_classes is not None
+    if per_row and not features:
+        raise InputError("features", features, "declared classes need declared feature columns too")
+    table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])], per_row=per_row)
+    if per_row:
+        labels = pd.to_numeric(table[label], errors="coerce").to_numpy(dtype=np.float64)
+        valid_label = np.isfinite(labels) & (labels == np.round(labels)) & (labels >= 0) & (labels < num_classes)
+        table = _rows_kept(table, readable_rows(table, features) & valid_label, file)
     if features is None:
         excluded = {label, client_column}
         features = [c for c in table.columns if c not in excluded and _numeric_feature(table[c])]
@@ -156,7 +178,10 @@ def load_csv(
         )
     if label in features:
         raise InputError("features", label, "the label column cannot also be a feature")
-    labels, num_classes = class_labels(table, label, str(file))
+    if per_row:
+        labels = numeric_column(table, label, str(file)).astype(np.int64)
+    else:
+        labels, num_classes = class_labels(table, label, str(file))
     matrix = np.column_stack([numeric_column(table, c, str(file)) for c in features]).astype(np.float32)
     return Dataset(
         features=matrix,
@@ -167,6 +192,14 @@ def load_csv(
         groups=table[client_column].to_numpy() if client_column else None,
         group_name=client_column,
     )
+
+
+def _rows_kept(table: pd.DataFrame, keep: np.ndarray, file: Path) -> pd.DataFrame:
+    """The rows of `keep`; how many were dropped goes to this machine's log only (it counts records)."""
+    if not keep.all():
+        logger.warning("%s: %d row(s) with a bad cell or label left out (each row is read or dropped on its own)",
+                       file, int((~keep).sum()))
+    return table[keep].reset_index(drop=True)
 
 
 def _numeric_feature(values: pd.Series) -> bool:

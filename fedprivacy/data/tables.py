@@ -39,8 +39,12 @@ def _check_header(file: Path, shown: str) -> None:
                                  "comma-separated files; save it with ',' as the separator")
 
 
-def read_table(path: str | Path, required_columns: Iterable[str] = ()) -> pd.DataFrame:
-    """Read a CSV file; fail clearly if it is missing, empty, too large or lacks a required column."""
+def read_table(path: str | Path, required_columns: Iterable[str] = (), *, per_row: bool = False) -> pd.DataFrame:
+    """Read a CSV file; fail clearly if it is missing, empty, too large or lacks a required column.
+
+    `per_row` (a deployed client's own file): whether a row is read depends on that row alone, so
+    a line with too many fields is skipped instead of failing the file, and a file with a header
+    but no rows is an empty table; the file and its header are still checked."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise InputError("data", str(path), "no such file: pass the path of a CSV file")
@@ -50,12 +54,12 @@ def read_table(path: str | Path, required_columns: Iterable[str] = ()) -> pd.Dat
                          "read (each client holds its table in memory): split it or keep only the columns used")
     _check_header(file, str(path))
     try:
-        table = pd.read_csv(file, encoding="utf-8-sig")
+        table = pd.read_csv(file, encoding="utf-8-sig", on_bad_lines="skip" if per_row else "error")
     except pd.errors.EmptyDataError:
         raise InputError("data", str(path), "the file is empty: it needs a header and rows") from None
     except (pd.errors.ParserError, UnicodeDecodeError) as exc:
         raise InputError("data", str(path), f"not a readable CSV file ({exc})") from None
-    if table.empty:
+    if table.empty and not per_row:
         raise InputError("data", str(path), "the file has a header but no rows")
     missing = [c for c in required_columns if c not in table.columns]
     if missing:
@@ -113,6 +117,15 @@ def numeric_column(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
             where = f"data row {row + 1} of {source}"
             raise InputError(f"column {column}", cell(table, column, row), f"{what} ({where}); {fix}")
     return numbers
+
+
+def readable_rows(table: pd.DataFrame, columns: Iterable[str]) -> np.ndarray:
+    """Rows whose cells in `columns` are all finite numbers (bool mask): a deployed client keeps
+    those and drops the others one by one, so that no single record can fail it."""
+    keep = np.ones(len(table), dtype=bool)
+    for column in columns:
+        keep &= np.isfinite(pd.to_numeric(table[column], errors="coerce").astype(np.float64).to_numpy())
+    return keep
 
 
 def class_labels(table: pd.DataFrame, column: str, source: str) -> tuple[np.ndarray, int]:
