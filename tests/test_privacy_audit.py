@@ -26,7 +26,11 @@ from server.app import app as server_app
 from sims import audit
 
 PUMS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
-TRIALS = 4000  # per side: ~4 s each; the negative control then clears the certificate by ~1
+TRIALS = 4000  # per side: ~4 s each
+# The negative control at 8,000 per side: at 4,000 its bound fell once in about a hundred runs just
+# under the ε = 3 certificate (2.995; 40 runs: smallest 3.05, median 3.66); at 8,000, 15 runs gave
+# smallest 3.24, median 4.27. More trials make the attack sharper, not the assertion looser.
+CONTROL_TRIALS = 8000
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,7 @@ def test_canary_lower_bound_stays_below_the_certificate(plan, engine):
 def test_the_audit_catches_a_trainer_whose_noise_was_divided_by_three(plan, engine):
     broken = audit.weakened(plan, 3.0)
     assert broken.epsilon_pld == plan.epsilon_pld  # it claims the same certificate
-    assert audit.audit_canary(broken, TRIALS, engine=engine).epsilon_lower_bound > plan.epsilon_pld
+    assert audit.audit_canary(broken, CONTROL_TRIALS, engine=engine).epsilon_lower_bound > plan.epsilon_pld
 
 
 def test_the_replace_one_certificate_is_the_gaussian_at_twice_the_sensitivity():
