@@ -9,21 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from fedprivacy.training.clipping import ClippedBatch, PerExampleClipper
 
 
-def noise_scale(sigma: float | np.ndarray, clip_norm: float | np.ndarray, dtype: torch.dtype = torch.float32) -> np.ndarray:
+def noise_scale(sigma: float | Tensor, clip_norm: float | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """σ·C formed in float64 and rounded once into `dtype`, upwards: the noise's standard deviation
     is never below the certified σC (a float32 σ times a float32 C could land 1 ulp under it). The
-    trainer and the fast engine both scale their normals by it."""
-    exact = np.asarray(sigma, dtype=np.float64) * np.asarray(clip_norm, dtype=np.float64)
-    target = np.float32 if dtype == torch.float32 else np.float64
-    rounded = exact.astype(target)
-    return np.where(rounded < exact, np.nextafter(rounded, target(np.inf)), rounded)
+    trainer and the fast engine both scale their normals by it; on the tensors' own device (a
+    batched round's scales never leave the GPU)."""
+    device = sigma.device if isinstance(sigma, Tensor) else None
+    exact = torch.as_tensor(sigma, dtype=torch.float64, device=device) * torch.as_tensor(clip_norm, dtype=torch.float64, device=device)
+    rounded = exact.to(dtype)
+    upward = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    return torch.where(rounded.to(torch.float64) < exact, upward, rounded)
 
 
 def release(

@@ -151,9 +151,7 @@ def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> lis
     float64 from the plan's σ_t and C, rounded once to the parameters' dtype, upwards, so the
     noise's standard deviation is never below the certified σC (tests/test_fast_engine.py checks it).
     """
-    dtype = sums[0].dtype
-    scale64 = (step.sigma.to(torch.float64) * step.clip.to(torch.float64)).cpu().numpy()
-    scale = torch.from_numpy(noise_scale(scale64, 1.0, dtype)).to(step.normals.device) * add_noise
+    scale = noise_scale(step.sigma, step.clip, sums[0].dtype) * add_noise
     normals = step.normals.split([s[0].numel() for s in sums], dim=1)
     return [
         (s + scale.view(-1, *(1,) * (s.dim() - 1)) * n.view_as(s)) / step.expected_batch.view(-1, *(1,) * (s.dim() - 1))
