@@ -40,8 +40,10 @@ CREATE INDEX spends_round ON spends(run_id, server_round, account);
 """
 COLUMNS = "run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at"
 INSERT = {
-    "names": f"INSERT INTO spends (account, {COLUMNS}) SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value",
-    "keys": f"INSERT INTO spends (account_key, {COLUMNS}) SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value",
+    "names": f"INSERT INTO spends (account, {COLUMNS})"
+    " SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value",
+    "keys": f"INSERT INTO spends (account_key, {COLUMNS})"
+    " SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value",
 }
 EVENT = NoiseEvent(5.0, 0.125, 2)
 
@@ -66,8 +68,20 @@ def open_layout(folder: Path, layout: str, accounts: list[str]) -> tuple[sqlite3
 def write_round(db: sqlite3.Connection, layout: str, values: list[object], server_round: int) -> float:
     started = time.perf_counter()
     db.execute("BEGIN IMMEDIATE")
-    db.execute(INSERT[layout], ("bench", server_round, EVENT.sigma, EVENT.sampling_rate, EVENT.count, 0.5, 1e-5,
-                                "2026-11-24T19:00:00.000000+00:00", json.dumps(values)))  # fmt: skip
+    db.execute(
+        INSERT[layout],
+        (
+            "bench",
+            server_round,
+            EVENT.sigma,
+            EVENT.sampling_rate,
+            EVENT.count,
+            0.5,
+            1e-5,
+            "2026-11-24T19:00:00.000000+00:00",
+            json.dumps(values),
+        ),
+    )
     db.execute("SELECT COALESCE(MAX(id), 0) FROM spends").fetchone()
     db.execute("COMMIT")
     return time.perf_counter() - started
@@ -103,15 +117,34 @@ def main() -> None:
     for checkpoint in checkpoints:
         window = slice(max(0, checkpoint - 5), checkpoint)
         medians = {name: 1000 * statistics.median(values[window]) for name, values in times.items()}
-        rows.append({"round": checkpoint, **{f"{k}_ms": round(v, 2) for k, v in medians.items()},
-                     "ratio_names_vs_keys": round(medians["names"] / medians["keys"], 2)})  # fmt: skip
-        print(f"{checkpoint:>6}{medians['names']:>10.2f}{medians['keys']:>10.2f}{medians['names'] / medians['keys']:>14.2f}"
-              f"{medians['record_round']:>17.2f}")
-    print(f"file size after {args.rounds} rounds: names {sizes['names']:.1f} MB, keys {sizes['keys']:.1f} MB "
-          f"(the ledger itself, plans and budgets included: {sizes['record_round']:.1f} MB)")
+        rows.append(
+            {
+                "round": checkpoint,
+                **{f"{k}_ms": round(v, 2) for k, v in medians.items()},
+                "ratio_names_vs_keys": round(medians["names"] / medians["keys"], 2),
+            }
+        )
+        print(
+            f"{checkpoint:>6}{medians['names']:>10.2f}{medians['keys']:>10.2f}"
+            f"{medians['names'] / medians['keys']:>14.2f}"
+            f"{medians['record_round']:>17.2f}"
+        )
+    print(
+        f"file size after {args.rounds} rounds: names {sizes['names']:.1f} MB, keys {sizes['keys']:.1f} MB "
+        f"(the ledger itself, plans and budgets included: {sizes['record_round']:.1f} MB)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"accounts": args.accounts, "rounds": args.rounds, "rows": rows,
-                                               "file_mb": {k: round(v, 2) for k, v in sizes.items()}}, indent=2))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "accounts": args.accounts,
+                    "rounds": args.rounds,
+                    "rows": rows,
+                    "file_mb": {k: round(v, 2) for k, v in sizes.items()},
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -39,19 +39,21 @@ def _measure_engine(epsilons: list[float], trials: int, engine: str, neighbours:
         for label, tested in ((engine, plan), (f"{engine}, noise ÷ 3 (control)", audit.weakened(plan, 3.0))):
             started = time.perf_counter()
             bound = audit.audit_canary(tested, trials, engine=engine, neighbours=neighbours)
-            rows.append({
-                "case": label,
-                "neighbours": neighbours,
-                "certified_epsilon": round(certified, 4),
-                "add_remove_epsilon": round(plan.epsilon_pld, 4),
-                "sigma": round(tested.noise_segments[0][0], 4),
-                "epsilon_lower_bound": round(bound.epsilon_lower_bound, 4),
-                "false_positive_upper": round(bound.false_positive_upper, 5),
-                "false_negative_upper": round(bound.false_negative_upper, 5),
-                "trials_per_side": trials,
-                "caught": bound.epsilon_lower_bound > certified,
-                "wall_s": round(time.perf_counter() - started, 1),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "case": label,
+                    "neighbours": neighbours,
+                    "certified_epsilon": round(certified, 4),
+                    "add_remove_epsilon": round(plan.epsilon_pld, 4),
+                    "sigma": round(tested.noise_segments[0][0], 4),
+                    "epsilon_lower_bound": round(bound.epsilon_lower_bound, 4),
+                    "false_positive_upper": round(bound.false_positive_upper, 5),
+                    "false_negative_upper": round(bound.false_negative_upper, 5),
+                    "trials_per_side": trials,
+                    "caught": bound.epsilon_lower_bound > certified,
+                    "wall_s": round(time.perf_counter() - started, 1),
+                }
+            )
     return rows
 
 
@@ -60,33 +62,50 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20_000, help="releases per side (with / without the canary)")
     parser.add_argument("--epsilons", default="1,2,3", help="certified ε of the audited plans")
     parser.add_argument("--engines", default="trainer,fast", help="trainer (DPTrainer), fast (the batched worker)")
-    parser.add_argument("--neighbours", default="add-remove,replace-one", help="add-remove, replace-one (the certificate each is judged by)")
+    parser.add_argument(
+        "--neighbours",
+        default="add-remove,replace-one",
+        help="add-remove, replace-one (the certificate each is judged by)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
     epsilons = [float(e) for e in args.epsilons.split(",")]
     rows = measure(epsilons, args.trials, args.engines.split(","), args.neighbours.split(","))
-    print(f"{'case':<36}{'neighbours':>13}{'certified ε':>12}{'σ':>8}{'ε lower bound':>15}{'FPR⁺':>9}{'FNR⁺':>9}{'caught':>8}")
+    print(
+        f"{'case':<36}{'neighbours':>13}{'certified ε':>12}{'σ':>8}"
+        f"{'ε lower bound':>15}{'FPR⁺':>9}{'FNR⁺':>9}{'caught':>8}"
+    )
     for r in rows:
-        print(f"{r['case']:<36}{r['neighbours']:>13}{r['certified_epsilon']:>12.3f}{r['sigma']:>8.3f}"
-              f"{r['epsilon_lower_bound']:>15.3f}{r['false_positive_upper']:>9.4f}{r['false_negative_upper']:>9.4f}"
-              f"{str(r['caught']):>8}")
+        print(
+            f"{r['case']:<36}{r['neighbours']:>13}{r['certified_epsilon']:>12.3f}{r['sigma']:>8.3f}"
+            f"{r['epsilon_lower_bound']:>15.3f}{r['false_positive_upper']:>9.4f}{r['false_negative_upper']:>9.4f}"
+            f"{str(r['caught']):>8}"
+        )
 
     plan = audit.one_step_plan(epsilons[0], 1e-5, 10)
     noise = audit.noise_per_coordinate(plan, 4000)
     ratios = noise.std(axis=0) / (plan.sigma * plan.clip_norm)
     tolerance = 5 / math.sqrt(2 * noise.shape[0])
-    print(f"\nnoise std / σC over {noise.shape[1]} parameters, {noise.shape[0]} releases: "
-          f"min {ratios.min():.4f}, max {ratios.max():.4f} (5 s.e. = {tolerance:.4f})")
+    print(
+        f"\nnoise std / σC over {noise.shape[1]} parameters, {noise.shape[0]} releases: "
+        f"min {ratios.min():.4f}, max {ratios.max():.4f} (5 s.e. = {tolerance:.4f})"
+    )
     without, with_canary = audit.nonfinite_release_rates(plan, 2000)
-    print(f"non-finite releases under the crafted overflow model: {without:.3%} without the canary, "
-          f"{with_canary:.3%} with it (2,000 releases each)")
+    print(
+        f"non-finite releases under the crafted overflow model: {without:.3%} without the canary, "
+        f"{with_canary:.3%} with it (2,000 releases each)"
+    )
 
     if args.json:
         payload = {
             "canary": rows,
-            "noise_std_ratio": {"min": float(ratios.min()), "max": float(ratios.max()), "releases": int(noise.shape[0])},
+            "noise_std_ratio": {
+                "min": float(ratios.min()),
+                "max": float(ratios.max()),
+                "releases": int(noise.shape[0]),
+            },
             "nonfinite_release_rate": {"without_canary": without, "with_canary": with_canary},
         }
         with open(args.json, "w") as handle:

@@ -46,8 +46,12 @@ DIRICHLET_ALPHA = 5.0  # 1,000 clients of the extract then hold 6 to 46 training
 
 
 def clear_caches() -> None:
-    for cached in (accountants._pld_epsilon_cached, accountants._rdp_epsilon_cached,
-                   accountants._calibrate_pld_cached, accountants._calibrate_rdp_cached):
+    for cached in (
+        accountants._pld_epsilon_cached,
+        accountants._rdp_epsilon_cached,
+        accountants._calibrate_pld_cached,
+        accountants._calibrate_rdp_cached,
+    ):
         cached.cache_clear()
 
 
@@ -77,8 +81,14 @@ def sheets_row(pums: Path, num_clients: int) -> dict[str, Any]:
         per_client = timed(lambda: figure_per_client(plans, Path(old)))
         shared = timed(lambda: sheets.write_sheets(plans, Path(new) / "plans"))
         figures = len(list((Path(new) / "plans").glob("*.png")))
-    return {"clients": num_clients, "distinct_n": len({p.n for p in plans}), "figures": figures,
-            "per_client_figure_s": per_client, "shared_figure_s": shared, "target_s": 30.0 if num_clients == 1_000 else None}
+    return {
+        "clients": num_clients,
+        "distinct_n": len({p.n for p in plans}),
+        "figures": figures,
+        "per_client_figure_s": per_client,
+        "shared_figure_s": shared,
+        "target_s": 30.0 if num_clients == 1_000 else None,
+    }
 
 
 def run_configs(pums: Path) -> dict[str, dict[str, Any]]:
@@ -86,9 +96,15 @@ def run_configs(pums: Path) -> dict[str, dict[str, Any]]:
     label skew (clients of different N, a few distinct plans)."""
     return {
         "digits, IID": {"num-server-rounds": 3, "noise-seed": 0},
-        "PUMS, Dirichlet": {"dataset": "pums", "data-path": str(pums), "partitioning": "dirichlet",
-                            "dirichlet-alpha": DIRICHLET_ALPHA, "num-server-rounds": 3, "noise-seed": 0},
-    }  # fmt: skip
+        "PUMS, Dirichlet": {
+            "dataset": "pums",
+            "data-path": str(pums),
+            "partitioning": "dirichlet",
+            "dirichlet-alpha": DIRICHLET_ALPHA,
+            "num-server-rounds": 3,
+            "noise-seed": 0,
+        },
+    }
 
 
 def run_row(name: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -111,10 +127,18 @@ def run_row(name: str, config: dict[str, Any]) -> dict[str, Any]:
     finally:
         results.RunRecorder.write_plans = write_plans
     rest = run.wall_s - spent["seconds"]
-    return {"run": name, "clients": RUN_CLIENTS, "rounds": config["num-server-rounds"], "run_s": run.wall_s,
-            "figures": len({sheets.PlanFigure.of(plan) for plan in spent["plans"]}), "shared_sheets_s": spent["seconds"],
-            "shared_share": spent["seconds"] / run.wall_s, "per_client_sheets_s": old,
-            "per_client_share": old / (rest + old), "target_share": 0.10}  # fmt: skip
+    return {
+        "run": name,
+        "clients": RUN_CLIENTS,
+        "rounds": config["num-server-rounds"],
+        "run_s": run.wall_s,
+        "figures": len({sheets.PlanFigure.of(plan) for plan in spent["plans"]}),
+        "shared_sheets_s": spent["seconds"],
+        "shared_share": spent["seconds"] / run.wall_s,
+        "per_client_sheets_s": old,
+        "per_client_share": old / (rest + old),
+        "target_share": 0.10,
+    }
 
 
 def main() -> None:
@@ -127,17 +151,27 @@ def main() -> None:
 
     runs = [run_row(name, config) for name, config in run_configs(args.pums).items()]  # first: a cold process
     rows = [sheets_row(args.pums, n) for n in CLIENT_COUNTS]
-    print(f"{'clients':>7} {'distinct N':>10} {'figures':>7} {'figure per client s':>19} {'shared s':>9} {'speedup':>8} {'target':>7}")
+    print(
+        f"{'clients':>7} {'distinct N':>10} {'figures':>7} {'figure per client s':>19} "
+        f"{'shared s':>9} {'speedup':>8} {'target':>7}"
+    )
     for row in rows:
         ok = "" if row["target_s"] is None else ("met" if row["shared_figure_s"] <= row["target_s"] else "NOT met")
-        print(f"{row['clients']:>7} {row['distinct_n']:>10} {row['figures']:>7} {row['per_client_figure_s']:>19.2f} "
-              f"{row['shared_figure_s']:>9.2f} {row['per_client_figure_s'] / row['shared_figure_s']:>7.1f}× {ok:>7}")
-    print(f"\n{'200-client run, 3 rounds':<26} {'run s':>6} {'figures':>7} {'sheets s':>8} {'share':>6} {'target':>7} "
-          f"{'figure per client s':>19} {'share':>6}")
+        print(
+            f"{row['clients']:>7} {row['distinct_n']:>10} {row['figures']:>7} {row['per_client_figure_s']:>19.2f} "
+            f"{row['shared_figure_s']:>9.2f} {row['per_client_figure_s'] / row['shared_figure_s']:>7.1f}× {ok:>7}"
+        )
+    print(
+        f"\n{'200-client run, 3 rounds':<26} {'run s':>6} {'figures':>7} {'sheets s':>8} {'share':>6} {'target':>7} "
+        f"{'figure per client s':>19} {'share':>6}"
+    )
     for run in runs:
         ok = "met" if run["shared_share"] <= run["target_share"] else "NOT met"
-        print(f"{run['run']:<26} {run['run_s']:>6.1f} {run['figures']:>7} {run['shared_sheets_s']:>8.2f} "
-              f"{100 * run['shared_share']:>5.1f}% {ok:>7} {run['per_client_sheets_s']:>19.1f} {100 * run['per_client_share']:>5.1f}%")
+        print(
+            f"{run['run']:<26} {run['run_s']:>6.1f} {run['figures']:>7} {run['shared_sheets_s']:>8.2f} "
+            f"{100 * run['shared_share']:>5.1f}% {ok:>7} {run['per_client_sheets_s']:>19.1f} "
+            f"{100 * run['per_client_share']:>5.1f}%"
+        )
     if args.json:
         args.json.write_text(json.dumps({"sheets": rows, "runs": runs}, indent=2))
 

@@ -44,10 +44,17 @@ ROWS_PER_CLIENT = 200
 
 def scenario(model: str, clients: int, rounds: int, results: Path) -> dict[str, Any]:
     return {
-        "dataset": "synthetic", "synthetic-examples": ROWS_PER_CLIENT * clients, "synthetic-features": 15,
-        "model": model, "num-server-rounds": rounds, "fraction-train": 1.0, "fraction-evaluate": 0.0,
-        "noise-seed": 7, "results-dir": str(results), "min-clients": 1,
-    }  # fmt: skip
+        "dataset": "synthetic",
+        "synthetic-examples": ROWS_PER_CLIENT * clients,
+        "synthetic-features": 15,
+        "model": model,
+        "num-server-rounds": rounds,
+        "fraction-train": 1.0,
+        "fraction-evaluate": 0.0,
+        "noise-seed": 7,
+        "results-dir": str(results),
+        "min-clients": 1,
+    }
 
 
 def peak_rss_mb() -> float:
@@ -82,12 +89,18 @@ def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, re
         wall = time.perf_counter() - started
     else:
         wall = _flower(config, clients)
-    return {"engine": engine, "model": model, "clients": clients, "rounds": rounds, "wall_s": round(wall, 3),
-            "client_rounds_per_s": round(clients * rounds / wall, 1),
-            "accounting_s": None if accounting is None else round(accounting, 3),
-            "sheets_s": None if sheets is None else round(sheets, 3),  # fast only: written after the clock stops
-            # flower's clients run in the SuperLink's processes (Ray): this process's RSS would not be theirs
-            "peak_rss_mb": None if engine == "flower" else round(peak_rss_mb(), 1)}  # fmt: skip
+    return {
+        "engine": engine,
+        "model": model,
+        "clients": clients,
+        "rounds": rounds,
+        "wall_s": round(wall, 3),
+        "client_rounds_per_s": round(clients * rounds / wall, 1),
+        "accounting_s": None if accounting is None else round(accounting, 3),
+        "sheets_s": None if sheets is None else round(sheets, 3),  # fast only: written after the clock stops
+        # flower's clients run in the SuperLink's processes (Ray): this process's RSS would not be theirs
+        "peak_rss_mb": None if engine == "flower" else round(peak_rss_mb(), 1),
+    }
 
 
 def _flower(config: dict[str, Any], clients: int) -> float:
@@ -133,13 +146,22 @@ def steady_round(model: str, clients: int, rounds: int, budgets: int = 1) -> dic
         with tempfile.TemporaryDirectory() as results:
             ends: list[float] = []
             config = {**scenario(model, clients, count, Path(results)), **mixed_budgets(clients, budgets)}
-            _, timings = run_fast(config, clients, say=lambda _: None, on_round=lambda row: ends.append(time.perf_counter()))
+            _, timings = run_fast(
+                config, clients, say=lambda _: None, on_round=lambda row, ends=ends: ends.append(time.perf_counter())
+            )
     wall = (ends[-1] - ends[0]) / (rounds - 1)
     accounting = statistics.fmean(timings.accounting_by_round[1:])
     wait = statistics.fmean(timings.commit_wait_by_round[1:])
-    return {"model": model, "clients": clients, "budgets": budgets, "rounds": rounds, "round_ms": round(1000 * wall, 1),
-            "accounting_ms": round(1000 * accounting, 1), "accounting_share": round(accounting / wall, 3),
-            "commit_wait_ms": round(1000 * wait, 1)}  # fmt: skip
+    return {
+        "model": model,
+        "clients": clients,
+        "budgets": budgets,
+        "rounds": rounds,
+        "round_ms": round(1000 * wall, 1),
+        "accounting_ms": round(1000 * accounting, 1),
+        "accounting_share": round(accounting / wall, 3),
+        "commit_wait_ms": round(1000 * wait, 1),
+    }
 
 
 def mixed_budgets(clients: int, budgets: int) -> dict[str, str]:
@@ -166,8 +188,14 @@ def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     settings = parse_run_config({**DEFAULTS, **scenario(model, clients, rounds, Path(tempfile.gettempdir()))})
     data = load_clients(**partition_kwargs(settings, clients))
-    shared = [WorkerClient(i, c.train.features, c.train.labels, c.test.features, c.test.labels, f"7:{i}") for i, c in enumerate(data)]
-    plans = {i: plan_from_settings(settings, c.num_examples, 1.0, 1e-5, c.client_id, compare=False) for i, c in enumerate(data)}
+    shared = [
+        WorkerClient(i, c.train.features, c.train.labels, c.test.features, c.test.labels, f"7:{i}")
+        for i, c in enumerate(data)
+    ]
+    plans = {
+        i: plan_from_settings(settings, c.num_examples, 1.0, 1e-5, c.client_id, compare=False)
+        for i, c in enumerate(data)
+    }
     workers = {private: LocalWorker(shared, model, 15, 2, private=private) for private in (True, False)}
     for worker in workers.values():
         worker.add_plans(plans)
@@ -183,8 +211,13 @@ def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
             worker.train(state, server_round, requests, False)
             times[private].append(time.perf_counter() - started)
     dp, plain = statistics.median(times[True]), statistics.median(times[False])
-    return {"model": model, "clients": clients, "dp_round_s": round(dp, 4), "nonprivate_round_s": round(plain, 4),
-            "ratio": round(dp / plain, 3)}  # fmt: skip
+    return {
+        "model": model,
+        "clients": clients,
+        "dp_round_s": round(dp, 4),
+        "nonprivate_round_s": round(plain, 4),
+        "ratio": round(dp / plain, 3),
+    }
 
 
 def child(args: list[str]) -> dict[str, Any]:
@@ -203,8 +236,11 @@ def main() -> None:
     parser.add_argument("--flower-clients", type=int, default=50)
     parser.add_argument("--flower-rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=1, help="fast engine workers (more than 1: Ray actors)")
-    parser.add_argument("--scale-clients", default="3000,10000",
-                        help="clients of the extra steady logreg rows (6 rounds each) that show accounting's share as a round grows")
+    parser.add_argument(
+        "--scale-clients",
+        default="3000,10000",
+        help="clients of the extra steady logreg rows (6 rounds each) that show accounting's share as a round grows",
+    )
     parser.add_argument("--memory-clients", type=int, default=10_000, help="clients of the peak-RSS run (0: skip)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -228,37 +264,58 @@ def main() -> None:
             "inprocess": child(["run", "inprocess", model, str(args.inprocess_clients), str(args.rounds), "1"]),
             "flower": child(["run", "flower", model, str(args.flower_clients), str(args.flower_rounds), "1"]),
         }
-        for engine, row in runs.items():
+        for row in runs.values():
             row["ratio_vs_flower"] = round(row["client_rounds_per_s"] / runs["flower"]["client_rounds_per_s"], 1)
             row["ratio_vs_inprocess"] = round(row["client_rounds_per_s"] / runs["inprocess"]["client_rounds_per_s"], 1)
             rows.append(row)
-    print(f"{'engine':<10}{'model':<8}{'clients':>8}{'rounds':>7}{'wall s':>9}{'client-rounds/s':>17}{'accounting s':>14}"
-          f"{'sheets s':>10}{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}")
+    print(
+        f"{'engine':<10}{'model':<8}{'clients':>8}{'rounds':>7}{'wall s':>9}{'client-rounds/s':>17}{'accounting s':>14}"
+        f"{'sheets s':>10}{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}"
+    )
     for r in rows:
         accounting = "" if r["accounting_s"] is None else f"{r['accounting_s']:.2f}"
         sheets = "" if r["sheets_s"] is None else f"{r['sheets_s']:.2f}"
         rss = "n/a" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
-        print(f"{r['engine']:<10}{r['model']:<8}{r['clients']:>8}{r['rounds']:>7}{r['wall_s']:>9.2f}{r['client_rounds_per_s']:>17.1f}"
-              f"{accounting:>14}{sheets:>10}{rss:>13}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}")
+        print(
+            f"{r['engine']:<10}{r['model']:<8}{r['clients']:>8}{r['rounds']:>7}{r['wall_s']:>9.2f}{r['client_rounds_per_s']:>17.1f}"
+            f"{accounting:>14}{sheets:>10}{rss:>13}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}"
+        )
     mechanism = [child(["mechanism", model, str(args.clients), "5"]) for model in args.models.split(",")]
     print("\nA fast-engine round with DP against the same round with clipping and noise off:")
     for m in mechanism:
-        print(f"  {m['model']:<8} {m['clients']} clients: DP {m['dp_round_s']:.3f} s, non-private {m['nonprivate_round_s']:.3f} s, ratio {m['ratio']:.2f}")
+        print(
+            f"  {m['model']:<8} {m['clients']} clients: DP {m['dp_round_s']:.3f} s, "
+            f"non-private {m['nonprivate_round_s']:.3f} s, ratio {m['ratio']:.2f}"
+        )
     steady = [child(["steady", model, str(args.clients), str(args.rounds)]) for model in args.models.split(",")]
-    steady += [child(["steady", model, str(args.clients), str(args.rounds), str(len(BUDGET_LEVELS))]) for model in args.models.split(",")]
-    steady += [child(["steady", "logreg", clients, str(SCALE_ROUNDS)]) for clients in args.scale_clients.split(",") if clients]
+    steady += [
+        child(["steady", model, str(args.clients), str(args.rounds), str(len(BUDGET_LEVELS))])
+        for model in args.models.split(",")
+    ]
+    steady += [
+        child(["steady", "logreg", clients, str(SCALE_ROUNDS)]) for clients in args.scale_clients.split(",") if clients
+    ]
     print("\nA steady fast-engine round (after the first round's planning):")
     for s in steady:
         levels = "one budget" if s["budgets"] == 1 else f"{s['budgets']} budgets"
-        print(f"  {s['model']:<8} {s['clients']} clients, {levels}, {s['rounds']} rounds: {s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
-              f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after the round's work {s['commit_wait_ms']:.1f} ms)")
+        print(
+            f"  {s['model']:<8} {s['clients']} clients, {levels}, {s['rounds']} rounds: "
+            f"{s['round_ms']:.1f} ms per round, accounting {s['accounting_ms']:.1f} ms "
+            f"({s['accounting_share']:.0%}; of it waiting for the ledger's commit after the round's work "
+            f"{s['commit_wait_ms']:.1f} ms)"
+        )
     memory = None
     if args.memory_clients:
         memory = child(["run", "fast", "logreg", str(args.memory_clients), "2", "1"])
-        print(f"\nfast engine, {args.memory_clients} clients × {ROWS_PER_CLIENT} rows, 2 rounds: peak RSS {memory['peak_rss_mb']:.0f} MB, "
-              f"{memory['client_rounds_per_s']:.0f} client-rounds/s")
+        print(
+            f"\nfast engine, {args.memory_clients} clients × {ROWS_PER_CLIENT} rows, 2 rounds: "
+            f"peak RSS {memory['peak_rss_mb']:.0f} MB, "
+            f"{memory['client_rounds_per_s']:.0f} client-rounds/s"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "mechanism": mechanism, "steady": steady, "memory": memory}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "mechanism": mechanism, "steady": steady, "memory": memory}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import secrets
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -218,13 +218,29 @@ def measure_rounds(repeats: int, steps: int, device: torch.device) -> list[dict[
     noise and with the replaced generator, interleaved: what strong noise costs a client's round."""
     rows = []
     for name, n in (("logreg", 1000), ("mlp", 1000)):
-        plan = Plan(client_id="bench", rule="calibrated", n=n, epsilon=1.0, delta=1e-5, clip_norm=CLIP, sigma=SIGMA,
-                    sampling_rate=64 / n, steps=steps, rounds=1, noise_segments=((SIGMA, steps),), epsilon_pld=1.0,
-                    epsilon_rdp=1.0, learning_rate=LR)  # fmt: skip
+        plan = Plan(
+            client_id="bench",
+            rule="calibrated",
+            n=n,
+            epsilon=1.0,
+            delta=1e-5,
+            clip_norm=CLIP,
+            sigma=SIGMA,
+            sampling_rate=64 / n,
+            steps=steps,
+            rounds=1,
+            noise_segments=((SIGMA, steps),),
+            epsilon_pld=1.0,
+            epsilon_rdp=1.0,
+            learning_rate=LR,
+        )
         torch.manual_seed(0)
         x, y = torch.randn(n, 15, device=device), torch.randint(0, 2, (n,), device=device)
         trainers = {}
-        for label, randomness in (("fedprivacy", StepRandomness()), ("fedprivacy-torchrng", TorchGeneratorRandomness())):
+        for label, randomness in (
+            ("fedprivacy", StepRandomness()),
+            ("fedprivacy-torchrng", TorchGeneratorRandomness()),
+        ):
             torch.manual_seed(0)
             trainer = DPTrainer(build_model(name, 15, 2).to(device), plan, x, y)
             trainer.randomness = randomness
@@ -241,8 +257,15 @@ def measure_rounds(repeats: int, steps: int, device: torch.device) -> list[dict[
         replaced = statistics.median(times["fedprivacy-torchrng"])
         for label, values in times.items():
             ms = statistics.median(values)
-            rows.append({"model": name, "round_steps": steps, "impl": label, "ms_per_step": round(ms, 4),
-                         "ratio_vs_torchrng": round(ms / replaced, 3)})  # fmt: skip
+            rows.append(
+                {
+                    "model": name,
+                    "round_steps": steps,
+                    "impl": label,
+                    "ms_per_step": round(ms, 4),
+                    "ratio_vs_torchrng": round(ms / replaced, 3),
+                }
+            )
     return rows
 
 

@@ -91,8 +91,10 @@ class Setting:
     def describe(self) -> str:
         sched = f"decay→η/{DECAY_END:g}" if self.decay else "constant"
         width = f", width {self.hidden}" if self.model == "mlp" else ""
-        return (f"k={self.epochs:g}, qN={self.batch:g}, C={self.clip:g}, η={self.learning_rate:g} "
-                f"(η·C={self.step:g}), {sched}{width}")
+        return (
+            f"k={self.epochs:g}, qN={self.batch:g}, C={self.clip:g}, η={self.learning_rate:g} "
+            f"(η·C={self.step:g}), {sched}{width}"
+        )
 
 
 # Picked by `--search` (validation split of the training data, mean over seeds 0-2; see the
@@ -114,11 +116,29 @@ MODELS = {"pums": ("logreg",), "digits": ("logreg", "mlp", "cnn")}
 def grid(data: str, model: str) -> list[Setting]:
     """The validation-search grid of the module docstring."""
     if data == "pums":
-        shapes, clips, steps, decays, widths = ((5, 512), (10, 1024), (20, 1024)), (0.1, 1.0), (1.0, 2.0, 4.0), (False, True), (64,)
+        shapes, clips, steps, decays, widths = (
+            ((5, 512), (10, 1024), (20, 1024)),
+            (0.1, 1.0),
+            (1.0, 2.0, 4.0),
+            (False, True),
+            (64,),
+        )
     elif model == "logreg":
-        shapes, clips, steps, decays, widths = ((15, 128), (30, 128), (60, 128), (30, 256), (60, 256)), (0.1, 1.0), (1.0, 2.0, 4.0), (False, True), (64,)
+        shapes, clips, steps, decays, widths = (
+            ((15, 128), (30, 128), (60, 128), (30, 256), (60, 256)),
+            (0.1, 1.0),
+            (1.0, 2.0, 4.0),
+            (False, True),
+            (64,),
+        )
     elif model == "mlp":
-        shapes, clips, steps, decays, widths = ((30, 128), (60, 256)), (0.1, 1.0), (1.0, 2.0), (False, True), (32, 64, 128)
+        shapes, clips, steps, decays, widths = (
+            ((30, 128), (60, 256)),
+            (0.1, 1.0),
+            (1.0, 2.0),
+            (False, True),
+            (32, 64, 128),
+        )
     else:
         shapes, clips, steps, decays, widths = ((30, 128),), (0.1, 1.0), (0.5, 1.0), (False, True), (64,)
     return [
@@ -144,10 +164,22 @@ def accuracy(model: torch.nn.Module, data: Dataset) -> float:
 def make_plan(n: int, epsilon: float, setting: Setting):
     """The calibrated plan for this N, ε and setting (σ depends only on N, ε, δ, k and qN)."""
     steps = max(1, int(np.ceil(setting.epochs / (setting.batch / n) - 1e-9)))
-    decay = {"lr_schedule": "inverse_sqrt", "lr_params": {"a": 1.0, "c": (DECAY_END**2 - 1) / steps}} if setting.decay else {}
+    decay = (
+        {"lr_schedule": "inverse_sqrt", "lr_params": {"a": 1.0, "c": (DECAY_END**2 - 1) / steps}}
+        if setting.decay
+        else {}
+    )
     plan = plan_client(
-        n, epsilon, DELTA, rule="calibrated", clip_norm=setting.clip, epochs=setting.epochs,
-        expected_batch_size=setting.batch, learning_rate=setting.learning_rate, compare=False, **decay,
+        n,
+        epsilon,
+        DELTA,
+        rule="calibrated",
+        clip_norm=setting.clip,
+        epochs=setting.epochs,
+        expected_batch_size=setting.batch,
+        learning_rate=setting.learning_rate,
+        compare=False,
+        **decay,
     )
     assert plan.steps == steps, (plan.steps, steps)
     assert plan.epsilon_pld <= epsilon, f"plan certifies ε={plan.epsilon_pld} > {epsilon}"
@@ -213,11 +245,17 @@ def search(dataset: Dataset, data: str, model: str, epsilon: float) -> Setting:
         mark = ""
         if best is None or mean > best[0]:
             best, mark = (mean, setting), " *"
-        print(f"  [{i + 1:>2}/{len(points)}] {data} {setting.label} ε={epsilon:g} {setting.describe():<60} "
-              f"val {' '.join(f'{a:.3f}' for a in scores)}  mean {mean:.4f}{mark}", flush=True)
+        print(
+            f"  [{i + 1:>2}/{len(points)}] {data} {setting.label} ε={epsilon:g} {setting.describe():<60} "
+            f"val {' '.join(f'{a:.3f}' for a in scores)}  mean {mean:.4f}{mark}",
+            flush=True,
+        )
     assert best is not None
-    print(f"  chosen for {data} {model} ε={epsilon:g}: {best[1].describe()} (val mean {best[0]:.4f}; "
-          f"{time.perf_counter() - start:.0f} s)", flush=True)
+    print(
+        f"  chosen for {data} {model} ε={epsilon:g}: {best[1].describe()} (val mean {best[0]:.4f}; "
+        f"{time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
     return best[1]
 
 
@@ -225,7 +263,9 @@ def search(dataset: Dataset, data: str, model: str, epsilon: float) -> Setting:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pums", default=DEFAULT_PUMS, help="PUMS CSV (full Fulton file)")
-    parser.add_argument("--search", action="store_true", help="rerun the validation search (slow) instead of using CHOSEN")
+    parser.add_argument(
+        "--search", action="store_true", help="rerun the validation search (slow) instead of using CHOSEN"
+    )
     parser.add_argument("--only", choices=("pums", "digits"), help="run one dataset only (for the search)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
@@ -257,28 +297,41 @@ def main() -> None:
                 if key not in references:
                     references[key] = non_private(client.train, client.test, setting, seed)
                 ref_kind, ref_acc = references[key]
-                rows.append({
-                    "data": data, "model": setting.label, "epsilon": eps, "seed": seed,
-                    "n_train": len(client.train), "epsilon_pld": round(plan.epsilon_pld, 4),
-                    "sigma": round(plan.sigma, 4), "q": round(plan.sampling_rate, 5), "steps": plan.steps,
-                    "noise_std_on_mean": round(plan.noise_std_on_mean, 5),
-                    "clip_fraction": round(report.clip_fraction, 3),
-                    "test_accuracy": round(accuracy(trained, client.test), 4),
-                    "non_private": ref_kind, "non_private_accuracy": round(ref_acc, 4),
-                    "majority_baseline": round(majority, 4),
-                })
+                rows.append(
+                    {
+                        "data": data,
+                        "model": setting.label,
+                        "epsilon": eps,
+                        "seed": seed,
+                        "n_train": len(client.train),
+                        "epsilon_pld": round(plan.epsilon_pld, 4),
+                        "sigma": round(plan.sigma, 4),
+                        "q": round(plan.sampling_rate, 5),
+                        "steps": plan.steps,
+                        "noise_std_on_mean": round(plan.noise_std_on_mean, 5),
+                        "clip_fraction": round(report.clip_fraction, 3),
+                        "test_accuracy": round(accuracy(trained, client.test), 4),
+                        "non_private": ref_kind,
+                        "non_private_accuracy": round(ref_acc, 4),
+                        "majority_baseline": round(majority, 4),
+                    }
+                )
 
     print("\nhyper-parameters")
     for data, eps in runs:
         for model in MODELS[data]:
             print(f"  {data:<7}{chosen[(data, model, eps)].label:<8}ε={eps:<4g}{chosen[(data, model, eps)].describe()}")
 
-    print(f"\n{'data':<7}{'model':<8}{'ε':>4}{'seed':>5}{'PLD ε':>8}{'σ':>8}{'q':>8}{'T':>6}{'clip%':>7}"
-          f"{'acc':>8}{'non-DP':>8}{'majority':>10}")
+    print(
+        f"\n{'data':<7}{'model':<8}{'ε':>4}{'seed':>5}{'PLD ε':>8}{'σ':>8}{'q':>8}{'T':>6}{'clip%':>7}"
+        f"{'acc':>8}{'non-DP':>8}{'majority':>10}"
+    )
     for r in rows:
-        print(f"{r['data']:<7}{r['model']:<8}{r['epsilon']:>4g}{r['seed']:>5}{r['epsilon_pld']:>8.3f}{r['sigma']:>8.3f}"
-              f"{r['q']:>8.4f}{r['steps']:>6}{r['clip_fraction']:>7.2f}{r['test_accuracy']:>8.4f}"
-              f"{r['non_private_accuracy']:>8.4f}{r['majority_baseline']:>10.4f}")
+        print(
+            f"{r['data']:<7}{r['model']:<8}{r['epsilon']:>4g}{r['seed']:>5}{r['epsilon_pld']:>8.3f}{r['sigma']:>8.3f}"
+            f"{r['q']:>8.4f}{r['steps']:>6}{r['clip_fraction']:>7.2f}{r['test_accuracy']:>8.4f}"
+            f"{r['non_private_accuracy']:>8.4f}{r['majority_baseline']:>10.4f}"
+        )
 
     summary: list[dict[str, object]] = []
     print(f"\n{'data':<7}{'model':<8}{'ε':>4}  {'per seed 0/1/2':<22}{'mean':>7}{'min':>8}{'non-DP mean':>13}")
@@ -288,11 +341,22 @@ def main() -> None:
             sel = [r for r in rows if r["data"] == data and r["epsilon"] == eps and r["model"] == label]
             accs = [float(r["test_accuracy"]) for r in sel]
             ref = float(np.mean([float(r["non_private_accuracy"]) for r in sel]))
-            summary.append({"data": data, "model": label, "epsilon": eps, "per_seed": accs,
-                            "mean": round(float(np.mean(accs)), 4), "min": round(min(accs), 4),
-                            "non_private_mean": round(ref, 4), "setting": asdict(chosen[(data, model, eps)])})
-            print(f"{data:<7}{label:<8}{eps:>4g}  {' / '.join(f'{a:.4f}' for a in accs):<22}"
-                  f"{np.mean(accs):>7.4f}{min(accs):>8.4f}{ref:>13.4f}")
+            summary.append(
+                {
+                    "data": data,
+                    "model": label,
+                    "epsilon": eps,
+                    "per_seed": accs,
+                    "mean": round(float(np.mean(accs)), 4),
+                    "min": round(min(accs), 4),
+                    "non_private_mean": round(ref, 4),
+                    "setting": asdict(chosen[(data, model, eps)]),
+                }
+            )
+            print(
+                f"{data:<7}{label:<8}{eps:>4g}  {' / '.join(f'{a:.4f}' for a in accs):<22}"
+                f"{np.mean(accs):>7.4f}{min(accs):>8.4f}{ref:>13.4f}"
+            )
 
     verdicts = []
     for (data, eps), target in TARGETS.items():
@@ -301,14 +365,27 @@ def main() -> None:
         best = max((s for s in summary if s["data"] == data and s["epsilon"] == eps), key=lambda s: s["mean"])
         ok = best["mean"] >= target
         verdicts.append(ok)
-        print(f"{data} ε={eps:g}: best mean {best['mean']:.4f} ({best['model']}, min {best['min']:.4f}) "
-              f"≥ {target}: {'yes' if ok else 'NO'}")
+        print(
+            f"{data} ε={eps:g}: best mean {best['mean']:.4f} ({best['model']}, min {best['min']:.4f}) "
+            f"≥ {target}: {'yes' if ok else 'NO'}"
+        )
     elapsed = time.perf_counter() - start
     print(f"runtime {elapsed:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"seeds": list(SEEDS), "delta": DELTA, "searched": args.search, "runs": rows,
-                       "summary": summary, "passed": all(verdicts), "runtime_s": round(elapsed, 1)}, f, indent=2)
+            json.dump(
+                {
+                    "seeds": list(SEEDS),
+                    "delta": DELTA,
+                    "searched": args.search,
+                    "runs": rows,
+                    "summary": summary,
+                    "passed": all(verdicts),
+                    "runtime_s": round(elapsed, 1),
+                },
+                f,
+                indent=2,
+            )
     sys.exit(0 if all(verdicts) else 1)
 
 

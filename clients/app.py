@@ -72,7 +72,7 @@ def _handler(body: Callable[[Message, Context, RunSettings, NodeSettings | None]
             return body(msg, context, settings, node)
         except (ClientRefusal, PlanRefused):
             raise
-        except Exception as error:
+        except Exception:
             if node is None:  # a simulation: the researcher's own machine sees everything
                 raise
             logger.exception("client %s: %s failed", node.client_id, msg.metadata.message_type)

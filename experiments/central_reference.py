@@ -28,11 +28,24 @@ from fedprivacy.runconfig import DEFAULTS, parse_run_config
 
 
 def pooled(data: Path, seed: int, age: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    settings = parse_run_config({**DEFAULTS, "dataset": "pums", "data-path": str(data.resolve()), "partition-by": "puma",
-                                 "seed": seed, "pums-age": age})  # fmt: skip
+    settings = parse_run_config(
+        {
+            **DEFAULTS,
+            "dataset": "pums",
+            "data-path": str(data.resolve()),
+            "partition-by": "puma",
+            "seed": seed,
+            "pums-age": age,
+        }
+    )
     clients = load_clients(**partition_kwargs(settings, 7))
     stack = lambda split, part: np.concatenate([np.asarray(getattr(getattr(c, split), part)) for c in clients])  # noqa: E731
-    return stack("train", "features"), stack("train", "labels"), stack("test", "features"), stack("test", "labels")
+    return (
+        stack("train", "features"),
+        stack("train", "labels"),
+        stack("test", "features"),
+        stack("test", "labels"),
+    )
 
 
 def main() -> None:
@@ -48,9 +61,18 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             scores["logreg"].append(float(LogisticRegression(max_iter=2000).fit(x, y).score(xt, yt)))
-            scores["mlp"].append(float(MLPClassifier(hidden_layer_sizes=(64,), max_iter=500, random_state=seed).fit(x, y).score(xt, yt)))
-        print(f"seed {seed}: {len(y)} training rows, {len(yt)} test rows, logreg {scores['logreg'][-1]:.4f}, mlp {scores['mlp'][-1]:.4f}", flush=True)
-    summary = {name: {"mean": statistics.mean(v), "sd": statistics.stdev(v) if len(v) > 1 else 0.0, "runs": v} for name, v in scores.items()}
+            scores["mlp"].append(
+                float(MLPClassifier(hidden_layer_sizes=(64,), max_iter=500, random_state=seed).fit(x, y).score(xt, yt))
+            )
+        print(
+            f"seed {seed}: {len(y)} training rows, {len(yt)} test rows, "
+            f"logreg {scores['logreg'][-1]:.4f}, mlp {scores['mlp'][-1]:.4f}",
+            flush=True,
+        )
+    summary = {
+        name: {"mean": statistics.mean(v), "sd": statistics.stdev(v) if len(v) > 1 else 0.0, "runs": v}
+        for name, v in scores.items()
+    }
     for name, s in summary.items():
         print(f"{name}: {s['mean']:.4f} ± {s['sd']:.4f}")
     if args.out:

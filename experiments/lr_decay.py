@@ -21,8 +21,7 @@ import torch
 from matplotlib.figure import Figure
 
 from fedprivacy.data import central_split, load_dataset
-from fedprivacy.models import build_model
-from fedprivacy.models import evaluate_model
+from fedprivacy.models import build_model, evaluate_model
 from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import DPTrainer
@@ -35,9 +34,24 @@ DELTA = 1e-5
 def plan(n: int, sigma: float, q: float, steps: int, decay: float) -> Plan:
     """A one-round plan with a given σ, certified by PLD, and the step size 1/sqrt(2 + c·t)."""
     epsilon = pld_epsilon([NoiseEvent(sigma, q, steps)], DELTA)
-    return Plan(client_id="central", rule="calibrated", n=n, epsilon=epsilon, delta=DELTA, clip_norm=1.0, sigma=sigma,
-                sampling_rate=q, steps=steps, rounds=1, noise_segments=((sigma, steps),), epsilon_pld=epsilon,
-                epsilon_rdp=epsilon, learning_rate=1.0, lr_schedule="inverse_sqrt", lr_params={"a": 2.0, "c": decay})  # fmt: skip
+    return Plan(
+        client_id="central",
+        rule="calibrated",
+        n=n,
+        epsilon=epsilon,
+        delta=DELTA,
+        clip_norm=1.0,
+        sigma=sigma,
+        sampling_rate=q,
+        steps=steps,
+        rounds=1,
+        noise_segments=((sigma, steps),),
+        epsilon_pld=epsilon,
+        epsilon_rdp=epsilon,
+        learning_rate=1.0,
+        lr_schedule="inverse_sqrt",
+        lr_params={"a": 2.0, "c": decay},
+    )
 
 
 def accuracy(seed: int, sigma: float, decay: float, epochs: float, batch: int) -> tuple[float, float]:
@@ -49,7 +63,9 @@ def accuracy(seed: int, sigma: float, decay: float, epochs: float, batch: int) -
     model = build_model("cnn", 64, 10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        DPTrainer(model, the_plan, data.train.features, data.train.labels, seed=f"lr-decay:{seed}").run_steps(the_plan.steps)
+        DPTrainer(model, the_plan, data.train.features, data.train.labels, seed=f"lr-decay:{seed}").run_steps(
+            the_plan.steps
+        )
     return evaluate_model(model, data.test)[1], the_plan.epsilon_pld
 
 
@@ -67,25 +83,48 @@ def main() -> None:
         for decay in DECAYS:
             runs = [accuracy(seed, sigma, decay, args.epochs, args.batch) for seed in seeds]
             accuracies = [a for a, _ in runs]
-            rows.append({"sigma": sigma, "c": decay, "epsilon": runs[0][1], "accuracies": accuracies,
-                         "mean": statistics.mean(accuracies), "sd": statistics.stdev(accuracies) if len(runs) > 1 else 0.0})  # fmt: skip
-            print(f"σ = {sigma:>5}  c = {decay:<7g} ε = {runs[0][1]:7.3f}  accuracy {rows[-1]['mean']:.4f} ± {rows[-1]['sd']:.4f}", flush=True)
+            rows.append(
+                {
+                    "sigma": sigma,
+                    "c": decay,
+                    "epsilon": runs[0][1],
+                    "accuracies": accuracies,
+                    "mean": statistics.mean(accuracies),
+                    "sd": statistics.stdev(accuracies) if len(runs) > 1 else 0.0,
+                }
+            )
+            print(
+                f"σ = {sigma:>5}  c = {decay:<7g} ε = {runs[0][1]:7.3f}  "
+                f"accuracy {rows[-1]['mean']:.4f} ± {rows[-1]['sd']:.4f}",
+                flush=True,
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     figure = Figure(figsize=(6.5, 4.2))
     axes = figure.subplots()
     for sigma in SIGMAS:
         mine = [r for r in rows if r["sigma"] == sigma]
         positions = range(len(DECAYS))
-        axes.errorbar(positions, [r["mean"] for r in mine], yerr=[r["sd"] for r in mine], marker="o", capsize=3,
-                      label=f"σ = {sigma:g} (ε = {mine[0]['epsilon']:.2f})")  # fmt: skip
+        axes.errorbar(
+            positions,
+            [r["mean"] for r in mine],
+            yerr=[r["sd"] for r in mine],
+            marker="o",
+            capsize=3,
+            label=f"σ = {sigma:g} (ε = {mine[0]['epsilon']:.2f})",
+        )
     axes.set_xticks(range(len(DECAYS)), [f"{c:g}" for c in DECAYS])
-    axes.set(xlabel="decay c in η_t = 1/sqrt(2 + c·t)", ylabel="test accuracy",
-             title=f"DP-SGD, digits CNN, {args.epochs:g} epochs, batch {args.batch}, seeds {args.seeds}")  # fmt: skip
+    axes.set(
+        xlabel="decay c in η_t = 1/sqrt(2 + c·t)",
+        ylabel="test accuracy",
+        title=f"DP-SGD, digits CNN, {args.epochs:g} epochs, batch {args.batch}, seeds {args.seeds}",
+    )
     axes.legend(fontsize=8)
     axes.grid(True, alpha=0.3)
     figure.tight_layout()
     figure.savefig(args.out / "lr_decay.png", dpi=110)
-    (args.out / "lr_decay.json").write_text(json.dumps({"epochs": args.epochs, "batch": args.batch, "seeds": seeds, "rows": rows}, indent=2))
+    (args.out / "lr_decay.json").write_text(
+        json.dumps({"epochs": args.epochs, "batch": args.batch, "seeds": seeds, "rows": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":

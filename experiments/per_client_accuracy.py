@@ -36,9 +36,16 @@ def cell_rows(cell: Path) -> list[dict[str, object]]:
     rows = []
     for client in clients:
         _, accuracy = evaluate_model(model, client.test)
-        rows.append({**record["params"], "client": client.client_id, "epsilon_budget": spent.loc[client.client_id, "epsilon_budget"],
-                     "epsilon_spent": spent.loc[client.client_id, "epsilon_spent"], "test_rows": len(client.test),
-                     "accuracy": accuracy})  # fmt: skip
+        rows.append(
+            {
+                **record["params"],
+                "client": client.client_id,
+                "epsilon_budget": spent.loc[client.client_id, "epsilon_budget"],
+                "epsilon_spent": spent.loc[client.client_id, "epsilon_spent"],
+                "test_rows": len(client.test),
+                "accuracy": accuracy,
+            }
+        )
     return rows
 
 
@@ -48,9 +55,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     table = pd.DataFrame([row for cell in sorted((args.sweep / "cells").iterdir()) for row in cell_rows(cell)])
-    keys = [c for c in table.columns if c not in ("seed", "client", "epsilon_budget", "epsilon_spent", "test_rows", "accuracy")]
-    summary = table.groupby([*keys, "client", "epsilon_budget"], sort=False).agg(
-        accuracy=("accuracy", "mean"), sd=("accuracy", "std"), epsilon_spent=("epsilon_spent", "mean")).reset_index()
+    keys = [
+        c
+        for c in table.columns
+        if c not in ("seed", "client", "epsilon_budget", "epsilon_spent", "test_rows", "accuracy")
+    ]
+    summary = (
+        table.groupby([*keys, "client", "epsilon_budget"], sort=False)
+        .agg(accuracy=("accuracy", "mean"), sd=("accuracy", "std"), epsilon_spent=("epsilon_spent", "mean"))
+        .reset_index()
+    )
     print(summary.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     if args.out:
         table.to_csv(args.out, index=False)

@@ -46,7 +46,11 @@ def main() -> None:
         accuracy_line(axes, extra[extra["status"] == "completed"], args.x, args.extra_label or args.extra.name, "s")
     if args.logx:
         axes.set_xscale("log")
-    axes.set(xlabel=args.x, ylabel="final test accuracy (mean ± sd over seeds)", title=args.title or args.sweep.name)
+    axes.set(
+        xlabel=args.x,
+        ylabel="final test accuracy (mean ± sd over seeds)",
+        title=args.title or args.sweep.name,
+    )
     if args.series or args.extra:
         axes.legend(fontsize=8)
     axes.grid(True, alpha=0.3)

@@ -49,8 +49,11 @@ def main() -> None:
     print(f"{'T':>7}" + "".join(f"{n:>26}" for n in names) + f"{'strong/naive':>14}{'√(T₀/T)':>10}")
     for r in rows:
         ratio = r["strong"] / r["naive"]
-        print(f"{r['steps']:>7}" + "".join(f"{r[n]:>26.4g}" for n in names)
-              + f"{ratio:>14.4f}{math.sqrt(STEPS[0] / r['steps']) * rows[0]['strong'] / rows[0]['naive']:>10.4f}")
+        print(
+            f"{r['steps']:>7}"
+            + "".join(f"{r[n]:>26.4g}" for n in names)
+            + f"{ratio:>14.4f}{math.sqrt(STEPS[0] / r['steps']) * rows[0]['strong'] / rows[0]['naive']:>10.4f}"
+        )
 
     args.out.mkdir(parents=True, exist_ok=True)
     figure = Figure(figsize=(11, 4.2))
@@ -58,8 +61,13 @@ def main() -> None:
     steps = np.array(STEPS)
     for name, style in zip(names, ("o-", "s-", "^-", "v-", "k--"), strict=True):
         left.plot(steps, [r[name] for r in rows], style, label=name)
-    left.set(xscale="log", yscale="log", xlabel="steps T", ylabel="noise multiplier σ",
-             title=f"σ each analysis needs (ε = {args.epsilon:g}, δ = {args.delta:g}, q = {args.q:g})")  # fmt: skip
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="steps T",
+        ylabel="noise multiplier σ",
+        title=f"σ each analysis needs (ε = {args.epsilon:g}, δ = {args.delta:g}, q = {args.q:g})",
+    )
     left.legend(fontsize=8)
     left.grid(True, which="both", alpha=0.25)
     ratio = np.array([r["strong"] / r["naive"] for r in rows])
@@ -70,7 +78,9 @@ def main() -> None:
     right.grid(True, which="both", alpha=0.25)
     figure.tight_layout()
     figure.savefig(args.out / "sigma_vs_steps.png", dpi=110)
-    (args.out / "sigma_vs_steps.json").write_text(json.dumps({"epsilon": args.epsilon, "delta": args.delta, "q": args.q, "rows": rows}, indent=2))
+    (args.out / "sigma_vs_steps.json").write_text(
+        json.dumps({"epsilon": args.epsilon, "delta": args.delta, "q": args.q, "rows": rows}, indent=2)
+    )
 
 
 if __name__ == "__main__":

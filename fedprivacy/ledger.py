@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import lru_cache
 from itertools import groupby
 from pathlib import Path
@@ -162,7 +162,9 @@ def _interned_schedule(segments: tuple[tuple[float, int], ...], q: float, steps:
 
 
 @lru_cache(maxsize=4096)
-def _round_events(segments: tuple[tuple[float, int], ...], q: float, steps: int, rounds: int, server_round: int) -> tuple[NoiseEvent, ...]:
+def _round_events(
+    segments: tuple[tuple[float, int], ...], q: float, steps: int, rounds: int, server_round: int
+) -> tuple[NoiseEvent, ...]:
     """Cached per schedule: clients with the same plan ask for the same rounds."""
     base, extra = divmod(steps, rounds)
     count = base + (1 if server_round <= extra else 0) if 1 <= server_round <= rounds else 0
@@ -183,7 +185,7 @@ def composed_epsilon(events: Sequence[NoiseEvent], delta: float) -> float:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 _SQL_VARIABLES = 900  # below SQLite's oldest limit on bound parameters per statement (999)
@@ -207,7 +209,9 @@ class _SharedHistories:
 
     def __init__(self) -> None:
         self._by_value: dict[tuple[NoiseEvent, ...], tuple[NoiseEvent, ...]] = {}
-        self._extended: dict[tuple[int, tuple[NoiseEvent, ...]], tuple[tuple[NoiseEvent, ...], tuple[NoiseEvent, ...]]] = {}
+        self._extended: dict[
+            tuple[int, tuple[NoiseEvent, ...]], tuple[tuple[NoiseEvent, ...], tuple[NoiseEvent, ...]]
+        ] = {}
         self._epsilon: dict[tuple[int, float], tuple[tuple[NoiseEvent, ...], float]] = {}
         self._steps: dict[int, tuple[tuple[NoiseEvent, ...], int]] = {}
 
@@ -263,7 +267,8 @@ def _sqlite_has_json() -> bool:
 # One statement per group of accounts spending the same: SQLite expands the JSON list of account
 # keys itself (one call, no per-row binding), and inserts them in key order (kinder to the index).
 _INSERT_SPENDS = (
-    "INSERT INTO spends (account_key, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, recorded_at)"
+    "INSERT INTO spends (account_key, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta,"
+    " recorded_at)"
     " SELECT value, ?, ?, ?, ?, ?, ?, ?, ? FROM json_each(?) ORDER BY value"
 )
 
@@ -275,11 +280,13 @@ SpendRow = tuple[object, ...]  # `_INSERT_SPENDS`'s parameters: one spend for a 
 # and gives each account named anywhere its key (`_migrate` checks no spend was left out and keeps
 # the id sequence's high-water mark: the ledger relies on ids only growing).
 _MIGRATE_ACCOUNT_NAMES = f"""
-INSERT OR IGNORE INTO account_keys (account) SELECT account FROM (SELECT account, MIN(id) AS first FROM spends GROUP BY account ORDER BY first);
+INSERT OR IGNORE INTO account_keys (account) SELECT account FROM (SELECT account, MIN(id) AS first FROM spends
+    GROUP BY account ORDER BY first);
 INSERT OR IGNORE INTO account_keys (account) SELECT account FROM accounts ORDER BY account;
 CREATE TABLE spends_keyed ({_SPENDS_COLUMNS});
-INSERT INTO spends_keyed SELECT s.id, k.id, s.run_id, s.server_round, s.sigma, s.sampling_rate, s.steps, s.epsilon_after,
-    s.delta, s.recorded_at FROM spends AS s JOIN account_keys AS k ON k.account = s.account ORDER BY s.id;
+INSERT INTO spends_keyed SELECT s.id, k.id, s.run_id, s.server_round, s.sigma, s.sampling_rate, s.steps,
+    s.epsilon_after, s.delta, s.recorded_at FROM spends AS s JOIN account_keys AS k ON k.account = s.account
+    ORDER BY s.id;
 DROP TABLE spends;
 ALTER TABLE spends_keyed RENAME TO spends;
 """
@@ -341,8 +348,7 @@ def _write_and_commit(db: sqlite3.Connection, rows: list[SpendRow]) -> int:
     return last
 
 
-def _write_and_commit_during(db: sqlite3.Connection, rows: list[SpendRow],
-                             job: Callable[[], T]) -> tuple[int, T]:  # fmt: skip
+def _write_and_commit_during(db: sqlite3.Connection, rows: list[SpendRow], job: Callable[[], T]) -> tuple[int, T]:
     """`_write_and_commit` on another thread while `job` runs on this one; (last id, `job`'s
     result) once the commit is done, or the write's error. Each grouped insert is one SQLite call,
     which releases the GIL while it runs: the job keeps the interpreter (binding one row per call
@@ -425,29 +431,42 @@ class Ledger:
                 # Created 0600 before SQLite writes anything into it.
                 os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         except OSError as error:
-            raise InputError("ledger-path", str(self.path), f"cannot create a ledger there ({error.strerror or error})") from None
+            raise InputError(
+                "ledger-path", str(self.path), f"cannot create a ledger there ({error.strerror or error})"
+            ) from None
         if not _sqlite_has_json():
-            raise RuntimeError(f"this Python's SQLite ({sqlite3.sqlite_version}) has no JSON functions, which the ledger "
-                               "writes with: use a Python whose SQLite has them (built in since SQLite 3.38)")
+            raise RuntimeError(
+                f"this Python's SQLite ({sqlite3.sqlite_version}) has no JSON functions, which the ledger "
+                "writes with: use a Python whose SQLite has them (built in since SQLite 3.38)"
+            )
         try:
             with self._connect(fresh=True) as db:
                 version = db.execute("PRAGMA user_version").fetchone()[0]
                 if version > SCHEMA_VERSION:
                     raise InputError(
-                        "ledger-path", str(self.path),
+                        "ledger-path",
+                        str(self.path),
                         f"written by a newer fedprivacy (ledger schema {version}, this version reads up to "
                         f"{SCHEMA_VERSION}): upgrade fedprivacy, never downgrade a ledger",
                     )
                 tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
                 if tables and "spends" not in tables:
-                    raise InputError("ledger-path", str(self.path), "is an SQLite database of another application "
-                                     f"(tables: {', '.join(sorted(tables)[:3])}…), not a fedprivacy ledger; it is left as it was")
+                    raise InputError(
+                        "ledger-path",
+                        str(self.path),
+                        "is an SQLite database of another application "
+                        f"(tables: {', '.join(sorted(tables)[:3])}…), not a fedprivacy ledger; it is left as it was",
+                    )
                 _migrate(db)
         except sqlite3.OperationalError as error:
             if "locked" not in str(error):
                 raise InputError("ledger-path", str(self.path), f"not a readable fedprivacy ledger ({error})") from None
-            raise InputError("ledger-path", str(self.path), f"locked by another process for more than {busy_timeout:g} s "
-                             "(a SuperNode writing to it?): try again when it is done") from None
+            raise InputError(
+                "ledger-path",
+                str(self.path),
+                f"locked by another process for more than {busy_timeout:g} s "
+                "(a SuperNode writing to it?): try again when it is done",
+            ) from None
         except sqlite3.DatabaseError as error:
             raise InputError("ledger-path", str(self.path), f"not a readable fedprivacy ledger ({error})") from None
 
@@ -469,7 +488,9 @@ class Ledger:
             finally:
                 db.close()
             return
-        if self._db_pid != os.getpid():  # first use in this process (a forked child's lock may be held by a thread it lacks)
+        if (
+            self._db_pid != os.getpid()
+        ):  # first use in this process (a forked child's lock may be held by a thread it lacks)
             if self._db is not None:
                 self._inherited.append(self._db)
             self._lock, self._db, self._db_pid = threading.RLock(), None, os.getpid()
@@ -533,10 +554,14 @@ class Ledger:
             db.executemany("INSERT INTO accounts (account, epsilon, delta, pinned_at) VALUES (?, ?, ?, ?)", fresh)
         for account, asked in budgets.items():
             have = pinned.get(account, asked)
-            outcomes[account] = have if have == asked else BudgetMismatch(
-                f"ledger account {account!r} is pinned at ε={have.epsilon:g}, δ={have.delta:g}; this client "
-                f"was asked to train at ε={asked.epsilon:g}, δ={asked.delta:g}. A budget changes only by the node "
-                f"operator's own act: fedprivacy ledger set-budget {self.path} {account} --epsilon E --delta D"
+            outcomes[account] = (
+                have
+                if have == asked
+                else BudgetMismatch(
+                    f"ledger account {account!r} is pinned at ε={have.epsilon:g}, δ={have.delta:g}; this client "
+                    f"was asked to train at ε={asked.epsilon:g}, δ={asked.delta:g}. A budget changes only by the node "
+                    f"operator's own act: fedprivacy ledger set-budget {self.path} {account} --epsilon E --delta D"
+                )
             )
         return outcomes
 
@@ -545,7 +570,10 @@ class Ledger:
         no other connection writes to the file (`PRAGMA data_version`); this one changes a budget
         only in `set_budget`, which forgets it."""
         self._forget_if_written_elsewhere(db)
-        known, shared = self._known_budgets, self._budget_objects  # one object per distinct budget: rounds group by it
+        known, shared = (
+            self._known_budgets,
+            self._budget_objects,
+        )  # one object per distinct budget: rounds group by it
         try:
             return {a: known[a] for a in accounts}  # a steady round: every budget read before
         except KeyError:
@@ -576,7 +604,9 @@ class Ledger:
         if missing:
             db.executemany("INSERT OR IGNORE INTO account_keys (account) VALUES (?)", [(a,) for a in missing])
             for chunk in _chunks(missing):
-                known.update(db.execute(f"SELECT account, id FROM account_keys WHERE account IN ({_marks(chunk)})", chunk))
+                known.update(
+                    db.execute(f"SELECT account, id FROM account_keys WHERE account IN ({_marks(chunk)})", chunk)
+                )
         return {a: known[a] for a in accounts}
 
     def set_budget(self, account: str, epsilon: float, delta: float) -> Budget:
@@ -585,8 +615,10 @@ class Ledger:
             if self._budget(db, account) is None:
                 raise InputError("account", account, f"no such account in {self.path}")
             self._known_budgets.pop(account, None)
-            db.execute("UPDATE accounts SET epsilon = ?, delta = ?, changed_at = ? WHERE account = ?",
-                       (float(epsilon), float(delta), _now(), account))
+            db.execute(
+                "UPDATE accounts SET epsilon = ?, delta = ?, changed_at = ? WHERE account = ?",
+                (float(epsilon), float(delta), _now(), account),
+            )
         return Budget(float(epsilon), float(delta))
 
     # ----- data files (deployments) -----
@@ -614,17 +646,27 @@ class Ledger:
                 )
             other = db.execute("SELECT account FROM account_data WHERE digest = ?", (digest,)).fetchone()
             if other is not None:
-                raise DataMismatch(f"this data file is already accounted under {other[0]!r} in ledger {self.path}: "
-                                   f"start the node with that client-id, so that its spends keep counting")
-            legacy_known = legacy_account is not None and db.execute(
-                "SELECT 1 FROM account_keys WHERE account = ? UNION SELECT 1 FROM accounts WHERE account = ?",
-                (legacy_account, legacy_account)).fetchone() is not None  # spends of a layout without budgets too
+                raise DataMismatch(
+                    f"this data file is already accounted under {other[0]!r} in ledger {self.path}: "
+                    f"start the node with that client-id, so that its spends keep counting"
+                )
+            legacy_known = (
+                legacy_account is not None
+                and db.execute(
+                    "SELECT 1 FROM account_keys WHERE account = ? UNION SELECT 1 FROM accounts WHERE account = ?",
+                    (legacy_account, legacy_account),
+                ).fetchone()
+                is not None
+            )  # spends of a layout without budgets too
             if legacy_known and self._budget(db, account) is None:
                 for table in ("account_keys", "accounts", "plans"):
                     db.execute(f"UPDATE {table} SET account = ? WHERE account = ?", (account, legacy_account))
                 for cache in (self._known_budgets, self._known_keys, self._seen):
                     cache.pop(legacy_account, None)
-            db.execute("INSERT INTO account_data (account, digest, pinned_at) VALUES (?, ?, ?)", (account, digest, _now()))
+            db.execute(
+                "INSERT INTO account_data (account, digest, pinned_at) VALUES (?, ?, ?)",
+                (account, digest, _now()),
+            )
 
     def accept_data(self, account: str, digest: str) -> None:
         """The node operator declares that `account`'s records now live in the file of `digest`
@@ -632,12 +674,16 @@ class Ledger:
         with self._transaction() as db:
             if self._budget(db, account) is None:
                 raise InputError("account", account, f"no such account in {self.path}")
-            other = db.execute("SELECT account FROM account_data WHERE digest = ? AND account != ?", (digest, account)).fetchone()
+            other = db.execute(
+                "SELECT account FROM account_data WHERE digest = ? AND account != ?", (digest, account)
+            ).fetchone()
             if other is not None:
                 raise InputError("data", digest, f"is already the data of account {other[0]!r}: one file, one budget")
-            db.execute("INSERT INTO account_data (account, digest, pinned_at, changed_at) VALUES (?, ?, ?, ?) "
-                       "ON CONFLICT(account) DO UPDATE SET digest = excluded.digest, changed_at = excluded.changed_at",
-                       (account, digest, _now(), _now()))
+            db.execute(
+                "INSERT INTO account_data (account, digest, pinned_at, changed_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(account) DO UPDATE SET digest = excluded.digest, changed_at = excluded.changed_at",
+                (account, digest, _now(), _now()),
+            )
 
     # ----- partitionings (simulations) -----
     def pin_partitioning(self, dataset: str, partitioning: dict[str, object]) -> None:
@@ -646,14 +692,16 @@ class Ledger:
         with self._transaction() as db:
             row = db.execute("SELECT partitioning FROM partitionings WHERE dataset = ?", (dataset,)).fetchone()
             if row is None:
-                db.execute("INSERT INTO partitionings (dataset, partitioning, pinned_at) VALUES (?, ?, ?)",
-                           (dataset, text, _now()))
+                db.execute(
+                    "INSERT INTO partitionings (dataset, partitioning, pinned_at) VALUES (?, ?, ?)",
+                    (dataset, text, _now()),
+                )
                 return
         if row[0] != text:
             raise PartitioningMismatch(
                 f"ledger {self.path} holds accounts of this data set partitioned as {row[0]}; this run partitions "
-                f"it as {text}: the same records would get fresh budgets. Use the same partitioning, or another ledger-path "
-                "for data that is truly distinct"
+                f"it as {text}: the same records would get fresh budgets. Use the same partitioning, "
+                "or another ledger-path for data that is truly distinct"
             )
 
     # ----- spends -----
@@ -693,8 +741,12 @@ class Ledger:
         found: dict[str, set[str]] = {}
         with self._connect() as db:
             for chunk in _chunks(accounts):
-                rows = db.execute(f"SELECT DISTINCT k.account, s.run_id FROM spends AS s JOIN account_keys AS k ON k.id = s.account_key "
-                                  f"WHERE k.account IN ({_marks(chunk)})", chunk)  # fmt: skip
+                rows = db.execute(
+                    "SELECT DISTINCT k.account, s.run_id FROM spends AS s "
+                    "JOIN account_keys AS k ON k.id = s.account_key "
+                    f"WHERE k.account IN ({_marks(chunk)})",
+                    chunk,
+                )
                 for account, run_id in rows:
                     found.setdefault(account, set()).add(run_id)
         return found
@@ -749,7 +801,9 @@ class Ledger:
         """
         return self.record_with_steps(account, run_id, server_round, new_events)[0]
 
-    def record_with_steps(self, account: str, run_id: str, server_round: int, new_events: Sequence[NoiseEvent]) -> tuple[float, int]:
+    def record_with_steps(
+        self, account: str, run_id: str, server_round: int, new_events: Sequence[NoiseEvent]
+    ) -> tuple[float, int]:
         """`record`, with the account's steps once the spend is recorded (its whole history, read
         in the same transaction: a client's reply then states one ledger state, even if another
         writer spends from the account right after)."""
@@ -759,15 +813,20 @@ class Ledger:
             raise outcome
         return outcome, decision.steps[account]
 
-    def record_round(self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]) -> dict[str, Outcome]:
+    def record_round(
+        self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]]
+    ) -> dict[str, Outcome]:
         """`record` for every account of a round, in one transaction: each account gets its new ε,
         or the refusal that kept its spend out (the others are written regardless)."""
         return self._record_round(run_id, server_round, spends, None)[0].outcomes
 
     def record_round_while(
-        self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]],
+        self,
+        run_id: str,
+        server_round: int,
+        spends: dict[str, Sequence[NoiseEvent]],
         work: Callable[[RoundDecision], T] | None,
-    ) -> tuple[dict[str, Outcome], T | None]:  # fmt: skip
+    ) -> tuple[dict[str, Outcome], T | None]:
         """`record_round`, running `work(decision)` while the round's spends are written and
         committed on another thread (a simulation's training overlaps the ledger's disk work); the
         work's result is returned only once the spends are durable. If the write or commit fails,
@@ -779,9 +838,12 @@ class Ledger:
         return decision.outcomes, result
 
     def _record_round(
-        self, run_id: str, server_round: int, spends: dict[str, Sequence[NoiseEvent]],
+        self,
+        run_id: str,
+        server_round: int,
+        spends: dict[str, Sequence[NoiseEvent]],
         work: Callable[[RoundDecision], T] | None,
-    ) -> tuple[RoundDecision, T | None]:  # fmt: skip
+    ) -> tuple[RoundDecision, T | None]:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -820,7 +882,9 @@ class Ledger:
         groups: dict[tuple[int, int, int], list[str]] = {}
         for account, new_events in spends.items():
             if account in repeated:
-                outcomes[account] = RoundRepeated(f"round {server_round} of run {run_id} was already trained by this client")
+                outcomes[account] = RoundRepeated(
+                    f"round {server_round} of run {run_id} was already trained by this client"
+                )
             else:
                 groups.setdefault((id(histories[account]), id(new_events), id(budgets[account])), []).append(account)
         for members in groups.values():
@@ -829,15 +893,31 @@ class Ledger:
             history = self._shared.extend(histories[members[0]], new_events)
             epsilon = self._shared.epsilon(history, budget.delta)
             if epsilon > budget.epsilon:
-                outcomes.update({a: BudgetExceeded(f"account {a!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
-                                 for a in members})  # fmt: skip
+                outcomes.update(
+                    {
+                        a: BudgetExceeded(f"account {a!r}: ε would reach {epsilon:.4f} > budget {budget.epsilon:g}")
+                        for a in members
+                    }
+                )
                 continue
             outcomes.update(dict.fromkeys(members, epsilon))
             written.update(dict.fromkeys(members, history))
             steps.update(dict.fromkeys(members, self._shared.steps(history)))
             members_keys = json.dumps(list(map(keys.__getitem__, members)))
-            rows += [(run_id, server_round, e.sigma, e.sampling_rate, e.count, epsilon, budget.delta, now, members_keys)
-                     for e in new_events]  # fmt: skip
+            rows += [
+                (
+                    run_id,
+                    server_round,
+                    e.sigma,
+                    e.sampling_rate,
+                    e.count,
+                    epsilon,
+                    budget.delta,
+                    now,
+                    members_keys,
+                )
+                for e in new_events
+            ]
         return RoundDecision(outcomes, steps), written, rows
 
     def _current_histories(self, db: sqlite3.Connection, accounts: list[str]) -> dict[str, tuple[NoiseEvent, ...]]:
@@ -852,8 +932,11 @@ class Ledger:
                     self._known_keys.clear()
                     self._known_budgets.clear()
             else:
-                for (account,) in db.execute("SELECT DISTINCT k.account FROM spends AS s NOT INDEXED JOIN account_keys AS k "
-                                             "ON k.id = s.account_key WHERE s.id > ?", (self._synced,)):  # fmt: skip
+                for (account,) in db.execute(
+                    "SELECT DISTINCT k.account FROM spends AS s NOT INDEXED JOIN account_keys AS k "
+                    "ON k.id = s.account_key WHERE s.id > ?",
+                    (self._synced,),
+                ):
                     self._seen.pop(account, None)
             self._synced = last
         seen = self._seen
@@ -881,7 +964,8 @@ class Ledger:
         found: dict[str, list[NoiseEvent]] = {}
         for chunk in _chunks(accounts):
             rows = db.execute(
-                f"SELECT k.account, s.sigma, s.sampling_rate, s.steps FROM spends AS s JOIN account_keys AS k ON k.id = s.account_key "
+                "SELECT k.account, s.sigma, s.sampling_rate, s.steps FROM spends AS s "
+                "JOIN account_keys AS k ON k.id = s.account_key "
                 f"WHERE k.account IN ({_marks(chunk)}) ORDER BY s.id",
                 chunk,
             )
@@ -892,7 +976,12 @@ class Ledger:
     @staticmethod
     def _rounds_recorded(db: sqlite3.Connection, accounts: list[str], run_id: str, server_round: int) -> set[str]:
         found: set[str] = set()
-        if db.execute("SELECT 1 FROM spends WHERE run_id = ? AND server_round = ? LIMIT 1", (run_id, server_round)).fetchone() is None:
+        if (
+            db.execute(
+                "SELECT 1 FROM spends WHERE run_id = ? AND server_round = ? LIMIT 1", (run_id, server_round)
+            ).fetchone()
+            is None
+        ):
             return found  # a round nobody recorded yet: one index probe instead of a lookup per account
         for chunk in _chunks(accounts):
             rows = db.execute(
@@ -914,12 +1003,20 @@ class Ledger:
                 events = histories.get(account, [])
                 runs, last = db.execute(
                     "SELECT COUNT(DISTINCT s.run_id), MAX(s.recorded_at) FROM spends AS s JOIN account_keys AS k "
-                    "ON k.id = s.account_key WHERE k.account = ?", (account,)
+                    "ON k.id = s.account_key WHERE k.account = ?",
+                    (account,),
                 ).fetchone()
-                summaries.append(AccountSummary(
-                    account=account, epsilon=float(epsilon), delta=float(delta), steps=sum(e.count for e in events),
-                    epsilon_spent=composed_epsilon(events, float(delta)), runs=int(runs), last_spend=last,
-                ))  # fmt: skip
+                summaries.append(
+                    AccountSummary(
+                        account=account,
+                        epsilon=float(epsilon),
+                        delta=float(delta),
+                        steps=sum(e.count for e in events),
+                        epsilon_spent=composed_epsilon(events, float(delta)),
+                        runs=int(runs),
+                        last_spend=last,
+                    )
+                )
         return summaries
 
     # ----- plans -----
@@ -935,8 +1032,10 @@ class Ledger:
             raise ValueError(f"a {other[0]} plan cannot be run: a ledger composes add/remove steps (N public)")
         with self._transaction() as db:
             kept = self._plans(db, list(plans), run_id)
-            db.executemany("INSERT INTO plans (account, run_id, plan_json) VALUES (?, ?, ?)",
-                           [(account, run_id, plan.to_json()) for account, plan in plans.items() if account not in kept])  # fmt: skip
+            db.executemany(
+                "INSERT INTO plans (account, run_id, plan_json) VALUES (?, ?, ?)",
+                [(account, run_id, plan.to_json()) for account, plan in plans.items() if account not in kept],
+            )
         return {**plans, **kept}
 
     def load_plan(self, account: str, run_id: str) -> Plan | None:
@@ -951,7 +1050,9 @@ class Ledger:
     def _plans(db: sqlite3.Connection, accounts: list[str], run_id: str) -> dict[str, Plan]:
         found: dict[str, Plan] = {}
         for chunk in _chunks(accounts):
-            rows = db.execute(f"SELECT account, plan_json FROM plans WHERE run_id = ? AND account IN ({_marks(chunk)})",
-                              [run_id, *chunk])  # fmt: skip
+            rows = db.execute(
+                f"SELECT account, plan_json FROM plans WHERE run_id = ? AND account IN ({_marks(chunk)})",
+                [run_id, *chunk],
+            )
             found.update({account: Plan.from_dict(json.loads(text)) for account, text in rows})
         return found

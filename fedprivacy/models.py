@@ -79,10 +79,7 @@ def build_model(name: str, num_features: int, num_classes: int) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"model={name!r}: unknown model; known models are {', '.join(MODELS)}")
     if num_features < 1 or num_classes < 2:
-        raise ValueError(
-            f"num_features={num_features}, num_classes={num_classes}: need >= 1 feature "
-            "and >= 2 classes"
-        )
+        raise ValueError(f"num_features={num_features}, num_classes={num_classes}: need >= 1 feature and >= 2 classes")
     return MODELS[name](num_features, num_classes)
 
 

@@ -46,9 +46,16 @@ from fedprivacy.training.trainer import DPTrainer, check_finite
 logger = logging.getLogger(__name__)
 
 PUBLIC_REPLY_KEYS = (
-    "num-examples", "epsilon-budget", "delta", "sigma", "steps-planned", "epsilon-spent", "steps-done",
-    "budget-exhausted", "on-gpu",
-)  # fmt: skip
+    "num-examples",
+    "epsilon-budget",
+    "delta",
+    "sigma",
+    "steps-planned",
+    "epsilon-spent",
+    "steps-done",
+    "budget-exhausted",
+    "on-gpu",
+)
 DIAGNOSTIC_KEYS = ("train-loss", "clip-fraction", "nonfinite-examples")  # simulations with diagnostics only
 
 
@@ -118,9 +125,12 @@ def require_data_file(settings: RunSettings) -> None:
     """Refuse a simulation whose pums or csv file is not on this machine: each simulated client
     checks before it reads, and the simulators before anything runs."""
     if data_file_missing(settings):
-        raise InputError("data-path", "" if settings.data_path is None else str(settings.data_path),
-                         f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
-                         "the run config's data-path (an absolute path on this machine)")
+        raise InputError(
+            "data-path",
+            "" if settings.data_path is None else str(settings.data_path),
+            f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
+            "the run config's data-path (an absolute path on this machine)",
+        )
 
 
 _DIGESTS: dict[tuple[str, int, int], str] = {}
@@ -204,18 +214,35 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
     """
     if not node.data_path.is_file():
         raise InputError("data-path", str(node.data_path), "no such file on this SuperNode")
-    for key, run_value, node_value in (("epsilon", settings.epsilon, node.epsilon), ("delta", settings.delta, node.delta),
-                                       ("dataset", settings.dataset, node.dataset), ("pums-age", settings.pums_age, node.pums_age)):  # fmt: skip
+    for key, run_value, node_value in (
+        ("epsilon", settings.epsilon, node.epsilon),
+        ("delta", settings.delta, node.delta),
+        ("dataset", settings.dataset, node.dataset),
+        ("pums-age", settings.pums_age, node.pums_age),
+    ):
         if run_value != node_value:
             shown = [f"{v:g}" if isinstance(v, float) else v for v in (run_value, node_value)]
-            logger.warning("run config %s=%s ignored: a deployed client's %s is its node config's (%s)",
-                           key, shown[0], key, shown[1])
+            logger.warning(
+                "run config %s=%s ignored: a deployed client's %s is its node config's (%s)",
+                key,
+                shown[0],
+                key,
+                shown[1],
+            )
     if node.dataset == "pums":
         options: dict[str, Any] = {"client_column": None, "age": node.pums_age, "per_row": True}
     else:
-        options = {"label": node.label_column, "features": list(node.feature_columns or ()), "num_classes": node.num_classes}
+        options = {
+            "label": node.label_column,
+            "features": list(node.feature_columns or ()),
+            "num_classes": node.num_classes,
+        }
     dataset = load_dataset(node.dataset, node.data_path, **options)  # a bad row is dropped alone, never a failure
-    rows = ClientData(client_id=node.client_id, train=dataset.subset(np.arange(len(dataset))), test=dataset.subset(np.arange(0)))
+    rows = ClientData(
+        client_id=node.client_id,
+        train=dataset.subset(np.arange(len(dataset))),
+        test=dataset.subset(np.arange(0)),
+    )
     _warn_locally_about_the_real_size(node, len(dataset))
     return LocalClient(
         client_id=node.client_id,
@@ -234,12 +261,21 @@ def _warn_locally_about_the_real_size(node: NodeSettings, rows: int) -> None:
     """Advice for the operator, in the SuperNode's log only: nothing about the real row count may
     reach the server (a refusal would tell neighbours apart by N), so none of this refuses."""
     if node.delta * rows >= 1.0:
-        logger.warning("client %s: delta=%g is not below 1/N for the %d rows of its file: a delta that large allows "
-                       "releasing a record outright; choose a smaller delta", node.client_id, node.delta, rows)
+        logger.warning(
+            "client %s: delta=%g is not below 1/N for the %d rows of its file: a delta that large allows "
+            "releasing a record outright; choose a smaller delta",
+            node.client_id,
+            node.delta,
+            rows,
+        )
     if not 0.5 <= rows / node.public_size <= 2.0:
-        logger.warning("client %s: its file holds %d rows, its public-size is %d: its updates are scaled by "
-                       "q·public-size, so a size far from the real one slows or destabilises training",
-                       node.client_id, rows, node.public_size)
+        logger.warning(
+            "client %s: its file holds %d rows, its public-size is %d: its updates are scaled by "
+            "q·public-size, so a size far from the real one slows or destabilises training",
+            node.client_id,
+            rows,
+            node.public_size,
+        )
 
 
 def deployed_account(client_id: str) -> str:
@@ -260,7 +296,9 @@ def open_account(client: LocalClient, settings: RunSettings, ledger: Ledger, run
         raise refusal
 
 
-def open_accounts(clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str) -> dict[str, ClientRefusal | None]:
+def open_accounts(
+    clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str
+) -> dict[str, ClientRefusal | None]:
     """`open_account` for many clients of one ledger at once (a batched engine's round): each
     account gets its refusal, or None."""
     refusals: dict[str, ClientRefusal | None] = {c.account: _policy_refusal(c, settings) for c in clients}
@@ -272,13 +310,16 @@ def open_accounts(clients: list[LocalClient], settings: RunSettings, ledger: Led
                 logger.warning("client %s: %s", client.client_id, mismatch)
                 refusals[client.account] = ClientRefusal(
                     f"client {client.client_id}: its ledger refused its data file for account {client.account}; "
-                    "the reason and the operator's remedy are in the SuperNode's log")
+                    "the reason and the operator's remedy are in the SuperNode's log"
+                )
     opening = [c for c in clients if refusals[c.account] is None]
     pinned = ledger.open_accounts({c.account: Budget(c.epsilon, c.delta) for c in opening})
     for client in opening:
         if isinstance(pinned[client.account], ClientRefusal):
             refusals[client.account] = pinned[client.account]
-    for dataset_id, partitioning in {(c.dataset_id, json.dumps(c.partitioning, sort_keys=True)) for c in opening if c.partitioning}:
+    for dataset_id, partitioning in {
+        (c.dataset_id, json.dumps(c.partitioning, sort_keys=True)) for c in opening if c.partitioning
+    }:
         try:
             ledger.pin_partitioning(dataset_id, json.loads(partitioning))
         except ClientRefusal as refusal:
@@ -299,11 +340,14 @@ def open_accounts(clients: list[LocalClient], settings: RunSettings, ledger: Led
 
 def _policy_refusal(client: LocalClient, settings: RunSettings) -> ClientRefusal | None:
     if client.deployed and settings.noise_seed >= 0:
-        return ClientRefusal(f"noise-seed={settings.noise_seed}: a deployed client draws its noise from OS entropy "
-                             "and never accepts a seed (seeds are for simulations)")
+        return ClientRefusal(
+            f"noise-seed={settings.noise_seed}: a deployed client draws its noise from OS entropy "
+            "and never accepts a seed (seeds are for simulations)"
+        )
     if client.deployed and settings.diagnostics:
-        return ClientRefusal("diagnostics=true: raw training statistics are not private; a deployed client never "
-                             "returns them")
+        return ClientRefusal(
+            "diagnostics=true: raw training statistics are not private; a deployed client never returns them"
+        )
     return None
 
 
@@ -316,8 +360,15 @@ def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> 
     return build_model(settings.model, int(np.prod(features.shape[1:])), num_classes)
 
 
-def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float, delta: float, client_id: str, *,
-                       compare: bool = True) -> Plan:  # fmt: skip
+def plan_from_settings(
+    settings: RunSettings,
+    num_examples: int,
+    epsilon: float,
+    delta: float,
+    client_id: str,
+    *,
+    compare: bool = True,
+) -> Plan:
     """The plan a client makes from the run config: one place, so the ClientApp, the engines and
     the baselines agree. Clients with the same inputs share one planning (and certification).
 
@@ -325,25 +376,55 @@ def plan_from_settings(settings: RunSettings, num_examples: int, epsilon: float,
     plan): the ClientApp computes it for its own plan, so that a deployment's clients share the
     work; one process simulating them all (the fast engine) or training without noise (the
     baselines) leaves it to the sheets."""
-    inputs = (num_examples, epsilon, delta, settings.rule, settings.clip_norm, settings.epochs,
-              settings.num_server_rounds, settings.learning_rate, settings.lr_schedule or None,
-              (settings.lr_offset, settings.lr_decay))  # fmt: skip
+    inputs = (
+        num_examples,
+        epsilon,
+        delta,
+        settings.rule,
+        settings.clip_norm,
+        settings.epochs,
+        settings.num_server_rounds,
+        settings.learning_rate,
+        settings.lr_schedule or None,
+        (settings.lr_offset, settings.lr_decay),
+    )
     try:
         return replace((_shared_compared_plan if compare else _shared_plan)(*inputs), client_id=client_id)
     except PlanRefused:
         return _plan(*inputs, client_id=client_id)  # raises again, naming this client
 
 
-def _plan(n: int, epsilon: float, delta: float, rule: str, clip_norm: float, epochs: float | None, rounds: int,
-          learning_rate: float, lr_schedule: str | None, inverse_sqrt: tuple[float, float],
-          client_id: str = "") -> Plan:  # fmt: skip
+def _plan(
+    n: int,
+    epsilon: float,
+    delta: float,
+    rule: str,
+    clip_norm: float,
+    epochs: float | None,
+    rounds: int,
+    learning_rate: float,
+    lr_schedule: str | None,
+    inverse_sqrt: tuple[float, float],
+    client_id: str = "",
+) -> Plan:
     """`inverse_sqrt` = (a, c) of η_t = η/sqrt(a + c·t), used when the schedule is inverse_sqrt.
     Without the rule comparison (`plan_from_settings` adds it)."""
     schedule = lr_schedule or find_rule(rule).default_schedules(None)[0]
     lr_params = {"a": inverse_sqrt[0], "c": inverse_sqrt[1]} if schedule == "inverse_sqrt" else None
-    return plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=epochs, rounds=rounds,
-                       client_id=client_id, learning_rate=learning_rate, lr_schedule=lr_schedule,
-                       lr_params=lr_params, compare=False)  # fmt: skip
+    return plan_client(
+        n,
+        epsilon,
+        delta,
+        rule=rule,
+        clip_norm=clip_norm,
+        epochs=epochs,
+        rounds=rounds,
+        client_id=client_id,
+        learning_rate=learning_rate,
+        lr_schedule=lr_schedule,
+        lr_params=lr_params,
+        compare=False,
+    )
 
 
 _shared_plan = functools.lru_cache(maxsize=4096)(_plan)
@@ -365,8 +446,9 @@ def run_plan(client: LocalClient, settings: RunSettings, ledger: Ledger, run_id:
     return outcome, True
 
 
-def run_plans(clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str, *,
-              compare: bool = True) -> dict[str, Plan | Exception]:  # fmt: skip
+def run_plans(
+    clients: list[LocalClient], settings: RunSettings, ledger: Ledger, run_id: str, *, compare: bool = True
+) -> dict[str, Plan | Exception]:
     """Each client's plan for this run: the one saved in the ledger, or a new a-priori plan saved
     now (all in one transaction); a client that cannot plan gets its error instead. `compare`: as
     in `plan_from_settings`."""
@@ -388,7 +470,9 @@ def _new_plan(client: LocalClient, settings: RunSettings, compare: bool) -> Plan
     """A new plan. A deployed client's planning inputs are public (its declared size, its budget,
     the run config), so the planner's refusal leaves it with its text, as a `ClientRefusal`."""
     try:
-        plan = plan_from_settings(settings, client.planning_size, client.epsilon, client.delta, client.client_id, compare=compare)
+        plan = plan_from_settings(
+            settings, client.planning_size, client.epsilon, client.delta, client.client_id, compare=compare
+        )
     except InputError as error:
         if not client.deployed:
             raise
@@ -452,8 +536,12 @@ def train_round(
     if report.steps != sum(e.count for e in events):
         raise RuntimeError(f"trainer ran {report.steps} steps, the plan's round has {sum(e.count for e in events)}")
     if report.nonfinite_examples:  # local only: it counts records
-        logger.warning("client %s, round %d: %d sampled examples had a non-finite gradient and contributed zero",
-                       client.client_id, server_round, report.nonfinite_examples)
+        logger.warning(
+            "client %s, round %d: %d sampled examples had a non-finite gradient and contributed zero",
+            client.client_id,
+            server_round,
+            report.nonfinite_examples,
+        )
     try:
         spent, steps = ledger.record_with_steps(client.account, run_id, server_round, events)
     except BudgetExceeded:  # another writer spent the budget meanwhile: this update must not leave
@@ -465,11 +553,21 @@ def train_round(
     return RoundResult(state, metrics, trainer.state_dict())
 
 
-def reply_metrics(client: LocalClient, plan: Plan, epsilon_spent: float, steps_done: int, *, trained: bool,
-                  on_gpu: bool = False) -> dict[str, int | float]:  # fmt: skip
+def reply_metrics(
+    client: LocalClient,
+    plan: Plan,
+    epsilon_spent: float,
+    steps_done: int,
+    *,
+    trained: bool,
+    on_gpu: bool = False,
+) -> dict[str, int | float]:
     """A train reply's metrics (`PUBLIC_REPLY_KEYS`): a client that did not train sends weight zero."""
-    return {**reply_constants(client, plan, trained=trained, on_gpu=on_gpu),
-            "epsilon-spent": float(epsilon_spent), "steps-done": int(steps_done)}  # fmt: skip
+    return {
+        **reply_constants(client, plan, trained=trained, on_gpu=on_gpu),
+        "epsilon-spent": float(epsilon_spent),
+        "steps-done": int(steps_done),
+    }
 
 
 def reply_constants(client: LocalClient, plan: Plan, *, trained: bool, on_gpu: bool = False) -> dict[str, int | float]:
@@ -488,18 +586,26 @@ def reply_constants(client: LocalClient, plan: Plan, *, trained: bool, on_gpu: b
 
 def diagnostics(mean_loss: float, clip_fraction: float, nonfinite: int) -> dict[str, int | float]:
     """Raw training statistics (`DIAGNOSTIC_KEYS`), for a simulation that asked: never private."""
-    return {"train-loss": _finite(mean_loss), "clip-fraction": _finite(clip_fraction), "nonfinite-examples": int(nonfinite)}
+    return {
+        "train-loss": _finite(mean_loss),
+        "clip-fraction": _finite(clip_fraction),
+        "nonfinite-examples": int(nonfinite),
+    }
 
 
 def _exhausted(client: LocalClient, plan: Plan, ledger: Ledger) -> dict[str, int | float]:
-    return reply_metrics(client, plan, ledger.epsilon_spent(client.account), ledger.steps_spent(client.account), trained=False)
+    return reply_metrics(
+        client, plan, ledger.epsilon_spent(client.account), ledger.steps_spent(client.account), trained=False
+    )
 
 
 def _finite(value: float) -> float:
     return float(value) if math.isfinite(value) else 0.0
 
 
-def evaluate_local(client: LocalClient, settings: RunSettings, global_state: dict[str, torch.Tensor]) -> dict[str, int | float]:
+def evaluate_local(
+    client: LocalClient, settings: RunSettings, global_state: dict[str, torch.Tensor]
+) -> dict[str, int | float]:
     """Local test loss and accuracy of the global model (simulations only).
 
     A deployed client releases no evaluation: exact loss and accuracy on its test rows, for any

@@ -105,7 +105,11 @@ def _plan(client: Mapping[str, Any]) -> tuple[str, Plan]:
 def _check_plan_matches(values: dict[str, float], plan: Plan, pinned: Plan | None) -> None:
     if pinned is not None and plan.to_dict() != pinned.to_dict():
         raise InvalidReply("its plan differs from the one it sent earlier in this run")
-    if (values["epsilon-budget"], values["delta"], values["steps-planned"]) != (plan.epsilon, plan.delta, plan.steps):
+    if (values["epsilon-budget"], values["delta"], values["steps-planned"]) != (
+        plan.epsilon,
+        plan.delta,
+        plan.steps,
+    ):
         raise InvalidReply("metrics epsilon-budget, delta and steps-planned disagree with its plan")
     if values["sigma"] != plan.sigma:
         raise InvalidReply(f"metric sigma={values['sigma']:g} disagrees with its plan's σ={plan.sigma:g}")
@@ -120,7 +124,9 @@ def _check_arrays(arrays: Mapping[str, np.ndarray] | None, model: ModelSpec) -> 
     for key, (shape, dtype) in model.items():
         value = arrays[key]
         if tuple(value.shape) != shape or str(value.dtype) != dtype:
-            raise InvalidReply(f"weights {key!r} are {value.dtype}{list(value.shape)}, the model's are {dtype}{list(shape)}")
+            raise InvalidReply(
+                f"weights {key!r} are {value.dtype}{list(value.shape)}, the model's are {dtype}{list(shape)}"
+            )
         if not np.isfinite(value).all():
             raise InvalidReply(f"weights {key!r} hold NaN or infinite values")
     return dict(arrays)
@@ -158,5 +164,7 @@ def check_evaluate_reply(metrics: Mapping[str, Any]) -> dict[str, float]:
     if values["num-examples"] < 1 or values["num-examples"] != int(values["num-examples"]):
         raise InvalidReply(f"metric num-examples={values['num-examples']:g} must be a whole number >= 1")
     if values["loss"] < 0 or not 0 <= values["accuracy"] <= 1:
-        raise InvalidReply(f"loss={values['loss']:g}, accuracy={values['accuracy']:g}: need loss >= 0, accuracy in [0, 1]")
+        raise InvalidReply(
+            f"loss={values['loss']:g}, accuracy={values['accuracy']:g}: need loss >= 0, accuracy in [0, 1]"
+        )
     return values

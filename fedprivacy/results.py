@@ -37,24 +37,50 @@ from fedprivacy.reports.progress import draw_progress
 from fedprivacy.reports.sheets import write_sheets
 
 ROUND_COLUMNS = (
-    "round", "accuracy", "loss", "federated_accuracy", "federated_loss", "clients_sampled", "clients_trained",
-    "clients_dropped", "clients_exhausted", "clients_failed", "epsilon_spent_max", "epsilon_spent_mean",
-    "train_loss", "clip_fraction", "elapsed_s",
-)  # fmt: skip
+    "round",
+    "accuracy",
+    "loss",
+    "federated_accuracy",
+    "federated_loss",
+    "clients_sampled",
+    "clients_trained",
+    "clients_dropped",
+    "clients_exhausted",
+    "clients_failed",
+    "epsilon_spent_max",
+    "epsilon_spent_mean",
+    "train_loss",
+    "clip_fraction",
+    "elapsed_s",
+)
 # Scopes: `steps_this_run` counts the steps of this run's updates the server received;
 # `steps_all_runs` and `epsilon_spent` are the client's ledger (every run on its records).
 CLIENT_COLUMNS = (
-    "client_id", "num_examples", "epsilon_budget", "epsilon_spent", "delta", "sigma", "steps_planned",
-    "steps_this_run", "steps_all_runs", "rounds_trained", "rounds_dropped", "exhausted_round", "excluded_round",
-    "device", "status",
-)  # fmt: skip
+    "client_id",
+    "num_examples",
+    "epsilon_budget",
+    "epsilon_spent",
+    "delta",
+    "sigma",
+    "steps_planned",
+    "steps_this_run",
+    "steps_all_runs",
+    "rounds_trained",
+    "rounds_dropped",
+    "exhausted_round",
+    "excluded_round",
+    "device",
+    "status",
+)
 REPLY_COLUMNS = ("round", "client_id", "outcome", "reason")
 
 
 DIAGNOSTICS_NOTE = "not private: clients returned their raw training loss and clip fraction (simulation only)"
 
 
-def resolved_config(settings: Any, run_id: int | str, run_config: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def resolved_config(
+    settings: Any, run_id: int | str, run_config: dict[str, Any], extra: dict[str, Any]
+) -> dict[str, Any]:
     """config.json: the run config as given, every setting as resolved, and where things went."""
     return {
         "run_id": run_id,
@@ -117,7 +143,9 @@ def _csv_lines(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> list[str
     return lines
 
 
-def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]], lines: list[str] | None = None) -> None:
+def _write_csv(
+    path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]], lines: list[str] | None = None
+) -> None:
     """Rewrite a CSV file atomically (a reader or a crash never sees half of it). `lines`: the rows
     already formatted, so a file that only grows formats each row once."""
     body = lines if lines is not None else _csv_lines(columns, rows)
@@ -262,7 +290,7 @@ class RunRecorder:
         self.rounds.append(row)
         _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
         _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(self.clients[c]) for c in sorted(self.clients)])
-        self._reply_lines += _csv_lines(REPLY_COLUMNS, self.replies[len(self._reply_lines):])
+        self._reply_lines += _csv_lines(REPLY_COLUMNS, self.replies[len(self._reply_lines) :])
         _write_csv(self.folder / "replies.csv", REPLY_COLUMNS, self.replies, self._reply_lines)
         return row
 
@@ -271,8 +299,10 @@ class RunRecorder:
         if not any(c.rounds_trained for c in self.clients.values()):
             failed = sum(c.rounds_dropped > 0 for c in self.clients.values())
             exhausted = sum(c.exhausted_round is not None for c in self.clients.values())
-            raise RuntimeError(f"no client trained in any round ({failed} failed, {exhausted} out of budget): "
-                               "no model was saved; see clients.csv")
+            raise RuntimeError(
+                f"no client trained in any round ({failed} failed, {exhausted} out of budget): "
+                "no model was saved; see clients.csv"
+            )
 
     def write_plans(self) -> list[Path]:
         """Every client's planning sheet (md, html, json), the plans' figures and the index, under plans/."""

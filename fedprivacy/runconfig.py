@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
 from fedprivacy.aggregation import AGGREGATIONS
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
+from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
 from fedprivacy.models import MODELS
+from fedprivacy.privacy import limits
 from fedprivacy.privacy.plan import LR_SCHEDULES
 from fedprivacy.privacy.rules import RULE_NAMES, find_rule
-from fedprivacy.privacy import limits
 
 DATASETS = ("digits", "pums", "csv", "synthetic")
 PARTITIONINGS = ("auto", *SCHEMES)  # auto: natural when partition-by names a column, else iid
@@ -197,7 +197,11 @@ class RunSettings:
             self.budget(index, num_clients)
             self.client_delta(index, num_clients)
         if num_clients < self.min_clients:
-            raise InputError(field, num_clients, f"must be at least min-clients={self.min_clients}: the server waits for that many before a round")
+            raise InputError(
+                field,
+                num_clients,
+                f"must be at least min-clients={self.min_clients}: the server waits for that many before a round",
+            )
 
 
 def _client_value(field: str, values: tuple[float, ...], common: float, index: int, num_clients: int) -> float:
@@ -295,7 +299,9 @@ def _flag(field: str, value: Any) -> bool:
 
 def _test_fraction(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
-        raise InputError("test-fraction", value, "must be a number in (0, 1): each client evaluates on its own test split")
+        raise InputError(
+            "test-fraction", value, "must be a number in (0, 1): each client evaluates on its own test split"
+        )
     return float(value)
 
 
@@ -323,12 +329,25 @@ class NodeSettings:
     pums_age: str = "linear"
 
 
-NODE_KEYS = ("client-id", "data-path", "epsilon", "delta", "public-size", "ledger-path", "dataset", "label-column",
-             "feature-columns", "num-classes", "pums-age")  # fmt: skip
+NODE_KEYS = (
+    "client-id",
+    "data-path",
+    "epsilon",
+    "delta",
+    "public-size",
+    "ledger-path",
+    "dataset",
+    "label-column",
+    "feature-columns",
+    "num-classes",
+    "pums-age",
+)
 NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta", "public-size")
 NODE_DATASETS = ("pums", "csv")
-_NO_SPLIT = ("a deployed client trains on every row of its file and never evaluates: a held-out split would make "
-             "which rows it trains on depend on the whole file; remove it")  # fmt: skip
+_NO_SPLIT = (
+    "a deployed client trains on every row of its file and never evaluates: a held-out split would make "
+    "which rows it trains on depend on the whole file; remove it"
+)
 
 
 def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
@@ -339,15 +358,18 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
         raise InputError("test-fraction", node_config["test-fraction"], _NO_SPLIT)
     unknown = sorted(set(node_config) - set(NODE_KEYS))
     if unknown:
-        raise InputError(unknown[0], node_config[unknown[0]], f"not a node-config key; known keys: {', '.join(NODE_KEYS)}")
+        raise InputError(
+            unknown[0], node_config[unknown[0]], f"not a node-config key; known keys: {', '.join(NODE_KEYS)}"
+        )
     missing = [k for k in NODE_REQUIRED if k not in node_config]
     if missing:
         raise InputError(
             missing[0],
             None,
             "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1 delta=1e-6"
-            " public-size=5000\" (its own budget, and the size it declares public: the run config cannot set it; its plan"
-            " is made from that size and only that size is sent; ledger-path, dataset, label-column, feature-columns and num-classes optional)",
+            ' public-size=5000" (its own budget, and the size it declares public: the run config cannot set it;'
+            " its plan is made from that size and only that size is sent; ledger-path, dataset, label-column,"
+            " feature-columns and num-classes optional)",
         )
     client_id = node_config["client-id"]
     if not isinstance(client_id, str) or not client_id.strip():
@@ -372,7 +394,9 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     )
 
 
-def _node_columns(node_config: Mapping[str, Any], dataset: str) -> tuple[str | None, tuple[str, ...] | None, int | None]:
+def _node_columns(
+    node_config: Mapping[str, Any], dataset: str
+) -> tuple[str | None, tuple[str, ...] | None, int | None]:
     """(label column, feature columns, number of classes) of a node's file: a csv node names all
     three (nothing is inferred from its records); the pums layout fixes its own columns."""
     num_classes = node_config.get("num-classes")
@@ -380,21 +404,35 @@ def _node_columns(node_config: Mapping[str, Any], dataset: str) -> tuple[str | N
     if dataset == "pums":
         for key in ("label-column", "feature-columns", "num-classes"):
             if key in node_config:
-                raise InputError(key, node_config[key], "the pums layout fixes its columns and classes; this key is for dataset='csv'")
+                raise InputError(
+                    key,
+                    node_config[key],
+                    "the pums layout fixes its columns and classes; this key is for dataset='csv'",
+                )
         return None, None, 2
     if "pums-age" in node_config:
-        raise InputError("pums-age", node_config["pums-age"], "encodes the pums layout's age; this node reads dataset='csv'")
+        raise InputError(
+            "pums-age",
+            node_config["pums-age"],
+            "encodes the pums layout's age; this node reads dataset='csv'",
+        )
     for key in ("label-column", "feature-columns", "num-classes"):
         if key not in node_config:
-            raise InputError(key, None, "a deployed csv client needs label-column, feature-columns and num-classes in its "
-                             "node config: how it reads its records must not depend on the records or on the run config")
+            raise InputError(
+                key,
+                None,
+                "a deployed csv client needs label-column, feature-columns and num-classes in its "
+                "node config: how it reads its records must not depend on the records or on the run config",
+            )
     label = node_config["label-column"]
     if not isinstance(label, str) or not label.strip():
         raise InputError("label-column", label, "must name the label column")
     features = node_config["feature-columns"]
     names = tuple(part.strip() for part in features.split(",")) if isinstance(features, str) else ()
     if not names or "" in names:
-        raise InputError("feature-columns", features, "must be a comma-separated list of column names, e.g. 'age,income'")
+        raise InputError(
+            "feature-columns", features, "must be a comma-separated list of column names, e.g. 'age,income'"
+        )
     if label.strip() in names:
         raise InputError("feature-columns", features, f"must not include the label column {label.strip()!r}")
     return label.strip(), names, num_classes

@@ -34,18 +34,38 @@ REPORT = "report"
 STAGING_PREFIX = "."
 
 RESULT_COLUMNS = (
-    "status", "final_accuracy", "best_accuracy", "epsilon_spent_max", "epsilon_spent_mean",
-    "all_within_budget", "wall_s", "engine", "cell", "error",
-)  # fmt: skip
+    "status",
+    "final_accuracy",
+    "best_accuracy",
+    "epsilon_spent_max",
+    "epsilon_spent_mean",
+    "all_within_budget",
+    "wall_s",
+    "engine",
+    "cell",
+    "error",
+)
 
 # The run-config keys the non-private baseline does not read (sims.baseline: plain FedAvg weighted
 # by examples, no clipping, no noise, no server optimiser): a cell's baseline is the same for every
 # value of these, so cells that differ only in them share one (its local schedule is taken from
 # one cell, see sims.sweep).
-BASELINE_IGNORED_KEYS = frozenset({
-    "epsilon", "epsilons", "delta", "deltas", "rule", "noise-seed", "clip-norm",
-    "aggregation", "server-optimizer", "server-learning-rate", "server-momentum", "server-tau",
-})  # fmt: skip
+BASELINE_IGNORED_KEYS = frozenset(
+    {
+        "epsilon",
+        "epsilons",
+        "delta",
+        "deltas",
+        "rule",
+        "noise-seed",
+        "clip-norm",
+        "aggregation",
+        "server-optimizer",
+        "server-learning-rate",
+        "server-momentum",
+        "server-tau",
+    }
+)
 
 
 def read_json(path: Path) -> dict[str, Any]:

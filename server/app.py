@@ -22,7 +22,14 @@ from flwr.serverapp import Grid, ServerApp
 from fedprivacy.errors import InputError, error_summary
 from fedprivacy.models import evaluate_model
 from fedprivacy.participant import new_model
-from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
+from fedprivacy.results import (
+    DIAGNOSTICS_NOTE,
+    RunRecorder,
+    done_line,
+    new_run_folder,
+    progress_line,
+    resolved_config,
+)
 from fedprivacy.runconfig import RunSettings, parse_run_config
 from server.console import reporting
 from server.evaluation import server_test_set
@@ -34,7 +41,9 @@ logger = logging.getLogger(__name__)
 DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the server cannot see them"
 
 
-def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, nodes: list[int], config: ConfigRecord) -> ArrayRecord:
+def _initial_arrays(
+    settings: RunSettings, test: Any, grid: Grid, nodes: list[int], config: ConfigRecord
+) -> ArrayRecord:
     """The seeded initial model: sized from the server's test set, or asked of the clients in
     turn (one misconfigured node must not end the run: its refusal is logged and the next one asked)."""
     if test is not None:
@@ -47,8 +56,11 @@ def _initial_arrays(settings: RunSettings, test: Any, grid: Grid, nodes: list[in
         if not reply.has_error():
             return reply.content["arrays"]
         refusals.append(f"node {node}: {error_summary(reply.error.reason)}")
-        logger.warning("client on node %d could not build the initial model (%s); asking another node",
-                       node, error_summary(reply.error.reason))
+        logger.warning(
+            "client on node %d could not build the initial model (%s); asking another node",
+            node,
+            error_summary(reply.error.reason),
+        )
     raise RuntimeError(f"no client could build the initial model: {'; '.join(refusals)}")
 
 
@@ -63,8 +75,11 @@ def _run(grid: Grid, context: Context) -> None:
     try:
         folder = new_run_folder(settings.results_dir, context.run_id)
     except OSError as error:
-        raise InputError("results-dir", str(settings.results_dir),
-                         f"cannot create the run's folder there ({error.strerror or error}): name a writable folder") from None
+        raise InputError(
+            "results-dir",
+            str(settings.results_dir),
+            f"cannot create the run's folder there ({error.strerror or error}): name a writable folder",
+        ) from None
     logger.info("results folder: %s", folder)
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
@@ -92,7 +107,12 @@ def _run(grid: Grid, context: Context) -> None:
 
 
 def _federate(
-    grid: Grid, context: Context, settings: RunSettings, recorder: RunRecorder, ledger_path: Path, extra: dict[str, Any]
+    grid: Grid,
+    context: Context,
+    settings: RunSettings,
+    recorder: RunRecorder,
+    ledger_path: Path,
+    extra: dict[str, Any],
 ) -> None:
     """The rounds: FedAvg with privacy-aware sampling, evaluation each round, then the model and figure."""
     random.seed(settings.seed)  # anything left that draws from the global RNG
@@ -110,20 +130,39 @@ def _federate(
     nodes = strategy.connected_nodes(grid)
     test = server_test_set(settings, len(nodes))
     if test is None and settings.data_path is not None:
-        logger.info("data-path %s is not a file on the server: evaluating through the clients "
-                    "(as in a deployment, where each SuperNode reads its own file)", settings.data_path)
-    evaluation = "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
+        logger.info(
+            "data-path %s is not a file on the server: evaluating through the clients "
+            "(as in a deployment, where each SuperNode reads its own file)",
+            settings.data_path,
+        )
+    evaluation = (
+        "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
+    )
     if test is None:  # the clients read their own data, so they are (or act as) deployed SuperNodes
         extra["ledger"] = DEPLOYED_LEDGERS
     recorder.write_config(
         resolved_config(
-            settings, context.run_id, context.run_config,
-            {"results_folder": str(recorder.folder), "ledger": extra["ledger"], "clients": len(nodes),
-             "evaluation": evaluation, "engine": "flower", "flwr_version": flwr.__version__},
+            settings,
+            context.run_id,
+            context.run_config,
+            {
+                "results_folder": str(recorder.folder),
+                "ledger": extra["ledger"],
+                "clients": len(nodes),
+                "evaluation": evaluation,
+                "engine": "flower",
+                "flwr_version": flwr.__version__,
+            },
         )
     )
-    logger.info("%d clients, %d rounds, dataset %s, rule %s; evaluation: %s",
-                len(nodes), settings.num_server_rounds, settings.dataset, settings.rule, evaluation)
+    logger.info(
+        "%d clients, %d rounds, dataset %s, rule %s; evaluation: %s",
+        len(nodes),
+        settings.num_server_rounds,
+        settings.dataset,
+        settings.rule,
+        evaluation,
+    )
     initial = _initial_arrays(settings, test, grid, list(nodes), strategy.round_config(ConfigRecord(), 0))
     model = None if test is None else new_model(settings, test.features, test.num_classes)
 

@@ -17,7 +17,11 @@ from flwr.common.logger import FLOWER_LOGGER
 
 SERVER_LOGGER = logging.getLogger("server")
 # Flower's per-round evaluation lines (flwr.serverapp.Strategy.start), reported by our round line
-_REPEATED_BY_OUR_ROUND_LINE = ("Initial global evaluation results: %s", "Global evaluation", "\t└──> MetricRecord: %s")
+_REPEATED_BY_OUR_ROUND_LINE = (
+    "Initial global evaluation results: %s",
+    "Global evaluation",
+    "\t└──> MetricRecord: %s",
+)
 
 
 class _Stdout(logging.Handler):

@@ -29,9 +29,20 @@ class ServerOptimizer:
     @classmethod
     def from_settings(cls, settings: RunSettings) -> ServerOptimizer | None:
         """The run config's `server-optimizer`; None for plain FedAvg (the average is the model)."""
-        common = {"min_train_nodes": 1, "min_evaluate_nodes": 1, "min_available_nodes": 1, "weighted_by_key": WEIGHT_KEY}
+        common = {
+            "min_train_nodes": 1,
+            "min_evaluate_nodes": 1,
+            "min_available_nodes": 1,
+            "weighted_by_key": WEIGHT_KEY,
+        }
         if settings.server_optimizer == "fedavgm":
-            return cls(FedAvgM(server_learning_rate=settings.server_learning_rate, server_momentum=settings.server_momentum, **common))
+            return cls(
+                FedAvgM(
+                    server_learning_rate=settings.server_learning_rate,
+                    server_momentum=settings.server_momentum,
+                    **common,
+                )
+            )
         if settings.server_optimizer == "fedadam":
             return cls(FedAdam(eta=settings.server_learning_rate, tau=settings.server_tau, **common))
         return None
@@ -45,11 +56,24 @@ class ServerOptimizer:
             self.strategy.current_arrays = current
         stepped, _ = self.strategy.aggregate_train(server_round, [_average_reply(average)])
         # FedAdam's arithmetic promotes float32 to float64: the model keeps its own dtypes
-        return ArrayRecord({key: Array(array.numpy().astype(current[key].numpy().dtype)) for key, array in stepped.items()})
+        return ArrayRecord(
+            {key: Array(array.numpy().astype(current[key].numpy().dtype)) for key, array in stepped.items()}
+        )
 
 
 def _average_reply(average: ArrayRecord) -> Message:
     """The average as one reply of weight 1 (public Message/Metadata constructors)."""
-    metadata = Metadata(run_id=0, message_id="average", src_node_id=0, dst_node_id=0, reply_to_message_id="",
-                        group_id="", created_at=time.time(), ttl=3600.0, message_type="train")  # fmt: skip
-    return Message(content=RecordDict({"arrays": average, "metrics": MetricRecord({WEIGHT_KEY: 1.0})}), metadata=metadata)
+    metadata = Metadata(
+        run_id=0,
+        message_id="average",
+        src_node_id=0,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id="",
+        created_at=time.time(),
+        ttl=3600.0,
+        message_type="train",
+    )
+    return Message(
+        content=RecordDict({"arrays": average, "metrics": MetricRecord({WEIGHT_KEY: 1.0})}), metadata=metadata
+    )

@@ -31,9 +31,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
+from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.replies import (
     MAX_CONSECUTIVE_FAILURES,
     InvalidReply,
@@ -189,8 +189,14 @@ class PrivacyFedAvg(FedAvg):
         if gone:
             self.failed.add(node)
         self.recorder.dropped(server_round, self._name(node), outcome, reason, excluded=gone)
-        logger.warning("round %d: reply of client %s dropped (%s): %s%s", server_round, self._name(node), outcome,
-            reason, "; not sampled again in this run" if gone else "")
+        logger.warning(
+            "round %d: reply of client %s dropped (%s): %s%s",
+            server_round,
+            self._name(node),
+            outcome,
+            reason,
+            "; not sampled again in this run" if gone else "",
+        )
 
     def _accept(self, server_round: int, node: int, reply: Message) -> TrainReply:
         metrics, client, weights = _train_content(reply)
@@ -211,7 +217,11 @@ class PrivacyFedAvg(FedAvg):
         for reply in replies:
             node = reply.metadata.src_node_id
             if node in answered or node not in self.sampled.get(MessageType.TRAIN, ()):
-                logger.warning("round %d: ignored a reply from node %s, which was not asked or already answered", server_round, node)
+                logger.warning(
+                    "round %d: ignored a reply from node %s, which was not asked or already answered",
+                    server_round,
+                    node,
+                )
                 continue
             answered.add(node)
             if reply.has_error():
@@ -226,11 +236,23 @@ class PrivacyFedAvg(FedAvg):
             self.recorder.trained(server_round, checked.client_id, checked.metrics, checked.plan)
             if checked.exhausted:
                 self.exhausted.add(node)
-                logger.info("client %s cannot afford round %d: budget spent, not sampled again", checked.client_id, server_round)
+                logger.info(
+                    "client %s cannot afford round %d: budget spent, not sampled again",
+                    checked.client_id,
+                    server_round,
+                )
             else:
-                weight = aggregation_weight(self.aggregation, checked.plan, server_round, int(checked.metrics["num-examples"]))
-                trained.append(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in checked.arrays.items()}),
-                                           "metrics": MetricRecord({**checked.metrics, WEIGHT_KEY: weight})}))  # fmt: skip
+                weight = aggregation_weight(
+                    self.aggregation, checked.plan, server_round, int(checked.metrics["num-examples"])
+                )
+                trained.append(
+                    RecordDict(
+                        {
+                            "arrays": ArrayRecord({k: Array(v) for k, v in checked.arrays.items()}),
+                            "metrics": MetricRecord({**checked.metrics, WEIGHT_KEY: weight}),
+                        }
+                    )
+                )
         for node in sorted(set(self.sampled.get(MessageType.TRAIN, ())) - answered):
             self._drop(server_round, node, "no reply", NO_REPLY)
         if not trained:
@@ -251,20 +273,29 @@ class PrivacyFedAvg(FedAvg):
         for reply in replies:
             node = reply.metadata.src_node_id
             if reply.has_error():
-                logger.warning("evaluation failed on client %s: %s", self._name(node), error_summary(reply.error.reason))
+                logger.warning(
+                    "evaluation failed on client %s: %s", self._name(node), error_summary(reply.error.reason)
+                )
                 continue
             try:
                 values = check_evaluate_reply(dict(reply.content["metrics"]) if "metrics" in reply.content else {})
             except InvalidReply as error:
-                logger.warning("round %d: evaluation reply of client %s dropped: %s", server_round, self._name(node), error)
+                logger.warning(
+                    "round %d: evaluation reply of client %s dropped: %s",
+                    server_round,
+                    self._name(node),
+                    error,
+                )
                 continue
             if values.get("evaluation-off"):
                 self.evaluation_off.add(node)
             else:
                 evaluated.append(RecordDict({"metrics": MetricRecord(values)}))
         if replies and len(self.evaluation_off) == len({r.metadata.src_node_id for r in replies}) and not evaluated:
-            logger.info("clients release no evaluation (deployed clients keep their test rows private): "
-                "federated evaluation stops")
+            logger.info(
+                "clients release no evaluation (deployed clients keep their test rows private): "
+                "federated evaluation stops"
+            )
         metrics = self.evaluate_metrics_aggr_fn(evaluated, self.weighted_by_key) if evaluated else None
         if metrics is not None:
             self.recorder.evaluated("federated_", float(metrics["accuracy"]), float(metrics["loss"]))

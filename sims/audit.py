@@ -9,8 +9,9 @@ both with production noise (fresh OS keys):
   trained on a data set with or without a canary record whose clipped gradient points in a known
   direction (add/remove neighbours), or on two data sets of the same size whose last record is
   the canary or its mirror image (replace-one neighbours: sensitivity 2C, judged against the
-  replace-one certificate, `replace_one_epsilon`); the attacker scores each release by its projection on that direction and guesses
-  "canary in" above a threshold. The threshold is chosen on one half of the trials and judged on
+  replace-one certificate, `replace_one_epsilon`); the attacker scores each release by its
+  projection on that direction and guesses "canary in" above a threshold. The threshold is
+  chosen on one half of the trials and judged on
   the other (picked by its bound at a stricter confidence, `PICK_CONFIDENCE`); Clopper–Pearson
   bounds on its false-positive and false-negative rates, each at 1 − (1 − c)/2 so that both hold
   together with confidence c (the union bound), turn into a lower bound on ε that holds with
@@ -57,8 +58,17 @@ class AuditBound:
 
 def one_step_plan(epsilon: float, delta: float, n: int) -> Plan:
     """A certified one-step, full-batch plan (q = 1, T = 1): the Gaussian mechanism on the clipped sum."""
-    return plan_client(n, epsilon, delta, rule="calibrated", sampling_rate=1.0, steps=1, clip_norm=CLIP,
-                       learning_rate=1.0, compare=False)  # fmt: skip
+    return plan_client(
+        n,
+        epsilon,
+        delta,
+        rule="calibrated",
+        sampling_rate=1.0,
+        steps=1,
+        clip_norm=CLIP,
+        learning_rate=1.0,
+        compare=False,
+    )
 
 
 def weakened(plan: Plan, factor: float) -> Plan:
@@ -125,8 +135,14 @@ def one_thread() -> Iterator[None]:
 
 
 @one_thread()
-def released_updates(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, model: Callable[[], nn.Module] = zero_logreg,
-                     engine: str = "trainer") -> torch.Tensor:  # fmt: skip
+def released_updates(
+    plan: Plan,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    trials: int,
+    model: Callable[[], nn.Module] = zero_logreg,
+    engine: str = "trainer",
+) -> torch.Tensor:
     """`trials` independent one-step releases (θ_before − θ_after)/η, as rows (weights then bias),
     by the trainer (`DPTrainer`, one trial after another) or by the fast engine's worker (all trials
     at once, as that many clients holding the same data, each with its own fresh noise)."""
@@ -145,7 +161,9 @@ def released_updates(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, 
     return torch.stack(rows)
 
 
-def _fast_releases(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, start: dict[str, torch.Tensor]) -> torch.Tensor:
+def _fast_releases(
+    plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, start: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """The weights after one round of `trials` fast-engine clients, flattened per client."""
     from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
 
@@ -159,7 +177,9 @@ def _fast_releases(plan: Plan, x: torch.Tensor, y: torch.Tensor, trials: int, st
 ENGINES = ("trainer", "fast")
 
 
-def canary_scores(plan: Plan, trials: int, canary: bool, engine: str = "trainer", neighbours: str = "add-remove") -> np.ndarray:
+def canary_scores(
+    plan: Plan, trials: int, canary: bool, engine: str = "trainer", neighbours: str = "add-remove"
+) -> np.ndarray:
     """The attacker's score of each release: its projection on the canary's direction."""
     x, y = audit_data(plan.n, canary, neighbours)
     updates = released_updates(plan, x, y, trials, engine=engine)[:, : 2 * NUM_FEATURES]
@@ -192,7 +212,9 @@ def _epsilon(fpr: float, fnr: float, delta: float) -> float:
 PICK_CONFIDENCE = 0.999
 
 
-def epsilon_lower_bound(scores_out: np.ndarray, scores_in: np.ndarray, delta: float, confidence: float = 0.95) -> AuditBound:
+def epsilon_lower_bound(
+    scores_out: np.ndarray, scores_in: np.ndarray, delta: float, confidence: float = 0.95
+) -> AuditBound:
     """ε_lb from scores without and with the canary: threshold from the first halves, rates from the
     second, each bounded at 1 − (1 − confidence)/2: ε_lb needs both bounds to hold at once."""
     half_out, half_in = len(scores_out) // 2, len(scores_in) // 2
@@ -212,8 +234,9 @@ def epsilon_lower_bound(scores_out: np.ndarray, scores_in: np.ndarray, delta: fl
     return AuditBound(max(0.0, _epsilon(fpr_up, fnr_up, delta)), threshold, fpr_up, fnr_up, len(judge_out), confidence)
 
 
-def audit_canary(plan: Plan, trials: int, confidence: float = 0.95, engine: str = "trainer",
-                 neighbours: str = "add-remove") -> AuditBound:  # fmt: skip
+def audit_canary(
+    plan: Plan, trials: int, confidence: float = 0.95, engine: str = "trainer", neighbours: str = "add-remove"
+) -> AuditBound:
     """Run the canary membership test on `plan` (trials per side) against `engine`, between
     add/remove or replace-one neighbours."""
     scores = [canary_scores(plan, trials, canary, engine, neighbours) for canary in (False, True)]

@@ -59,11 +59,26 @@ LocalTrain = Callable[[int, ClientData, Plan, nn.Module, int], None]  # (index, 
 
 def _plans(settings: RunSettings, clients: list[ClientData]) -> list[Plan]:
     """Each client's plan, made as the ClientApp makes it."""
-    return [plan_from_settings(settings, c.num_examples, settings.budget(i, len(clients)), settings.client_delta(i, len(clients)), c.client_id,
-                               compare=False) for i, c in enumerate(clients)]
+    return [
+        plan_from_settings(
+            settings,
+            c.num_examples,
+            settings.budget(i, len(clients)),
+            settings.client_delta(i, len(clients)),
+            c.client_id,
+            compare=False,
+        )
+        for i, c in enumerate(clients)
+    ]
 
 
-def _fedavg(run_config: dict[str, Any], num_clients: int | None, name: str, private: bool, make_local: Callable[[RunSettings, list[ClientData], list[Plan]], LocalTrain]) -> RunResult:
+def _fedavg(
+    run_config: dict[str, Any],
+    num_clients: int | None,
+    name: str,
+    private: bool,
+    make_local: Callable[[RunSettings, list[ClientData], list[Plan]], LocalTrain],
+) -> RunResult:
     """FedAvg over every client every round, weighted by N, evaluated on the server's test set."""
     config = {**DEFAULTS, **run_config}
     settings = parse_run_config(config)
@@ -95,11 +110,20 @@ def _fedavg(run_config: dict[str, Any], num_clients: int | None, name: str, priv
             weights.append(float(client.num_examples))
         if states:
             total = sum(weights)
-            global_state = {k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) / total for k in global_state}
+            global_state = {
+                k: sum(w * s[k] for w, s in zip(weights, states, strict=True)) / total for k in global_state
+            }
         model.load_state_dict(global_state)
         loss, accuracy = evaluate_model(model, test)
-        rounds.append({"round": server_round, "accuracy": accuracy, "loss": loss, "clients_trained": len(states),
-                       "elapsed_s": round(time.perf_counter() - started, 3)})  # fmt: skip
+        rounds.append(
+            {
+                "round": server_round,
+                "accuracy": accuracy,
+                "loss": loss,
+                "clients_trained": len(states),
+                "elapsed_s": round(time.perf_counter() - started, 3),
+            }
+        )
     wall = time.perf_counter() - started
     summary = {
         "rounds": len(rounds),
@@ -110,20 +134,41 @@ def _fedavg(run_config: dict[str, Any], num_clients: int | None, name: str, priv
         "learning_rate": settings.learning_rate,
         "wall_time_s": round(wall, 3),
     }
-    clients_rows = [
-        {"client_id": p.client_id, "epsilon_budget": p.epsilon, "epsilon_spent": p.epsilon_pld, "sigma": p.sigma,
-         "steps_this_run": p.steps, "steps_all_runs": p.steps}
-        for p in plans
-    ] if private else []  # fmt: skip
+    clients_rows = (
+        [
+            {
+                "client_id": p.client_id,
+                "epsilon_budget": p.epsilon,
+                "epsilon_spent": p.epsilon_pld,
+                "sigma": p.sigma,
+                "steps_this_run": p.steps,
+                "steps_all_runs": p.steps,
+            }
+            for p in plans
+        ]
+        if private
+        else []
+    )
     if private:
         summary["all_within_budget"] = all(p.epsilon_pld <= p.epsilon for p in plans)
-    return RunResult(name=name, folder=None, summary=summary, rounds=rounds, clients=clients_rows, wall_s=wall, private=private)
+    return RunResult(
+        name=name,
+        folder=None,
+        summary=summary,
+        rounds=rounds,
+        clients=clients_rows,
+        wall_s=wall,
+        private=private,
+    )
 
 
 def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan]) -> LocalTrain:
     local_device = device()  # where `_fedavg` puts the local models: the data moves there once
     tensors = [
-        (torch.as_tensor(c.train.features, dtype=torch.float32).to(local_device), torch.as_tensor(c.train.labels, dtype=torch.long).to(local_device))
+        (
+            torch.as_tensor(c.train.features, dtype=torch.float32).to(local_device),
+            torch.as_tensor(c.train.labels, dtype=torch.long).to(local_device),
+        )
         for c in clients
     ]
     seeds = np.random.SeedSequence([settings.seed, 0x5EED]).spawn(len(clients))
@@ -147,7 +192,9 @@ def _plain_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Pla
     return train
 
 
-def nonprivate_baseline(run_config: dict[str, Any], num_clients: int | None = None, *, name: str = "non-private") -> RunResult:
+def nonprivate_baseline(
+    run_config: dict[str, Any], num_clients: int | None = None, *, name: str = "non-private"
+) -> RunResult:
     """FedAvg of plain local SGD under `run_config`'s partitions, model, schedule and test set."""
     return _fedavg(run_config, num_clients, name, False, _plain_sgd)
 
@@ -174,6 +221,8 @@ def _dp_sgd(settings: RunSettings, clients: list[ClientData], plans: list[Plan])
     return train
 
 
-def private_proxy(run_config: dict[str, Any], num_clients: int | None = None, *, name: str = "private proxy") -> RunResult:
+def private_proxy(
+    run_config: dict[str, Any], num_clients: int | None = None, *, name: str = "private proxy"
+) -> RunResult:
     """The private run's training without Flower and the ledger: for hyperparameter search only."""
     return _fedavg(run_config, num_clients, name, True, _dp_sgd)

@@ -6,8 +6,9 @@ Tests (tests/conftest.py) and simulation scenarios (sims/runner.py) both drive t
 `Context` per node that persists across rounds, exactly as the simulation engine keeps
 `context.state`. Messages are delivered through Flower's public API (`Message`, `Metadata`); the
 one internal it needs is isolated in `act_as_serverapp`. An exception in a handler becomes an
-error reply, as Flower does, so the ServerApp sees failing clients the way it would in a real run. Nodes are called one after the
-other in this process, so a run uses one core (plus torch's threads). Real nodes run side by
+error reply, as Flower does, so the ServerApp sees failing clients the way it would in a real
+run. Nodes are called one after the other in this process, so a run uses one core (plus torch's
+threads). Real nodes run side by
 side, so each call gets the whole `timeout` of `send_and_receive` to itself: a call that takes
 longer gives no reply, as a hung node gives none to Flower's grid (it finishes in the background).
 """
@@ -36,12 +37,24 @@ def app_defaults() -> dict[str, Any]:
 class InProcessGrid(Grid):
     """A Grid whose nodes are ClientApp calls in this process."""
 
-    def __init__(self, client_app: Any, node_configs: list[dict[str, Any]], run_config: Mapping[str, Any], run_id: int = 1) -> None:
+    def __init__(
+        self,
+        client_app: Any,
+        node_configs: list[dict[str, Any]],
+        run_config: Mapping[str, Any],
+        run_id: int = 1,
+    ) -> None:
         act_as_serverapp(run_id)
         self.client_app = client_app
         self.run_id = run_id
         self.contexts = {
-            node_id: Context(run_id=run_id, node_id=node_id, node_config=dict(cfg), state=RecordDict(), run_config=dict(run_config))
+            node_id: Context(
+                run_id=run_id,
+                node_id=node_id,
+                node_config=dict(cfg),
+                state=RecordDict(),
+                run_config=dict(run_config),
+            )
             for node_id, cfg in enumerate(node_configs, start=101)
         }
         self.replies: dict[str, Message] = {}
@@ -49,7 +62,9 @@ class InProcessGrid(Grid):
         self._run = None
 
     @classmethod
-    def simulation(cls, client_app: Any, num_nodes: int, run_config: Mapping[str, Any], run_id: int = 1) -> "InProcessGrid":
+    def simulation(
+        cls, client_app: Any, num_nodes: int, run_config: Mapping[str, Any], run_id: int = 1
+    ) -> InProcessGrid:
         configs = [{"partition-id": i, "num-partitions": num_nodes} for i in range(num_nodes)]
         return cls(client_app, configs, run_config, run_id)
 
@@ -64,7 +79,14 @@ class InProcessGrid(Grid):
     def run(self) -> Any:
         return self._run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None) -> Message:
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
         return Message(content=content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
 
     @staticmethod
@@ -72,10 +94,18 @@ class InProcessGrid(Grid):
         """The message as the SuperLink delivers it: the same, with the id it assigns (public API only)."""
         m = message.metadata
         metadata = Metadata(
-            run_id=m.run_id, message_id=message_id, src_node_id=m.src_node_id, dst_node_id=m.dst_node_id,
-            reply_to_message_id=m.reply_to_message_id, group_id=m.group_id, created_at=m.created_at, ttl=m.ttl,
-            message_type=m.message_type, src_task_id=m.src_task_id, dst_task_id=m.dst_task_id,
-        )  # fmt: skip
+            run_id=m.run_id,
+            message_id=message_id,
+            src_node_id=m.src_node_id,
+            dst_node_id=m.dst_node_id,
+            reply_to_message_id=m.reply_to_message_id,
+            group_id=m.group_id,
+            created_at=m.created_at,
+            ttl=m.ttl,
+            message_type=m.message_type,
+            src_task_id=m.src_task_id,
+            dst_task_id=m.dst_task_id,
+        )
         return Message(content=message.content, metadata=metadata)
 
     def get_node_ids(self) -> Iterable[int]:

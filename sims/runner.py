@@ -86,7 +86,9 @@ class RunResult:
             "best_round": best_round,
             "best_accuracy": best_accuracy,
             "epsilon_spent_max": self.epsilon_spent_max,
-            "epsilon_budget_min": min((c["epsilon_budget"] for c in self.clients), default=None) if self.private else None,
+            "epsilon_budget_min": min((c["epsilon_budget"] for c in self.clients), default=None)
+            if self.private
+            else None,
             "wall_s": round(self.wall_s, 2),
             "results_folder": None if self.folder is None else str(self.folder),
         }

@@ -30,7 +30,11 @@ def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
     kwargs = partition_kwargs(settings, natural_client_count(config))
     if settings.dataset not in ("pums", "csv") or kwargs["scheme"] != "natural" or settings.data_path is None:
         raise ValueError("a validation file needs a pums or csv data set with natural partitions (partition-by)")
-    options = {k: v for k, v in kwargs.items() if k not in ("name", "path", "scheme", "num_partitions", "seed", "by", "alpha", "skew", "test_fraction")}
+    options = {
+        k: v
+        for k, v in kwargs.items()
+        if k not in ("name", "path", "scheme", "num_partitions", "seed", "by", "alpha", "skew", "test_fraction")
+    }
     if kwargs["by"] is not None:
         options["client_column"] = kwargs["by"]
     dataset = load_dataset(settings.dataset, settings.data_path, **options)
@@ -40,7 +44,9 @@ def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
         raise ValueError(f"{settings.data_path}: {len(table)} rows in the file, {len(dataset)} loaded")
     keep = []
     for position, (_, rows) in enumerate(parts):  # the same split as fedprivacy.data.partition._client
-        train, _ = split_indices(dataset.labels[rows], settings.test_fraction, np.random.default_rng([settings.seed, position]))
+        train, _ = split_indices(
+            dataset.labels[rows], settings.test_fraction, np.random.default_rng([settings.seed, position])
+        )
         keep.append(rows[train])
     rows = np.sort(np.concatenate(keep))
     out = Path(out)
@@ -49,7 +55,9 @@ def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
     # Check: the file holds exactly each client's training rows, nothing of any test split.
     originals = load_clients(**kwargs)
     carved = load_dataset(settings.dataset, out, **options)
-    for client, (_, part) in zip(originals, partition_rows(carved, "natural", len(originals), settings.seed, kwargs["by"]), strict=True):
+    for client, (_, part) in zip(
+        originals, partition_rows(carved, "natural", len(originals), settings.seed, kwargs["by"]), strict=True
+    ):
         mine = np.sort(carved.features[part].sum(axis=1))
         theirs = np.sort(client.train.features.sum(axis=1))
         if mine.shape != theirs.shape or not np.allclose(mine, theirs):
@@ -61,7 +69,9 @@ def main() -> None:
     """`python -m sims.validation --data FILE --partition-by COLUMN --out FILE`: write the validation file."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="Write the clients' training rows (never a test row) to a CSV for tuning.")
+    parser = argparse.ArgumentParser(
+        description="Write the clients' training rows (never a test row) to a CSV for tuning."
+    )
     parser.add_argument("--data", type=Path, required=True, help="the full data file (pums or csv layout)")
     parser.add_argument("--dataset", default="pums", choices=("pums", "csv"))
     parser.add_argument("--partition-by", required=True, help="the client column (natural partitions)")
@@ -69,8 +79,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the run config's seed (it decides the train/test split)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    config = {"dataset": args.dataset, "data-path": str(args.data.resolve()), "partition-by": args.partition_by,
-              "label-column": args.label_column, "seed": args.seed}  # fmt: skip
+    config = {
+        "dataset": args.dataset,
+        "data-path": str(args.data.resolve()),
+        "partition-by": args.partition_by,
+        "label-column": args.label_column,
+        "seed": args.seed,
+    }
     print(training_rows_file(config, args.out))
 
 

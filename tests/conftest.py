@@ -22,7 +22,15 @@ from sims.inprocess import InProcessGrid, app_defaults, run_server
 @pytest.fixture
 def in_process() -> Any:
     """The harness: `in_process.Grid` (InProcessGrid), `.run_server`, `.defaults()`."""
-    return type("InProcessHarness", (), {"Grid": InProcessGrid, "run_server": staticmethod(run_server), "defaults": staticmethod(app_defaults)})
+    return type(
+        "InProcessHarness",
+        (),
+        {
+            "Grid": InProcessGrid,
+            "run_server": staticmethod(run_server),
+            "defaults": staticmethod(app_defaults),
+        },
+    )
 
 
 @pytest.fixture
@@ -32,7 +40,10 @@ def run_config(tmp_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(
-    params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+    params=[
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+    ]
 )
 def compute_device(request: pytest.FixtureRequest) -> torch.device:
     """Each device-sensitive training test runs on the CPU, and on the GPU too when one is visible."""

@@ -33,9 +33,14 @@ from flwr.clientapp import ClientApp
 KINDS = ("raise", "hang", "nan", "inf", "shape", "keys", "huge-n")
 OUTCOMES = {"raise": "error", "hang": "no reply"} | dict.fromkeys(("nan", "inf", "shape", "keys", "huge-n"), "invalid")
 REASONS = {
-    "raise": "injected crash", "hang": "no reply within the round timeout", "nan": "NaN or infinite",
-    "inf": "NaN or infinite", "shape": "the model's are", "keys": "the model lacks", "huge-n": "num-examples=1e+12",
-}  # fmt: skip
+    "raise": "injected crash",
+    "hang": "no reply within the round timeout",
+    "nan": "NaN or infinite",
+    "inf": "NaN or infinite",
+    "shape": "the model's are",
+    "keys": "the model lacks",
+    "huge-n": "num-examples=1e+12",
+}
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,9 @@ def faulty(real: ClientApp, faults: Faults) -> ClientApp:
         if kind is None:
             return real(message, context)
         with faults.log.open("a") as log:
-            log.write(json.dumps({"round": server_round, "client": client, "node": context.node_id, "kind": kind}) + "\n")
+            log.write(
+                json.dumps({"round": server_round, "client": client, "node": context.node_id, "kind": kind}) + "\n"
+            )
         if kind == "raise":
             raise RuntimeError(f"injected crash of client {client} in round {server_round}")
         reply = real(message, context)
@@ -133,7 +140,9 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def check_run(folder: Path, faults: Faults, schedule: dict[tuple[int, str], str], log_text: str) -> dict[tuple[int, str], str]:
+def check_run(
+    folder: Path, faults: Faults, schedule: dict[tuple[int, str], str], log_text: str
+) -> dict[tuple[int, str], str]:
     """Assert what a run with injected faults must show; return the faults injected.
 
     The run completed within budget; every injected fault, and nothing else, was dropped with the
@@ -149,8 +158,11 @@ def check_run(folder: Path, faults: Faults, schedule: dict[tuple[int, str], str]
     assert injected and set(injected.items()) <= set(schedule.items())
     replies = read_csv(folder / "replies.csv")
     named = {f"node-{node}": client for client, node in nodes.items()}  # a client that never replied validly
-    dropped = {(int(r["round"]), named.get(r["client_id"], r["client_id"])): r
-               for r in replies if r["outcome"] not in ("trained", "exhausted")}
+    dropped = {
+        (int(r["round"]), named.get(r["client_id"], r["client_id"])): r
+        for r in replies
+        if r["outcome"] not in ("trained", "exhausted")
+    }
     assert set(dropped) == set(injected), (dropped, injected)
     for key, kind in injected.items():
         assert dropped[key]["outcome"] == OUTCOMES[kind], (key, kind, dropped[key])

@@ -46,8 +46,12 @@ def pld_epsilon(events: Iterable[tuple[float, float, int]], delta: float) -> flo
 def pld_epsilon_lower_bound(sigma: float, q: float, count: int, delta: float) -> float:
     """An optimistic PLD estimate: the true ε of these steps is at least this."""
     step = pld.privacy_loss_distribution.from_gaussian_mechanism(
-        sigma, pessimistic_estimate=False, use_connect_dots=False, sampling_prob=q,
-        value_discretization_interval=1e-4, neighboring_relation=ADD_REMOVE,
+        sigma,
+        pessimistic_estimate=False,
+        use_connect_dots=False,
+        sampling_prob=q,
+        value_discretization_interval=1e-4,
+        neighboring_relation=ADD_REMOVE,
     )
     return step.self_compose(count).get_epsilon_for_delta(delta)
 

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from faultkit import with_train
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from faultkit import with_train
 from fedprivacy.ledger import Ledger
 from fedprivacy.training.trainer import DPTrainer
 
@@ -96,13 +96,20 @@ def killable(real: ClientApp) -> ClientApp:
     _patch(Ledger, "record_with_steps", "recorded", before=False)  # what the ClientApp records with
 
     def train(message: Message, context: Context) -> Message:
-        _current.update(client=str(context.node_config["client-id"]), round=int(message.content["config"]["server-round"]))
+        _current.update(
+            client=str(context.node_config["client-id"]), round=int(message.content["config"]["server-round"])
+        )
         _reach("received")
         reply = real(message, context)
         if reply.has_content() and "metrics" in reply.content:
             plan = str(reply.content["client"]["plan"])
-            entry = {"client": _current["client"], "round": _current["round"], "pid": os.getpid(),
-                     "steps": int(reply.content["metrics"]["steps-done"]), "plan": hashlib.sha256(plan.encode()).hexdigest()}
+            entry = {
+                "client": _current["client"],
+                "round": _current["round"],
+                "pid": os.getpid(),
+                "steps": int(reply.content["metrics"]["steps-done"]),
+                "plan": hashlib.sha256(plan.encode()).hexdigest(),
+            }
             with (control_dir() / "released.jsonl").open("a") as log:
                 log.write(json.dumps(entry) + "\n")
         _reach("returning")

@@ -25,15 +25,21 @@ def test_inverse_noise_weights_follow_the_closed_form_of_the_update_variance():
 
 
 def test_a_larger_budget_weighs_more_under_inverse_noise():
-    small, large = (plan_client(1000, eps, 1e-5, rule="calibrated", epochs=4, rounds=2, compare=False) for eps in (0.5, 8.0))
-    assert aggregation_weight("inverse-noise", large, 1, 1000) > 10 * aggregation_weight("inverse-noise", small, 1, 1000)
+    small, large = (
+        plan_client(1000, eps, 1e-5, rule="calibrated", epochs=4, rounds=2, compare=False) for eps in (0.5, 8.0)
+    )
+    assert aggregation_weight("inverse-noise", large, 1, 1000) > 10 * aggregation_weight(
+        "inverse-noise", small, 1, 1000
+    )
 
 
 def test_adp_schedules_sum_every_step_of_the_round():
     plan = plan_client(1000, 2.0, 1e-5, rule="adp", epochs=8, rounds=2, compare=False)
     first, count = plan.first_step_of_round(2), plan.steps_in_round(2)
-    expected = sum((plan.learning_rate_at(t) * plan.noise_multiplier(t) * plan.clip_norm / (plan.sampling_rate * plan.n)) ** 2
-                   for t in range(first, first + count))
+    expected = sum(
+        (plan.learning_rate_at(t) * plan.noise_multiplier(t) * plan.clip_norm / (plan.sampling_rate * plan.n)) ** 2
+        for t in range(first, first + count)
+    )
     assert update_noise_variance(plan, 2) == pytest.approx(expected)
     assert len({plan.noise_multiplier(t) for t in range(first, first + count)}) > 1  # σ_t varies within the round
 
@@ -65,22 +71,38 @@ def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(simul
 
     seen = []
     aggregate = strategy_module.aggregate_arrayrecords
-    monkeypatch.setattr(strategy_module, "aggregate_arrayrecords", lambda records, key: (seen.append(records), aggregate(records, key))[1])
+    monkeypatch.setattr(
+        strategy_module,
+        "aggregate_arrayrecords",
+        lambda records, key: (seen.append(records), aggregate(records, key))[1],
+    )
     folder = simulate({"aggregation": "inverse-noise", "results-dir": str(tmp_path / "inv")})
-    plans = {p.stem: Plan.from_dict(json.loads(p.read_text())) for p in (folder / "plans").glob("*.json") if p.stem != "index"}
+    plans = {
+        p.stem: Plan.from_dict(json.loads(p.read_text()))
+        for p in (folder / "plans").glob("*.json")
+        if p.stem != "index"
+    }
     for server_round, records in enumerate(seen, start=1):
         weights = [float(r["metrics"]["aggregation-weight"]) for r in records]
         expected = sorted(1 / update_noise_variance(plan, server_round) for plan in plans.values())
         assert sorted(weights) == pytest.approx(expected)
     by_examples = simulate({"aggregation": "examples", "results-dir": str(tmp_path / "ex")})
-    assert not torch.equal(torch.load(folder / "model.pt")["1.weight"], torch.load(by_examples / "model.pt")["1.weight"])
+    assert not torch.equal(
+        torch.load(folder / "model.pt")["1.weight"], torch.load(by_examples / "model.pt")["1.weight"]
+    )
 
 
 @pytest.mark.parametrize("optimizer", ["fedavgm", "fedadam"])
 def test_a_flower_server_optimizer_steps_from_the_global_model_under_the_same_budgets(simulate, tmp_path, optimizer):
     plain = simulate({"results-dir": str(tmp_path / "plain")})
-    stepped = simulate({"server-optimizer": optimizer, "server-learning-rate": 0.5, "server-momentum": 0.9 if optimizer == "fedavgm" else 0.0,
-                        "results-dir": str(tmp_path / optimizer)})  # fmt: skip
+    stepped = simulate(
+        {
+            "server-optimizer": optimizer,
+            "server-learning-rate": 0.5,
+            "server-momentum": 0.9 if optimizer == "fedavgm" else 0.0,
+            "results-dir": str(tmp_path / optimizer),
+        }
+    )
     assert not torch.equal(torch.load(plain / "model.pt")["1.weight"], torch.load(stepped / "model.pt")["1.weight"])
     spent = {f: pd.read_csv(f / "clients.csv").set_index("client_id").epsilon_spent for f in (plain, stepped)}
     assert spent[plain].equals(spent[stepped])  # post-processing: the same privacy spent

@@ -107,29 +107,113 @@ CASES = [
     cli_case("n", "0", "calculator", "--n", "0", "--epsilon", "1"),
     # CSV files, through `fedprivacy sheets`
     cli_case("data", "nowhere.csv", "sheets", "--data", "{folder}/nowhere.csv", "--partition-by", "puma"),
-    cli_case("data", "empty.csv", "sheets", "--data", "{file}", "--partition-by", "puma", make=write("empty.csv", "")),
-    cli_case("data", "header.csv", "sheets", "--data", "{file}", "--partition-by", "puma",
-             make=write("header.csv", PUMS_HEADER + "\n")),
-    cli_case("column", "region", "sheets", "--data", "{file}", "--partition-by", "region",
-             make=write("ok.csv", f"{PUMS_HEADER}\n{ROW}\n{ROW}\n")),
-    cli_case("column", "age", "sheets", "--data", "{file}", "--partition-by", "puma",
-             make=write("dup.csv", f"{PUMS_HEADER},age\n{ROW},41\n{ROW},42\n")),
-    cli_case("data", "semicolon.csv", "sheets", "--data", "{file}", "--partition-by", "puma",
-             make=write("semicolon.csv", PUMS_HEADER.replace(",", ";") + "\n" + ROW.replace(",", ";") + "\n")),
-    cli_case("partition-by puma", "1101", "sheets", "--data", "{file}", "--partition-by", "puma",
-             make=write("one_row_each.csv", f"{PUMS_HEADER}\n1101,1,40,12,1\n1102,0,30,16,0\n1103,1,50,10,1\n")),
+    cli_case(
+        "data",
+        "empty.csv",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "puma",
+        make=write("empty.csv", ""),
+    ),
+    cli_case(
+        "data",
+        "header.csv",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "puma",
+        make=write("header.csv", PUMS_HEADER + "\n"),
+    ),
+    cli_case(
+        "column",
+        "region",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "region",
+        make=write("ok.csv", f"{PUMS_HEADER}\n{ROW}\n{ROW}\n"),
+    ),
+    cli_case(
+        "column",
+        "age",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "puma",
+        make=write("dup.csv", f"{PUMS_HEADER},age\n{ROW},41\n{ROW},42\n"),
+    ),
+    cli_case(
+        "data",
+        "semicolon.csv",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "puma",
+        make=write("semicolon.csv", PUMS_HEADER.replace(",", ";") + "\n" + ROW.replace(",", ";") + "\n"),
+    ),
+    cli_case(
+        "partition-by puma",
+        "1101",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "puma",
+        make=write("one_row_each.csv", f"{PUMS_HEADER}\n1101,1,40,12,1\n1102,0,30,16,0\n1103,1,50,10,1\n"),
+    ),
     cli_case("data", "huge.csv", "sheets", "--data", "{file}", "--partition-by", "puma", make=sparse_gigabyte),
-    cli_case("epsilons", "1,2", "sheets", "--data", "{file}", "--partition-by", "puma", "--epsilons", "1,2",
-             make=write("one_client.csv", f"{PUMS_HEADER}\n{ROW}\n{ROW}\n")),
+    cli_case(
+        "epsilons",
+        "1,2",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "puma",
+        "--epsilons",
+        "1,2",
+        make=write("one_client.csv", f"{PUMS_HEADER}\n{ROW}\n{ROW}\n"),
+    ),
     # ledger files, through `fedprivacy ledger`
     cli_case("ledger", "missing.sqlite", "ledger", "show", "{folder}/missing.sqlite"),
     cli_case("ledger-path", "corrupt.sqlite", "ledger", "show", "{file}", make=corrupt_ledger),
-    cli_case("ledger-path", "newer.sqlite", "ledger", "show", "{file}", make=sqlite_file("newer.sqlite", "PRAGMA user_version = 99;")),
-    cli_case("ledger-path", "superlink.db", "ledger", "show", "{file}",
-             make=sqlite_file("superlink.db", "CREATE TABLE run (run_id INTEGER); CREATE TABLE node (node_id INTEGER);")),
+    cli_case(
+        "ledger-path",
+        "newer.sqlite",
+        "ledger",
+        "show",
+        "{file}",
+        make=sqlite_file("newer.sqlite", "PRAGMA user_version = 99;"),
+    ),
+    cli_case(
+        "ledger-path",
+        "superlink.db",
+        "ledger",
+        "show",
+        "{file}",
+        make=sqlite_file("superlink.db", "CREATE TABLE run (run_id INTEGER); CREATE TABLE node (node_id INTEGER);"),
+    ),
     cli_case("ledger-path", "locked.sqlite", "ledger", "show", "{file}", make=sqlite_file("locked.sqlite", "")),
-    cli_case("epsilon", "1000000000.0", "ledger", "set-budget", "{file}", "data:x", "--epsilon", "1e9", "--delta", "1e-5",
-             "--yes", make=sqlite_file("ledger.sqlite", "")),
+    cli_case(
+        "epsilon",
+        "1000000000.0",
+        "ledger",
+        "set-budget",
+        "{file}",
+        "data:x",
+        "--epsilon",
+        "1e9",
+        "--delta",
+        "1e-5",
+        "--yes",
+        make=sqlite_file("ledger.sqlite", ""),
+    ),
     # the run config (untrusted in a deployment; the researcher's in a simulation)
     lib_case("run-config", "epsilon", "1000000000.0", {"epsilon": 1e9}),
     lib_case("run-config", "epsilons", "1e-9", {"epsilons": "1,1e-9"}),
@@ -144,21 +228,94 @@ CASES = [
     lib_case("run-config", "min-clients", "0", {"min-clients": 0}),
     lib_case("run-config", "model", "resnet", {"model": "resnet"}),
     # the node config (a SuperNode's own)
-    lib_case("node-config", "epsilon", "None", {"client-id": "a", "data-path": "/a.csv", "delta": 1e-6, "public-size": 100}),
-    lib_case("node-config", "epsilon", "1000000000.0", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1e9, "delta": 1e-6, "public-size": 100}),
-    lib_case("node-config", "data-path", "a.csv", {"client-id": "a", "data-path": "a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100}),
-    lib_case("node-config", "budget", "3", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100, "budget": 3}),
-    lib_case("node-config", "num-classes", "1", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100, "num-classes": 1}),
-    lib_case("node-config", "test-fraction", "1", {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100, "test-fraction": 1}),
-    lib_case("node-config", "ledger-path", "ledger.sqlite",
-             {"client-id": "a", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100, "ledger-path": "ledger.sqlite"}),
-    lib_case("node-config", "client-id", "' '", {"client-id": " ", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100}),
+    lib_case(
+        "node-config",
+        "epsilon",
+        "None",
+        {"client-id": "a", "data-path": "/a.csv", "delta": 1e-6, "public-size": 100},
+    ),
+    lib_case(
+        "node-config",
+        "epsilon",
+        "1000000000.0",
+        {"client-id": "a", "data-path": "/a.csv", "epsilon": 1e9, "delta": 1e-6, "public-size": 100},
+    ),
+    lib_case(
+        "node-config",
+        "data-path",
+        "a.csv",
+        {"client-id": "a", "data-path": "a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100},
+    ),
+    lib_case(
+        "node-config",
+        "budget",
+        "3",
+        {
+            "client-id": "a",
+            "data-path": "/a.csv",
+            "epsilon": 1,
+            "delta": 1e-6,
+            "public-size": 100,
+            "budget": 3,
+        },
+    ),
+    lib_case(
+        "node-config",
+        "num-classes",
+        "1",
+        {
+            "client-id": "a",
+            "data-path": "/a.csv",
+            "epsilon": 1,
+            "delta": 1e-6,
+            "public-size": 100,
+            "num-classes": 1,
+        },
+    ),
+    lib_case(
+        "node-config",
+        "test-fraction",
+        "1",
+        {
+            "client-id": "a",
+            "data-path": "/a.csv",
+            "epsilon": 1,
+            "delta": 1e-6,
+            "public-size": 100,
+            "test-fraction": 1,
+        },
+    ),
+    lib_case(
+        "node-config",
+        "ledger-path",
+        "ledger.sqlite",
+        {
+            "client-id": "a",
+            "data-path": "/a.csv",
+            "epsilon": 1,
+            "delta": 1e-6,
+            "public-size": 100,
+            "ledger-path": "ledger.sqlite",
+        },
+    ),
+    lib_case(
+        "node-config",
+        "client-id",
+        "' '",
+        {"client-id": " ", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100},
+    ),
     # CSV cells and labels, through the general loader the apps use (label column y)
     lib_case("csv", "column x", "abc", None, write("text.csv", "x,y\n1,0\n2,1\nabc,1\n")),
     lib_case("csv", "column x", "''", None, write("nan.csv", "x,y\n1,0\nnan,1\n")),
     lib_case("csv", "column x", "inf", None, write("inf.csv", "x,y\n1,0\ninf,1\n")),
     lib_case("csv", "label column y", "1", None, write("one_class.csv", "x,y\n1,1\n2,1\n3,1\n")),
-    lib_case("csv", "label column y", "9999", None, write("classes.csv", "x,y\n" + "".join(f"{i},{i}\n" for i in range(10_000)))),
+    lib_case(
+        "csv",
+        "label column y",
+        "9999",
+        None,
+        write("classes.csv", "x,y\n" + "".join(f"{i},{i}\n" for i in range(10_000))),
+    ),
     lib_case("csv", "label column y", "0.5", None, write("fraction.csv", "x,y\n1,0\n2,0.5\n")),
     # a results folder that cannot be written (a file stands where its parent folder should be)
     lib_case("results-dir", "results-dir", "taken", None, write("taken", "a file, not a folder")),
@@ -224,7 +381,7 @@ def test_bad_input_is_one_line_naming_field_value_and_what_is_allowed(case, tmp_
         assert f"'--{case.field}'" in message and f"'{case.shows}' is not one of" in message, message
         return
     assert message.startswith(f"{case.field}="), message
-    value, allowed = message[len(case.field) + 1:].split(": ", 1)
+    value, allowed = message[len(case.field) + 1 :].split(": ", 1)
     assert case.shows in value and len(allowed) > 10, message
     assert list(work.iterdir()) == [], "partial output"  # no sheets, no results folder
     assert not list(inputs.glob("**/results*")), "partial output"
@@ -232,9 +389,14 @@ def test_bad_input_is_one_line_naming_field_value_and_what_is_allowed(case, tmp_
 
 @pytest.mark.parametrize(
     ("n", "epsilon", "delta", "rule"),
-    [(5736, 0.01, 1e-5, "proactive"), (5736, 100.0, 1e-5, "proactive"), (5736, 100.0, 1e-5, "calibrated"),
-     (10**9, 1.0, 1e-10, "proactive"), (2, 1.0, 0.49, "proactive")],
-)  # fmt: skip
+    [
+        (5736, 0.01, 1e-5, "proactive"),
+        (5736, 100.0, 1e-5, "proactive"),
+        (5736, 100.0, 1e-5, "calibrated"),
+        (10**9, 1.0, 1e-10, "proactive"),
+        (2, 1.0, 0.49, "proactive"),
+    ],
+)
 def test_extreme_but_valid_inputs_get_a_certified_plan(n, epsilon, delta, rule):
     """The edges of the limits (docs/privacy.md, "Limits") get correct answers, not refusals or blow-ups
     (their memory and time were measured by hand: README)."""
@@ -281,7 +443,9 @@ TINY_SCHEDULES = [  # (schedule inputs for N = 5736, the field the refusal names
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize(("schedule", "field"), TINY_SCHEDULES, ids=[f"{f}:{s}" for s, f in TINY_SCHEDULES])
-def test_a_schedule_sampling_under_one_record_per_step_is_refused_quickly_by_every_rule(rule, schedule, field, monkeypatch):
+def test_a_schedule_sampling_under_one_record_per_step_is_refused_quickly_by_every_rule(
+    rule, schedule, field, monkeypatch
+):
     from fedprivacy.privacy import accountants
 
     def no_accountant(*_args, **_kwargs):
@@ -298,13 +462,18 @@ def test_a_schedule_sampling_under_one_record_per_step_is_refused_quickly_by_eve
 
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize(("flags", "field", "shows"), [
-    (("--epochs", "1e-9"), "epochs", "1e-09"),
-    (("--sampling-rate", "1e-10"), "sampling-rate", "1e-10"),
-    (("--sampling-rate", "0.0001", "--steps", "10"), "sampling-rate", "0.0001"),
-    (("--batch-size", "0.5"), "expected-batch-size", "0.5"),
-])  # fmt: skip
-def test_the_cli_refuses_a_schedule_sampling_under_one_record_per_step(rule, flags, field, shows, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("flags", "field", "shows"),
+    [
+        (("--epochs", "1e-9"), "epochs", "1e-09"),
+        (("--sampling-rate", "1e-10"), "sampling-rate", "1e-10"),
+        (("--sampling-rate", "0.0001", "--steps", "10"), "sampling-rate", "0.0001"),
+        (("--batch-size", "0.5"), "expected-batch-size", "0.5"),
+    ],
+)
+def test_the_cli_refuses_a_schedule_sampling_under_one_record_per_step(
+    rule, flags, field, shows, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     code = run_cli([*PLAN, "--epsilon", "1", "--delta", "1e-5", "--rule", rule, *flags], monkeypatch)
     out, err = capsys.readouterr()

@@ -43,12 +43,19 @@ def train_message(in_process, config: dict, server_round: int, ledger: Path) -> 
     in_process.Grid.simulation(client_app, 2, config)  # sets the task identity messages need
     settings = parse_run_config(config)
     model = new_model(settings, np.zeros((1, 64), dtype=np.float32), 10)
-    content = RecordDict({
-        "arrays": ArrayRecord(model.state_dict()),
-        "config": ConfigRecord({"server-round": server_round, "ledger-path": str(ledger)}),
-    })  # fmt: skip
-    context = Context(run_id=9, node_id=101, node_config={"partition-id": 0, "num-partitions": 2},
-                      state=RecordDict(), run_config=config)  # fmt: skip
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "config": ConfigRecord({"server-round": server_round, "ledger-path": str(ledger)}),
+        }
+    )
+    context = Context(
+        run_id=9,
+        node_id=101,
+        node_config={"partition-id": 0, "num-partitions": 2},
+        state=RecordDict(),
+        run_config=config,
+    )
     return Message(content, dst_node_id=101, message_type=MessageType.TRAIN), context
 
 
@@ -102,7 +109,10 @@ def test_a_seeded_simulation_refuses_a_ledger_that_another_run_spent_from(in_pro
         in_process.run_server(server_app, in_process.Grid.simulation(client_app, 2, second, run_id=2), second)
     statuses = [row["status"] for row in clients_csv(run_folder(tmp_path / "results2")).values()]
     assert statuses and all("noise-seed=7 on ledger" in s and "would repeat that run's noise" in s for s in statuses)
-    assert [Ledger(ledger).runs(account) for account in _accounts(ledger)] == [{"1"}, {"1"}]  # run 2 spent nothing
+    assert [Ledger(ledger).runs(account) for account in _accounts(ledger)] == [
+        {"1"},
+        {"1"},
+    ]  # run 2 spent nothing
 
 
 def test_a_ledger_refuses_another_partitioning_of_the_same_records(in_process, run_config, tmp_path):
@@ -128,8 +138,16 @@ def test_another_encoding_of_the_same_records_spends_from_the_same_accounts(in_p
     """`pums-age` changes the features, not the rows: the second run is neither refused as another
     partitioning nor given fresh accounts, and starts from the first run's spend."""
     ledger = tmp_path / "ledger.sqlite"
-    config = {**run_config, "dataset": "pums", "data-path": str(PUMS), "partition-by": "puma", "ledger-path": str(ledger),
-              "num-server-rounds": 1, "noise-seed": -1, "epochs": 2.0}  # fmt: skip
+    config = {
+        **run_config,
+        "dataset": "pums",
+        "data-path": str(PUMS),
+        "partition-by": "puma",
+        "ledger-path": str(ledger),
+        "num-server-rounds": 1,
+        "noise-seed": -1,
+        "epochs": 2.0,
+    }
     in_process.run_server(server_app, in_process.Grid.simulation(client_app, 7, config, run_id=1), config)
     spent = {a: Ledger(ledger).steps_spent(a) for a in _accounts(ledger)}
     banded = {**config, "pums-age": "bands", "results-dir": str(tmp_path / "results2")}
@@ -149,13 +167,34 @@ def puma_file(tmp_path) -> Path:
 
 
 def test_a_deployed_client_takes_budget_and_rows_from_its_node_config_only(puma_file, tmp_path, caplog):
-    node = parse_node_config({"client-id": "a", "data-path": str(puma_file), "epsilon": 1.0, "delta": 1e-6,
-                              "public-size": 300, "ledger-path": str(tmp_path / "l.sqlite")})  # fmt: skip
+    node = parse_node_config(
+        {
+            "client-id": "a",
+            "data-path": str(puma_file),
+            "epsilon": 1.0,
+            "delta": 1e-6,
+            "public-size": 300,
+            "ledger-path": str(tmp_path / "l.sqlite"),
+        }
+    )
     honest = deployed_client(parse_run_config({"dataset": "pums"}), node)
-    pushy = deployed_client(parse_run_config({"dataset": "csv", "label-column": "sex", "epsilon": 50.0, "delta": 0.3,
-                                              "seed": 9, "test-fraction": 0.7}), node)  # fmt: skip
+    pushy = deployed_client(
+        parse_run_config(
+            {
+                "dataset": "csv",
+                "label-column": "sex",
+                "epsilon": 50.0,
+                "delta": 0.3,
+                "seed": 9,
+                "test-fraction": 0.7,
+            }
+        ),
+        node,
+    )
     assert (pushy.epsilon, pushy.delta) == (honest.epsilon, honest.delta) == (1.0, 1e-6)
-    assert np.array_equal(pushy.data.train.features, honest.data.train.features)  # the same rows, whatever the run config
+    assert np.array_equal(
+        pushy.data.train.features, honest.data.train.features
+    )  # the same rows, whatever the run config
     assert np.array_equal(pushy.data.train.labels, honest.data.train.labels)
     assert pushy.data.num_examples == 300  # every row: a deployed client holds none out
     assert "run config epsilon=50 ignored" in caplog.text and "run config delta=0.3 ignored" in caplog.text
@@ -167,12 +206,25 @@ def test_the_ledger_budget_survives_a_server_that_asks_for_more_delta(in_process
     history at the larger δ and recorded more rounds. Now the run config's δ is ignored and the
     ledger's pinned δ is used for every composition."""
     ledger = tmp_path / "ledger.sqlite"
-    node = {"client-id": "a", "data-path": str(puma_file), "epsilon": 1.0, "delta": 1e-5, "public-size": 300,
-            "ledger-path": str(ledger)}
+    node = {
+        "client-id": "a",
+        "data-path": str(puma_file),
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "public-size": 300,
+        "ledger-path": str(ledger),
+    }
     spent = []
     for run, delta in ((1, 1e-5), (2, 1e-2)):
-        config = {**run_config, "dataset": "pums", "delta": delta, "noise-seed": -1, "min-clients": 1,
-                  "num-server-rounds": 4, "results-dir": str(tmp_path / f"r{run}")}  # fmt: skip
+        config = {
+            **run_config,
+            "dataset": "pums",
+            "delta": delta,
+            "noise-seed": -1,
+            "min-clients": 1,
+            "num-server-rounds": 4,
+            "results-dir": str(tmp_path / f"r{run}"),
+        }
         in_process.run_server(server_app, in_process.Grid(client_app, [node], config, run_id=run), config)
         row = clients_csv(run_folder(tmp_path / f"r{run}"))["a"]
         spent.append(float(row["epsilon_spent"]))

@@ -102,18 +102,31 @@ def test_pums_age_bands_replace_linear_age_with_one_indicator_per_band() -> None
 
     names = list(banded.feature_names)
     bands = [n for n in names if "age" in n]
-    assert bands == ["age<25", "25<=age<35", "35<=age<45", "45<=age<55", "55<=age<62", "62<=age<67", "67<=age<75", "age>=75"]
+    assert bands == [
+        "age<25",
+        "25<=age<35",
+        "35<=age<45",
+        "45<=age<55",
+        "55<=age<62",
+        "62<=age<67",
+        "67<=age<75",
+        "age>=75",
+    ]
     assert banded.features.shape == (25_766, 15 - 1 + 8)
     indicators = banded.features[:, [names.index(b) for b in bands]]
     assert set(np.unique(indicators)) == {0.0, 1.0}
     np.testing.assert_array_equal(indicators.sum(axis=1), 1.0)  # every person in exactly one band
-    np.testing.assert_array_equal(indicators[:, names.index("62<=age<67") - names.index("age<25")], (age >= 62) & (age < 67))
+    np.testing.assert_array_equal(
+        indicators[:, names.index("62<=age<67") - names.index("age<25")], (age >= 62) & (age < 67)
+    )
     np.testing.assert_array_equal(indicators[:, 0], age < 25)
     np.testing.assert_array_equal(indicators[:, -1], age >= 75)
     others = [n for n in names if n not in bands]
     assert others == [n for n in linear.feature_names if n != "age/100"]
-    np.testing.assert_array_equal(banded.features[:, [names.index(n) for n in others]],
-                                  linear.features[:, [list(linear.feature_names).index(n) for n in others]])  # fmt: skip
+    np.testing.assert_array_equal(
+        banded.features[:, [names.index(n) for n in others]],
+        linear.features[:, [list(linear.feature_names).index(n) for n in others]],
+    )
     with pytest.raises(InputError, match="pums-age"):
         load_dataset("pums", path, age="cubic")
 
@@ -263,8 +276,8 @@ def test_load_client_matches_load_clients() -> None:
 @pytest.mark.parametrize(("rows", "clients"), [(10, 3), (1797, 7), (200, 200), (1001, 10)])
 def test_iid_shards_are_flwr_datasets_iid_partitions(rows: int, clients: int) -> None:
     """The direct computation gives exactly the rows of flwr-datasets' IidPartitioner."""
-    from flwr_datasets.partitioner import IidPartitioner
     import datasets
+    from flwr_datasets.partitioner import IidPartitioner
 
     order = np.random.default_rng(3).permutation(rows)
     partitioner = IidPartitioner(clients)

@@ -36,15 +36,27 @@ RUN = parse_run_config({"dataset": "csv", "label-column": "y"})
 
 
 def csv_node(path: Path, tmp_path: Path, **extra: object) -> dict[str, object]:
-    return {"client-id": "a", "data-path": str(path), "epsilon": 1.0, "delta": 1e-6, "public-size": 100, "dataset": "csv",
-            "label-column": "y", "feature-columns": "f0,f1,f2", "num-classes": 2,
-            "ledger-path": str(tmp_path / "ledger.sqlite"), **extra}  # fmt: skip
+    return {
+        "client-id": "a",
+        "data-path": str(path),
+        "epsilon": 1.0,
+        "delta": 1e-6,
+        "public-size": 100,
+        "dataset": "csv",
+        "label-column": "y",
+        "feature-columns": "f0,f1,f2",
+        "num-classes": 2,
+        "ledger-path": str(tmp_path / "ledger.sqlite"),
+        **extra,
+    }
 
 
 def training_rows(path: Path, tmp_path: Path, run=RUN) -> Counter:
     client = deployed_client(run, parse_node_config(csv_node(path, tmp_path)))
     train = client.data.train
-    return Counter(tuple(map(float, row)) + (int(label),) for row, label in zip(train.features, train.labels, strict=True))
+    return Counter(
+        tuple(map(float, row)) + (int(label),) for row, label in zip(train.features, train.labels, strict=True)
+    )
 
 
 def random_table(seed: int, n: int) -> pd.DataFrame:
@@ -85,7 +97,9 @@ def test_the_attack_on_the_split_finds_one_record_to_score_not_sixty_seven(tmp_p
     table.to_csv(tmp_path / "d.csv", index=False)
     neighbour.to_csv(tmp_path / "d2.csv", index=False)
     only_d = training_rows(tmp_path / "d.csv", tmp_path) - training_rows(tmp_path / "d2.csv", tmp_path)
-    assert list(only_d.elements()) == [tuple(map(float, table.loc[123, ["f0", "f1", "f2"]])) + (int(table.loc[123, "y"]),)]
+    assert list(only_d.elements()) == [
+        tuple(map(float, table.loc[123, ["f0", "f1", "f2"]])) + (int(table.loc[123, "y"]),)
+    ]
 
 
 def test_the_run_config_cannot_turn_a_record_into_a_failure(tmp_path):
@@ -99,15 +113,25 @@ def test_the_run_config_cannot_turn_a_record_into_a_failure(tmp_path):
     with_target.loc[7, ["z", "w"]] = [3.5, "x"]
     for name, frame in (("without", table), ("with", with_target)):
         frame.to_csv(tmp_path / f"{name}.csv", index=False)
-    for run in ({"dataset": "csv", "label-column": "z"}, {"dataset": "csv", "label-column": "w"}, {"dataset": "pums"}):
+    for run in (
+        {"dataset": "csv", "label-column": "z"},
+        {"dataset": "csv", "label-column": "w"},
+        {"dataset": "pums"},
+    ):
         settings_ = parse_run_config(run)
         rows = {name: training_rows(tmp_path / f"{name}.csv", tmp_path, settings_) for name in ("without", "with")}
         assert rows["with"] == rows["without"]  # both read, the same way, whatever the run config names
 
 
 def test_a_csv_node_declares_how_its_records_are_read(tmp_path):
-    base = {"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 1, "delta": 1e-6, "public-size": 10,
-            "dataset": "csv"}
+    base = {
+        "client-id": "a",
+        "data-path": str(tmp_path / "a.csv"),
+        "epsilon": 1,
+        "delta": 1e-6,
+        "public-size": 10,
+        "dataset": "csv",
+    }
     with pytest.raises(InputError, match="label-column"):
         parse_node_config(base)
     with pytest.raises(InputError, match="feature-columns"):
@@ -143,12 +167,17 @@ def test_a_changed_file_under_an_account_is_refused_until_the_operator_accepts_i
         else:
             data.write_bytes(data.read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
         client = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path)))
-        with Ledger(ledger_path) as ledger, pytest.raises(ClientRefusal, match="its ledger refused its data file") as refused:
+        with (
+            Ledger(ledger_path) as ledger,
+            pytest.raises(ClientRefusal, match="its ledger refused its data file") as refused,
+        ):
             open_account(client, RUN, ledger, "run-2")
         assert "another data file" not in str(refused.value)  # what changed stays on the node ...
         assert "opened on another data file" in caplog.text  # ... in its log, with the remedy
         assert file_digest(data) not in str(refused.value) + caplog.text
-        result = CliRunner().invoke(cli_app, ["ledger", "accept-data", str(ledger_path), "node:a", "--data", str(data), "--yes"])
+        result = CliRunner().invoke(
+            cli_app, ["ledger", "accept-data", str(ledger_path), "node:a", "--data", str(data), "--yes"]
+        )
         assert result.exit_code == 0, result.output
         with Ledger(ledger_path) as ledger:
             open_account(client, RUN, ledger, "run-2")
@@ -160,9 +189,15 @@ def test_the_same_file_under_another_client_id_is_refused(tmp_path):
     random_table(5, 30).to_csv(data, index=False)
     _spend(data, tmp_path)
     renamed = deployed_client(RUN, parse_node_config(csv_node(data, tmp_path, **{"client-id": "b"})))
-    with Ledger(tmp_path / "ledger.sqlite") as ledger, pytest.raises(ClientRefusal, match="its ledger refused its data file"):
+    with (
+        Ledger(tmp_path / "ledger.sqlite") as ledger,
+        pytest.raises(ClientRefusal, match="its ledger refused its data file"),
+    ):
         open_account(renamed, RUN, ledger, "run-2")
-    with Ledger(tmp_path / "ledger.sqlite") as ledger, pytest.raises(DataMismatch, match="already accounted under 'node:a'"):
+    with (
+        Ledger(tmp_path / "ledger.sqlite") as ledger,
+        pytest.raises(DataMismatch, match="already accounted under 'node:a'"),
+    ):
         ledger.pin_data("node:b", file_digest(data))
     with Ledger(tmp_path / "ledger.sqlite") as ledger:  # nor can the operator put one file under two budgets
         ledger.open_account("node:b", 1.0, 1e-6)
@@ -195,8 +230,15 @@ def test_one_misconfigured_node_does_not_end_a_deployed_run(in_process, run_conf
     random_table(7, 200).to_csv(data, index=False)
     good = csv_node(data, tmp_path, **{"client-id": "good"})
     bad = {k: v for k, v in csv_node(data, tmp_path, **{"client-id": "bad"}).items() if k != "delta"}
-    config = {**run_config, "dataset": "csv", "label-column": "y", "noise-seed": -1, "min-clients": 2,
-              "num-server-rounds": 1, "rule": "calibrated"}
+    config = {
+        **run_config,
+        "dataset": "csv",
+        "label-column": "y",
+        "noise-seed": -1,
+        "min-clients": 2,
+        "num-server-rounds": 1,
+        "rule": "calibrated",
+    }
     in_process.run_server(server_app, in_process.Grid(client_app, [bad, good], config), config)
     assert "client on node 101 could not build the initial model" in caplog.text
     (folder,) = [p for p in Path(config["results-dir"]).iterdir() if p.is_dir()]
@@ -215,8 +257,18 @@ def test_advice_about_the_real_size_stays_in_the_nodes_log(tmp_path, caplog):
     assert "holds 400 rows, its public-size is 100" in caplog.text
 
 
-@pytest.mark.parametrize("damage", ["text cell", "empty cell", "infinite cell", "label out of range",
-                                    "fractional label", "negative label", "too many fields"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "text cell",
+        "empty cell",
+        "infinite cell",
+        "label out of range",
+        "fractional label",
+        "negative label",
+        "too many fields",
+    ],
+)
 def test_a_bad_row_is_dropped_alone_so_no_record_can_fail_the_client(tmp_path, damage):
     """A deployed client that refused its file for one bad row failed exactly when that row was
     present (the server sees the failure): now the row is dropped on its own, and the client trains

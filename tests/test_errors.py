@@ -9,7 +9,7 @@ from fedprivacy.errors import InputError, error_summary
 RAY_REASON = (
     "Traceback (most recent call last):\n"
     '  File "/x/fedprivacy/data/tables.py", line 22, in read_table\n'
-    "    raise InputError(\"data-path\", str(path), \"no such file\")\n"
+    '    raise InputError("data-path", str(path), "no such file")\n'
     "fedprivacy.errors.InputError: data-path='/tmp/x.csv': no such file\n\n"
     "The above exception was the direct cause of the following exception:\n\n"
     "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=7024, ip=192.0.2.2)\n"

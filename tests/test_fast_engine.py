@@ -4,7 +4,6 @@ after every round (to float tolerance), the same ε spent by every client, the s
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,17 @@ from sims.fast.engine import run_fast
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-HETEROGENEOUS = {"num-server-rounds": 3, "noise-seed": 7, "epsilons": "0.5,1,2,4", "deltas": "1e-5,1e-6,1e-5,1e-7"}
+HETEROGENEOUS = {
+    "num-server-rounds": 3,
+    "noise-seed": 7,
+    "epsilons": "0.5,1,2,4",
+    "deltas": "1e-5,1e-6,1e-5,1e-7",
+}
 
 
-def apps_rounds(in_process, config: dict[str, Any], clients: int, monkeypatch) -> tuple[list[dict[str, torch.Tensor]], Path]:
+def apps_rounds(
+    in_process, config: dict[str, Any], clients: int, monkeypatch
+) -> tuple[list[dict[str, torch.Tensor]], Path]:
     """The real apps in process: the global model after each round, and the results folder."""
     models: list[dict[str, torch.Tensor]] = []
     aggregate = strategy_module.PrivacyFedAvg.aggregate_train
@@ -42,7 +48,9 @@ def apps_rounds(in_process, config: dict[str, Any], clients: int, monkeypatch) -
     return models, folder
 
 
-def fast_rounds(config: dict[str, Any], clients: int, monkeypatch, **options: Any) -> tuple[list[dict[str, torch.Tensor]], Path]:
+def fast_rounds(
+    config: dict[str, Any], clients: int, monkeypatch, **options: Any
+) -> tuple[list[dict[str, torch.Tensor]], Path]:
     models: list[dict[str, torch.Tensor]] = []
     aggregate = fast_engine._aggregate
 
@@ -67,9 +75,15 @@ def csv(folder: Path, name: str) -> pd.DataFrame:
         ("logreg", {}),
         ("mlp", {"rule": "adp"}),  # ADP-SGD: σ_t segments and the η/sqrt(20 + t) schedule
         ("mlp", {"fraction-train": 0.75, "fraction-evaluate": 0.5}),  # seeded sampling, federated evaluation
-        ("logreg", {"aggregation": "inverse-noise", "server-optimizer": "fedadam", "server-learning-rate": 0.3}),
+        (
+            "logreg",
+            {"aggregation": "inverse-noise", "server-optimizer": "fedadam", "server-learning-rate": 0.3},
+        ),
         ("logreg", {"server-optimizer": "fedavgm", "server-momentum": 0.9}),
-        ("logreg", {"rule": "calibrated", "lr-schedule": "inverse_sqrt", "lr-offset": 1.0, "lr-decay": 0.5}),  # η_t = η/sqrt(1 + t/2)
+        (
+            "logreg",
+            {"rule": "calibrated", "lr-schedule": "inverse_sqrt", "lr-offset": 1.0, "lr-decay": 0.5},
+        ),  # η_t = η/sqrt(1 + t/2)
         ("cnn", {"rule": "calibrated"}),  # not a Linear stack: trained client by client
     ],
 )
@@ -85,15 +99,40 @@ def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkey
 
     clients_apps, clients_fast = csv(apps_folder, "clients.csv"), csv(fast_folder, "clients.csv")
     assert list(clients_apps.columns) == list(clients_fast.columns)
-    columns = ["client_id", "epsilon_budget", "epsilon_spent", "delta", "steps_this_run", "steps_all_runs", "rounds_trained", "rounds_dropped", "status"]
+    columns = [
+        "client_id",
+        "epsilon_budget",
+        "epsilon_spent",
+        "delta",
+        "steps_this_run",
+        "steps_all_runs",
+        "rounds_trained",
+        "rounds_dropped",
+        "status",
+    ]
     pd.testing.assert_frame_equal(clients_apps[columns], clients_fast[columns])  # ε spent: identical, not close
     rounds_apps, rounds_fast = csv(apps_folder, "rounds.csv"), csv(fast_folder, "rounds.csv")
     assert list(rounds_apps.columns) == list(rounds_fast.columns)
     for column in ("accuracy", "loss", "federated_accuracy", "federated_loss"):
-        np.testing.assert_allclose(rounds_fast[column].to_numpy(float), rounds_apps[column].to_numpy(float), rtol=1e-4, atol=1e-4)
-    for column in ("clients_trained", "clients_exhausted", "clients_failed", "epsilon_spent_max", "epsilon_spent_mean"):
+        np.testing.assert_allclose(
+            rounds_fast[column].to_numpy(float), rounds_apps[column].to_numpy(float), rtol=1e-4, atol=1e-4
+        )
+    for column in (
+        "clients_trained",
+        "clients_exhausted",
+        "clients_failed",
+        "epsilon_spent_max",
+        "epsilon_spent_mean",
+    ):
         assert list(rounds_fast[column]) == list(rounds_apps[column])
-    for name in ("summary.json", "config.json", "model.pt", "progress.png", "ledger.sqlite", "plans/index.csv"):
+    for name in (
+        "summary.json",
+        "config.json",
+        "model.pt",
+        "progress.png",
+        "ledger.sqlite",
+        "plans/index.csv",
+    ):
         assert (fast_folder / name).is_file(), name
     summary = json.loads((fast_folder / "summary.json").read_text())
     assert summary["engine"] == "fast" and json.loads((apps_folder / "summary.json").read_text())["engine"] == "flower"
@@ -113,12 +152,21 @@ def test_two_ray_workers_give_the_same_run_as_one(in_process, tmp_path, monkeypa
 
 def test_a_client_too_small_to_train_fails_alone(in_process, tmp_path):
     """Tiny partitions (an exponential size skew) fail by name; the others train."""
-    config = {**in_process.defaults(), "noise-seed": -1, "num-server-rounds": 2, "partitioning": "size",
-              "size-skew": "exponential", "results-dir": str(tmp_path / "r")}  # fmt: skip
+    config = {
+        **in_process.defaults(),
+        "noise-seed": -1,
+        "num-server-rounds": 2,
+        "partitioning": "size",
+        "size-skew": "exponential",
+        "results-dir": str(tmp_path / "r"),
+    }
     folder, timings = run_fast(config, 8, say=lambda _: None)
     clients = csv(folder, "clients.csv")
     failed = clients[clients.status.str.startswith("failed")]
-    assert len(failed) >= 1 and failed.status.str.contains("too little data|row\\(s\\) in its partition|n=1: must be an integer >= 2").all()
+    assert (
+        len(failed) >= 1
+        and failed.status.str.contains("too little data|row\\(s\\) in its partition|n=1: must be an integer >= 2").all()
+    )
     assert (clients[~clients.status.str.startswith("failed")].epsilon_spent <= 1.0).all()
     assert timings.accounting_s > 0 and 0 < timings.commit_wait_s <= timings.accounting_s
     assert len(timings.accounting_by_round) == len(timings.commit_wait_by_round) == 2  # one per round
@@ -150,14 +198,23 @@ def test_a_run_in_which_every_client_fails_ends_as_the_apps_run_does(in_process,
     assert not (fast_folder / "model.pt").exists()
 
 
-@pytest.mark.parametrize(("config", "clients", "field"), [
-    ({"epsilons": "1,2,3"}, 4, "epsilons"),  # one ε per client: 4 clients, 3 values
-    ({"min-clients": 3}, 2, "num_clients"),  # the apps' server would wait for a third client for ever
-    ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),
-])  # fmt: skip
-def test_a_run_the_apps_could_not_run_is_refused_before_anything_is_written(in_process, tmp_path, config, clients, field):
+@pytest.mark.parametrize(
+    ("config", "clients", "field"),
+    [
+        ({"epsilons": "1,2,3"}, 4, "epsilons"),  # one ε per client: 4 clients, 3 values
+        ({"min-clients": 3}, 2, "num_clients"),  # the apps' server would wait for a third client for ever
+        ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),
+    ],
+)
+def test_a_run_the_apps_could_not_run_is_refused_before_anything_is_written(
+    in_process, tmp_path, config, clients, field
+):
     with pytest.raises(InputError) as refused:
-        run_fast({**in_process.defaults(), **config, "results-dir": str(tmp_path / "fast")}, clients, say=lambda _: None)
+        run_fast(
+            {**in_process.defaults(), **config, "results-dir": str(tmp_path / "fast")},
+            clients,
+            say=lambda _: None,
+        )
     assert refused.value.field == field
     assert not (tmp_path / "fast").exists()
 
@@ -168,16 +225,25 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_proces
     ledger = tmp_path / "ledger.sqlite"
     base = {**in_process.defaults(), "noise-seed": -1, "ledger-path": str(ledger)}
     first, _ = run_fast({**base, "rule": "proactive", "results-dir": str(tmp_path / "r1")}, 2, say=lambda _: None)
-    second, _ = run_fast({**base, "rule": "calibrated", "num-server-rounds": 4, "results-dir": str(tmp_path / "r2")}, 2,
-                         run_id=2, say=lambda _: None)  # fmt: skip
-    before, after = csv(first, "clients.csv").set_index("client_id"), csv(second, "clients.csv").set_index("client_id")
+    second, _ = run_fast(
+        {**base, "rule": "calibrated", "num-server-rounds": 4, "results-dir": str(tmp_path / "r2")},
+        2,
+        run_id=2,
+        say=lambda _: None,
+    )
+    before, after = (
+        csv(first, "clients.csv").set_index("client_id"),
+        csv(second, "clients.csv").set_index("client_id"),
+    )
     assert (after.exhausted_round > 1).all() and (after.epsilon_spent <= after.epsilon_budget).all()
     assert (after.steps_all_runs > before.steps_all_runs).all()  # the ledger carried run 1's steps
     assert csv(second, "rounds.csv").clients_exhausted.iloc[-1] == 2
 
 
 @pytest.mark.parametrize("optimizer", [{}, {"server-optimizer": "fedavgm", "server-momentum": 0.9}])
-def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_process, tmp_path, monkeypatch, optimizer):
+def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(
+    in_process, tmp_path, monkeypatch, optimizer
+):
     """The server aggregates (its optimiser steps) and evaluates while the round's spends commit;
     if the commit fails (an I/O error injected into round 2's write), the run fails with it, the
     round is not in the ledger, and nothing derived from its updates got out: no row, no progress
@@ -198,8 +264,15 @@ def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_p
     monkeypatch.setattr(fast_engine, "_aggregate", lambda *args: aggregated.append(args[3]) or aggregate(*args))
     monkeypatch.setattr(fast_engine, "_evaluate_federated", lambda *args: evaluated.append(args[2]) or evaluate(*args))
     ledger = tmp_path / "ledger.sqlite"
-    config = {**in_process.defaults(), "noise-seed": 7, "num-server-rounds": 3, "ledger-path": str(ledger),
-              "fraction-evaluate": 1.0, "results-dir": str(tmp_path / "r"), **optimizer}  # fmt: skip
+    config = {
+        **in_process.defaults(),
+        "noise-seed": 7,
+        "num-server-rounds": 3,
+        "ledger-path": str(ledger),
+        "fraction-evaluate": 1.0,
+        "results-dir": str(tmp_path / "r"),
+        **optimizer,
+    }
     lines, rows = [], []
     with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
         run_fast(config, 2, say=lines.append, on_round=rows.append)
@@ -216,7 +289,9 @@ def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(in_p
 
 
 @pytest.mark.parametrize(("fraction", "composed_ahead"), [(1.0, True), (0.75, False)])
-def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(in_process, tmp_path, monkeypatch, fraction, composed_ahead):
+def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(
+    in_process, tmp_path, monkeypatch, fraction, composed_ahead
+):
     """With every client in every round, the ε their plans' rounds will reach is composed when they
     are first sampled (`Ledger.compose_ahead`) and the later rounds' decisions compose nothing;
     with clients sampled at random their histories are not their plans' prefixes, and nothing is
@@ -225,9 +300,17 @@ def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(in
 
     compose = ledger_module.composed_epsilon
     rounds_done, composed_in_round = [], []
-    monkeypatch.setattr(ledger_module, "composed_epsilon",
-                        lambda *args: composed_in_round.append(len(rounds_done) + 1) or compose(*args))  # fmt: skip
-    config = {**in_process.defaults(), **HETEROGENEOUS, "fraction-train": fraction, "results-dir": str(tmp_path / "r")}
+    monkeypatch.setattr(
+        ledger_module,
+        "composed_epsilon",
+        lambda *args: composed_in_round.append(len(rounds_done) + 1) or compose(*args),
+    )
+    config = {
+        **in_process.defaults(),
+        **HETEROGENEOUS,
+        "fraction-train": fraction,
+        "results-dir": str(tmp_path / "r"),
+    }
     lines: list[str] = []
     run_fast(config, 4, say=lines.append, on_round=rounds_done.append)
     assert len(rounds_done) == 3
@@ -266,8 +349,16 @@ def test_the_noise_scale_is_sigma_times_c_in_float64_rounded_up_once(in_process,
         return release(sums, step, add_noise)
 
     monkeypatch.setattr(stack, "release", spy)
-    config = {**in_process.defaults(), "rule": "proactive", "epsilon": 1.0, "delta": 1e-5, "clip-norm": clip,
-              "num-server-rounds": 1, "noise-seed": 7, "results-dir": str(tmp_path / "r")}  # fmt: skip
+    config = {
+        **in_process.defaults(),
+        "rule": "proactive",
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "clip-norm": clip,
+        "num-server-rounds": 1,
+        "noise-seed": 7,
+        "results-dir": str(tmp_path / "r"),
+    }
     run_fast(config, 2, say=lambda _: None)
     assert seen
     for noise, normals, active in seen:

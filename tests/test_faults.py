@@ -13,9 +13,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from faultkit import KINDS, Faults, check_run, faulty, read_csv
 
 from clients.app import app as client_app
-from faultkit import KINDS, Faults, check_run, faulty, read_csv
 from server.app import app as server_app
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # seeded noise on purpose
@@ -27,8 +27,10 @@ SEED = 1  # a schedule that holds every kind of fault, checked below
 def ledger_spends(path: Path) -> Counter:
     """(account, run, round) -> number of distinct spends recorded for it."""
     with sqlite3.connect(path) as db:
-        rows = db.execute("SELECT k.account, s.run_id, s.server_round, COUNT(DISTINCT s.recorded_at) FROM spends AS s "
-                          "JOIN account_keys AS k ON k.id = s.account_key GROUP BY k.account, s.run_id, s.server_round").fetchall()
+        rows = db.execute(
+            "SELECT k.account, s.run_id, s.server_round, COUNT(DISTINCT s.recorded_at) FROM spends AS s "
+            "JOIN account_keys AS k ON k.id = s.account_key GROUP BY k.account, s.run_id, s.server_round"
+        ).fetchall()
     return Counter({(a, r, n): c for a, r, n, c in rows})
 
 

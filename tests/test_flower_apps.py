@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from independent import CERTIFICATE_REL_TOL, plan_prefix_events, pld_epsilon
 
 from clients.app import app as client_app
 from fedprivacy import participant
@@ -22,7 +23,6 @@ from fedprivacy.errors import InputError
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.runconfig import DEFAULTS, parse_node_config, parse_run_config
-from independent import CERTIFICATE_REL_TOL, plan_prefix_events, pld_epsilon
 from server.app import app as server_app
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -149,14 +149,28 @@ def test_each_simulated_client_plans_with_its_own_delta(simulate, run_config):
         expected = {"0": (1.0, 1e-5), "1": (2.0, 1e-7)}[row["client_id"]]
         assert (plan["epsilon"], plan["delta"]) == expected and float(row["delta"]) == expected[1]
         spent = float(row["epsilon_spent"])
-        assert spent == pytest.approx(independent_epsilon(plan, int(row["steps_all_runs"]), expected[1]), rel=CERTIFICATE_REL_TOL)
+        assert spent == pytest.approx(
+            independent_epsilon(plan, int(row["steps_all_runs"]), expected[1]), rel=CERTIFICATE_REL_TOL
+        )
 
 
 def test_node_config_for_a_deployed_client(tmp_path):
     assert parse_node_config({"partition-id": 0, "num-partitions": 2}) is None
-    node = parse_node_config({"client-id": "a", "data-path": str(tmp_path / "a.csv"), "epsilon": 2, "delta": 1e-6,
-                              "public-size": 1000})
-    assert node is not None and (node.epsilon, node.delta, node.public_size, node.dataset) == (2.0, 1e-6, 1000, "pums")
+    node = parse_node_config(
+        {
+            "client-id": "a",
+            "data-path": str(tmp_path / "a.csv"),
+            "epsilon": 2,
+            "delta": 1e-6,
+            "public-size": 1000,
+        }
+    )
+    assert node is not None and (node.epsilon, node.delta, node.public_size, node.dataset) == (
+        2.0,
+        1e-6,
+        1000,
+        "pums",
+    )
     with pytest.raises(InputError, match="client-id"):
         parse_node_config({"data-path": "/x.csv", "epsilon": 1, "delta": 1e-6, "public-size": 10})
     with pytest.raises(InputError, match="absolute path"):
@@ -171,10 +185,21 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate,
     """Privacy composes across runs: run 2 starts from run 1's spend and stops each client
     before the round it cannot afford; it is never asked to train again."""
     ledger = tmp_path / "shared-ledger.sqlite"
-    first = {**run_config, "ledger-path": str(ledger), "rule": "proactive", "num-server-rounds": 3, "noise-seed": -1}
+    first = {
+        **run_config,
+        "ledger-path": str(ledger),
+        "rule": "proactive",
+        "num-server-rounds": 3,
+        "noise-seed": -1,
+    }
     simulate(first, num_nodes=2, run_id=1)
     folder1 = run_folder(Path(first["results-dir"]))
-    second = {**first, "results-dir": str(tmp_path / "results2"), "rule": "calibrated", "num-server-rounds": 4}
+    second = {
+        **first,
+        "results-dir": str(tmp_path / "results2"),
+        "rule": "calibrated",
+        "num-server-rounds": 4,
+    }
     grid = simulate(second, num_nodes=2, run_id=2)
     folder2 = run_folder(tmp_path / "results2")
 
@@ -189,7 +214,9 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate,
         assert int(row["steps_all_runs"]) == plan1["steps"] + steps2
         spent = float(row["epsilon_spent"])
         assert spent <= float(row["epsilon_budget"]) == 1.0
-        assert spent == pytest.approx(independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2)], 1e-5), rel=CERTIFICATE_REL_TOL)
+        assert spent == pytest.approx(
+            independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2)], 1e-5), rel=CERTIFICATE_REL_TOL
+        )
         # the round it skipped would have overspent
         assert independent_epsilon_of([(plan1, plan1["steps"]), (plan2, steps2 + refused)], 1e-5) > 1.0
 
@@ -233,7 +260,9 @@ def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_con
         plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
         assert row["status"] == "ok" and row["rounds_trained"] == "3"
         assert int(row["steps_all_runs"]) == plan["steps"]
-        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, plan["steps"], plan["delta"]), rel=CERTIFICATE_REL_TOL)
+        assert float(row["epsilon_spent"]) == pytest.approx(
+            independent_epsilon(plan, plan["steps"], plan["delta"]), rel=CERTIFICATE_REL_TOL
+        )
 
 
 @pytest.fixture
@@ -246,16 +275,34 @@ def deployment_nodes(tmp_path) -> list[dict[str, Any]]:
     for puma, epsilon in ((1101, 1.0), (1102, 2.0)):
         path = tmp_path / f"puma{puma}.csv"
         table[table.puma == puma].sample(400, random_state=0).to_csv(path, index=False)
-        nodes.append({"client-id": f"puma-{puma}", "data-path": str(path), "epsilon": epsilon, "delta": 1e-5, "public-size": 400,
-                      "ledger-path": str(tmp_path / f"ledger-{puma}.sqlite")})
+        nodes.append(
+            {
+                "client-id": f"puma-{puma}",
+                "data-path": str(path),
+                "epsilon": epsilon,
+                "delta": 1e-5,
+                "public-size": 400,
+                "ledger-path": str(tmp_path / f"ledger-{puma}.sqlite"),
+            }
+        )
     tiny = tmp_path / "tiny.csv"
     table.head(3).to_csv(tiny, index=False)
-    nodes.append({"client-id": "tiny", "data-path": str(tiny), "epsilon": 1.0, "delta": 1e-5, "public-size": 3,
-                  "ledger-path": str(tmp_path / "ledger-tiny.sqlite")})
+    nodes.append(
+        {
+            "client-id": "tiny",
+            "data-path": str(tiny),
+            "epsilon": 1.0,
+            "delta": 1e-5,
+            "public-size": 3,
+            "ledger-path": str(tmp_path / "ledger-tiny.sqlite"),
+        }
+    )
     return nodes
 
 
-def test_deployment_clients_without_server_data_and_a_too_small_client(in_process, run_config, deployment_nodes, capsys):
+def test_deployment_clients_without_server_data_and_a_too_small_client(
+    in_process, run_config, deployment_nodes, capsys
+):
     """Each node brings its own file and budget; the server has no data, and deployed clients
     release no evaluation (exact metrics on their test rows are not private); the 3-row client
     fails clearly and the run goes on without it."""
@@ -266,7 +313,9 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
     out = capsys.readouterr().out
     assert "federated (the server has no data)" in out
     for name in ("config.json", "summary.json"):  # the ledgers are on the SuperNodes, not in the folder
-        assert json.loads((folder / name).read_text())["ledger"].startswith("on each SuperNode (its node config's ledger-path)")
+        assert json.loads((folder / name).read_text())["ledger"].startswith(
+            "on each SuperNode (its node config's ledger-path)"
+        )
     assert not (folder / "ledger.sqlite").exists()
     rounds = pd.read_csv(folder / "rounds.csv")
     assert rounds["accuracy"].isna().all() and rounds["federated_accuracy"].isna().all()
@@ -276,12 +325,14 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(in_proces
     clients = {r["client_id"]: r for r in read_csv(folder / "clients.csv")}
     (failed,) = [r for r in clients.values() if r["status"].startswith("failed")]
     assert "too little data for client tiny" in failed["status"]
-    assert ("query" in {k for _, k in grid.calls})  # the initial model came from a client
+    assert "query" in {k for _, k in grid.calls}  # the initial model came from a client
     for node in deployment_nodes[:2]:
         row = clients[node["client-id"]]
         plan = json.loads((folder / "plans" / f"{node['client-id']}.json").read_text())
         assert float(row["epsilon_budget"]) == node["epsilon"]
-        assert float(row["epsilon_spent"]) == pytest.approx(independent_epsilon(plan, int(row["steps_all_runs"]), plan["delta"]), rel=CERTIFICATE_REL_TOL)
+        assert float(row["epsilon_spent"]) == pytest.approx(
+            independent_epsilon(plan, int(row["steps_all_runs"]), plan["delta"]), rel=CERTIFICATE_REL_TOL
+        )
         assert Path(node["ledger-path"]).is_file()
 
 
@@ -292,8 +343,11 @@ def test_a_simulated_client_with_one_row_fails_alone(simulate, run_config, tmp_p
         pytest.skip(f"PUMS file missing: {PUMS}")
     table = pd.read_csv(PUMS)
     path = tmp_path / "three_pumas.csv"
-    pieces = [table[table.puma == 1101].sample(400, random_state=0), table[table.puma == 1102].sample(400, random_state=0),
-              table[table.puma == 1103].head(1)]  # fmt: skip
+    pieces = [
+        table[table.puma == 1101].sample(400, random_state=0),
+        table[table.puma == 1102].sample(400, random_state=0),
+        table[table.puma == 1103].head(1),
+    ]
     pd.concat(pieces).to_csv(path, index=False)
     config = {**run_config, "dataset": "pums", "data-path": str(path), "partition-by": "puma"}
     simulate(config, num_nodes=3)
@@ -306,7 +360,9 @@ def test_a_simulated_client_with_one_row_fails_alone(simulate, run_config, tmp_p
     assert failed["status"].startswith("failed: InputError: client 1103=1: row(s) in its partition")
 
 
-def test_a_renamed_deployed_client_cannot_open_a_fresh_budget_on_the_same_file(in_process, run_config, deployment_nodes, tmp_path):
+def test_a_renamed_deployed_client_cannot_open_a_fresh_budget_on_the_same_file(
+    in_process, run_config, deployment_nodes, tmp_path
+):
     """The ledger account is the node's declared client-id, and the file's digest is pinned beside
     it: the same file under a new name on the same ledger is refused (a fresh account would restart
     its budget at zero), while the other client trains."""
@@ -315,11 +371,15 @@ def test_a_renamed_deployed_client_cannot_open_a_fresh_budget_on_the_same_file(i
     rows = {}
     for run, node in ((1, first), (2, renamed)):
         config = {**run_config, "dataset": "pums", "results-dir": str(tmp_path / f"r{run}"), "noise-seed": -1}
-        in_process.run_server(server_app, in_process.Grid(client_app, [node, deployment_nodes[1]], config, run_id=run), config)
+        in_process.run_server(
+            server_app, in_process.Grid(client_app, [node, deployment_nodes[1]], config, run_id=run), config
+        )
         rows[run] = {r["client_id"]: r for r in read_csv(run_folder(tmp_path / f"r{run}") / "clients.csv")}
     assert rows[1][first["client-id"]]["status"] == "ok"
     statuses = [r["status"] for name, r in rows[2].items() if name != deployment_nodes[1]["client-id"]]
-    assert statuses and all("its ledger refused its data file for account node:puma-1101-renamed" in s for s in statuses)
+    assert statuses and all(
+        "its ledger refused its data file for account node:puma-1101-renamed" in s for s in statuses
+    )
     assert rows[2][deployment_nodes[1]["client-id"]]["status"] == "ok"
 
 
@@ -335,8 +395,10 @@ def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(sim
     assert "run failed: RuntimeError: no client could build the initial model: node 101" in out and "data-path=" in out
     summary = json.loads((run_folder(Path(config["results-dir"])) / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds"] == 0
-    assert summary["error"].endswith("needs a CSV file: in a simulation every client reads the run config's "
-                                     "data-path (an absolute path on this machine)")
+    assert summary["error"].endswith(
+        "needs a CSV file: in a simulation every client reads the run config's "
+        "data-path (an absolute path on this machine)"
+    )
 
 
 def test_a_completed_run_says_so_in_its_summary(simulate, run_config):
@@ -366,7 +428,12 @@ def test_each_round_is_reported_once(simulate, run_config, capsys):
         FLOWER_LOGGER.removeHandler(collector)
     out = capsys.readouterr().out
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("[fedprivacy] round ")] == [
-        "[fedprivacy] round 0", "[fedprivacy] round 1/2", "[fedprivacy] round 2/2"]
+        "[fedprivacy] round 0",
+        "[fedprivacy] round 1/2",
+        "[fedprivacy] round 2/2",
+    ]
     assert any("[ROUND 1/2]" in message for message in seen)  # Flower's log is there ...
-    assert not [m for m in seen if "Global evaluation" in m or "MetricRecord: {'accuracy'" in m]  # ... without the repeats
+    assert not [
+        m for m in seen if "Global evaluation" in m or "MetricRecord: {'accuracy'" in m
+    ]  # ... without the repeats
     assert FLOWER_LOGGER.filters == []  # and Flower's log is whole again after the run

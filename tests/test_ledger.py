@@ -10,9 +10,10 @@ import threading
 import time
 
 import pytest
+from forking import child_exit_code, fork_running
+from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 from fedprivacy import ledger as ledger_module
-from fedprivacy.privacy import accountants
 from fedprivacy.errors import InputError
 from fedprivacy.ledger import (
     SCHEMA_VERSION,
@@ -25,10 +26,10 @@ from fedprivacy.ledger import (
     noise_schedule,
     round_events,
 )
-from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon as ledger_accounting
+from fedprivacy.privacy import accountants
+from fedprivacy.privacy.accountants import NoiseEvent
+from fedprivacy.privacy.accountants import pld_epsilon as ledger_accounting
 from fedprivacy.privacy.plan import Plan
-from forking import child_exit_code, fork_running
-from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 DELTA = 1e-5
 
@@ -77,7 +78,9 @@ def test_the_budget_is_pinned_on_first_use_and_only_the_operator_changes_it(tmp_
     assert ledger.open_account("a", 2.0, DELTA) == Budget(2.0, DELTA)
     with pytest.raises(KeyError, match="open_account"):
         ledger.record("never-opened", "run1", 1, [NoiseEvent(1.0, 0.1, 1)])
-    with pytest.raises(KeyError, match="'never-opened' has no pinned budget"):  # beside an account whose budget is known
+    with pytest.raises(
+        KeyError, match="'never-opened' has no pinned budget"
+    ):  # beside an account whose budget is known
         ledger.record_round("run1", 1, {"a": [NoiseEvent(1.0, 0.1, 1)], "never-opened": [NoiseEvent(1.0, 0.1, 1)]})
 
 
@@ -121,7 +124,9 @@ def test_concurrent_writers_never_overshoot(tmp_path):
     """Two writers race for a budget that fits only some of their spends."""
     path = tmp_path / "ledger.sqlite"
     step = [NoiseEvent(1.5, 0.2, 10)]
-    budget = ledger_accounting([NoiseEvent(1.5, 0.2, 30)], DELTA) + 1e-6  # room for exactly 3 spends (concurrency, not accounting, is under test)
+    budget = (
+        ledger_accounting([NoiseEvent(1.5, 0.2, 30)], DELTA) + 1e-6
+    )  # room for exactly 3 spends (concurrency, not accounting, is under test)
     Ledger(path).open_account("a", budget, DELTA)
     outcomes: list[str] = []
     rounds = iter(range(1, 1000))  # each spend its own round (next() is atomic under the GIL)
@@ -153,7 +158,9 @@ def test_a_writer_sees_what_another_writer_spent_since_its_last_round(tmp_path):
     budget = ledger_accounting([NoiseEvent(1.5, 0.2, 20)], DELTA) + 1e-6  # room for exactly 2 spends
     first, second = Ledger(path), Ledger(path)
     first.open_accounts({"a": Budget(budget, DELTA), "b": Budget(budget, DELTA), "c": Budget(5.0, DELTA)})
-    assert not any(isinstance(o, Exception) for o in first.record_round("run", 1, {"a": step, "b": step, "c": step}).values())
+    assert not any(
+        isinstance(o, Exception) for o in first.record_round("run", 1, {"a": step, "b": step, "c": step}).values()
+    )
     second.record("a", "other-run", 1, step)  # the other writer spends a's second share
     second.record("c", "other-run", 1, step)
     decisions = []
@@ -194,7 +201,9 @@ def test_work_done_while_a_round_commits_is_returned_only_with_a_durable_record(
     writer = Ledger(path, busy_timeout=0.2)
     writer.open_accounts({"a": Budget(5.0, DELTA), "b": Budget(ledger_accounting(step, DELTA) / 2, DELTA)})
     seen = []
-    outcomes, result = writer.record_round_while("run", 1, {"a": step, "b": step}, lambda d: seen.append(d) or "trained")
+    outcomes, result = writer.record_round_while(
+        "run", 1, {"a": step, "b": step}, lambda d: seen.append(d) or "trained"
+    )
     assert result == "trained" and [d.outcomes for d in seen] == [outcomes] and seen[0].steps == {"a": 10}
     assert isinstance(outcomes["b"], BudgetExceeded) and outcomes["a"] == Ledger(path).epsilon_spent("a")
 
@@ -247,13 +256,16 @@ def test_any_account_name_is_recorded_intact(tmp_path):
     holding one (a natural partition's id is a data value) must still be charged, not a prefix."""
     path = tmp_path / "ledger.sqlite"
     step = [NoiseEvent(1.5, 0.2, 10)]
-    names = ["natural\x00user-7", "ünïcødé \u2028 \"quoted\" \\ 🙂", "plain"]
+    names = ["natural\x00user-7", 'ünïcødé \u2028 "quoted" \\ 🙂', "plain"]
     writer = Ledger(path)
     writer.open_accounts({name: Budget(5.0, DELTA) for name in names})
-    writer.record_round("run", 1, {name: step for name in names})
-    writer.record_round_while("run", 2, {name: step for name in names}, lambda decision: None)
+    writer.record_round("run", 1, dict.fromkeys(names, step))
+    writer.record_round_while("run", 2, dict.fromkeys(names, step), lambda decision: None)
     reader = Ledger(path)
-    assert {name: reader.steps_spent(name) for name in [*names, "natural"]} == {**dict.fromkeys(names, 20), "natural": 0}
+    assert {name: reader.steps_spent(name) for name in [*names, "natural"]} == {
+        **dict.fromkeys(names, 20),
+        "natural": 0,
+    }
 
 
 def test_a_round_that_cannot_start_its_writer_leaves_the_ledger_usable(tmp_path, monkeypatch):
@@ -309,13 +321,26 @@ def test_a_child_forked_while_another_thread_writes_has_its_own_connection(tmp_p
 
 def test_round_events_follow_the_plan_slices():
     plan = Plan(
-        client_id="c", rule="adp", n=100, epsilon=1.0, delta=DELTA, clip_norm=1.0, sigma=3.0,
-        sampling_rate=0.1, steps=10, rounds=3, noise_segments=((3.0, 5), (2.0, 5)),
-        epsilon_pld=0.9, epsilon_rdp=1.0,
+        client_id="c",
+        rule="adp",
+        n=100,
+        epsilon=1.0,
+        delta=DELTA,
+        clip_norm=1.0,
+        sigma=3.0,
+        sampling_rate=0.1,
+        steps=10,
+        rounds=3,
+        noise_segments=((3.0, 5), (2.0, 5)),
+        epsilon_pld=0.9,
+        epsilon_rdp=1.0,
     )
     # rounds of 4, 3, 3 steps; the σ change at step 5 falls inside round 2
     assert round_events(plan, 1) == (NoiseEvent(3.0, 0.1, 4),)
-    assert round_events(plan, 2) == (NoiseEvent(3.0, 0.1, 1), NoiseEvent(2.0, 0.1, 2),)
+    assert round_events(plan, 2) == (
+        NoiseEvent(3.0, 0.1, 1),
+        NoiseEvent(2.0, 0.1, 2),
+    )
     assert round_events(plan, 3) == (NoiseEvent(2.0, 0.1, 3),)
     assert round_events(plan, 4) == ()
 
@@ -323,24 +348,55 @@ def test_round_events_follow_the_plan_slices():
 def test_plans_with_equal_noise_schedules_share_one_schedule_object():
     """A simulator keys a round's events by the schedule's identity: clients whose plans differ
     only in who they are share it, and any difference `round_events` reads gives another."""
+
     def plan(client_id: str, **changes: object) -> Plan:
-        fields = dict(client_id=client_id, rule="adp", n=100, epsilon=1.0, delta=DELTA, clip_norm=1.0, sigma=3.0,
-                      sampling_rate=0.1, steps=10, rounds=3, noise_segments=((3.0, 5), (2.0, 5)),
-                      epsilon_pld=0.9, epsilon_rdp=1.0)  # fmt: skip
+        fields = dict(
+            client_id=client_id,
+            rule="adp",
+            n=100,
+            epsilon=1.0,
+            delta=DELTA,
+            clip_norm=1.0,
+            sigma=3.0,
+            sampling_rate=0.1,
+            steps=10,
+            rounds=3,
+            noise_segments=((3.0, 5), (2.0, 5)),
+            epsilon_pld=0.9,
+            epsilon_rdp=1.0,
+        )
         return Plan(**{**fields, **changes})
 
     shared = noise_schedule(plan("a"))
     assert noise_schedule(plan("b", n=500, epsilon=2.0)) is shared
     assert round_events(plan("b", n=500, epsilon=2.0), 2) == round_events(plan("a"), 2)
-    for change in ({"sampling_rate": 0.2}, {"steps": 9}, {"rounds": 2}, {"noise_segments": ((3.0, 5), (2.5, 5))}):
+    for change in (
+        {"sampling_rate": 0.2},
+        {"steps": 9},
+        {"rounds": 2},
+        {"noise_segments": ((3.0, 5), (2.5, 5))},
+    ):
         other = noise_schedule(plan("c", **change))
         assert other is not shared and other != shared, change
 
 
 def _plan(epsilon: float, segments: tuple[tuple[float, int], ...], rounds: int) -> Plan:
     steps = sum(count for _, count in segments)
-    return Plan(client_id="c", rule="adp", n=100, epsilon=epsilon, delta=DELTA, clip_norm=1.0, sigma=segments[0][0],
-                sampling_rate=0.1, steps=steps, rounds=rounds, noise_segments=segments, epsilon_pld=0.5, epsilon_rdp=0.6)  # fmt: skip
+    return Plan(
+        client_id="c",
+        rule="adp",
+        n=100,
+        epsilon=epsilon,
+        delta=DELTA,
+        clip_norm=1.0,
+        sigma=segments[0][0],
+        sampling_rate=0.1,
+        steps=steps,
+        rounds=rounds,
+        noise_segments=segments,
+        epsilon_pld=0.5,
+        epsilon_rdp=0.6,
+    )
 
 
 def _play_rounds(ledger: Ledger, plans: dict[str, Plan], rounds: int) -> list[tuple[dict[str, object], dict[str, int]]]:
@@ -352,7 +408,12 @@ def _play_rounds(ledger: Ledger, plans: dict[str, Plan], rounds: int) -> list[tu
         decisions = []
         outcomes, _ = ledger.record_round_while("run", server_round, spends, decisions.append)
         refused |= {a for a, o in outcomes.items() if isinstance(o, BudgetExceeded)}
-        played.append(({a: o if isinstance(o, float) else type(o).__name__ for a, o in outcomes.items()}, decisions[0].steps))
+        played.append(
+            (
+                {a: o if isinstance(o, float) else type(o).__name__ for a, o in outcomes.items()},
+                decisions[0].steps,
+            )
+        )
     return played
 
 
@@ -361,8 +422,16 @@ def _ahead_accounts(ledger: Ledger) -> dict[str, Plan]:
     (the ledger's δ counts, not the plan's), a budget that runs out in round 3, an ADP plan whose
     σ changes inside a round, and an account that spent before."""
     constant, adp = _plan(3.0, ((2.0, 40),), 5), _plan(3.0, ((2.5, 18), (2.0, 22)), 5)
-    ledger.open_accounts({"a": Budget(3.0, DELTA), "b": Budget(3.0, DELTA), "c": Budget(3.0, 1e-7),
-                          "d": Budget(1.1, DELTA), "e": Budget(3.0, DELTA), "f": Budget(3.0, DELTA)})  # fmt: skip
+    ledger.open_accounts(
+        {
+            "a": Budget(3.0, DELTA),
+            "b": Budget(3.0, DELTA),
+            "c": Budget(3.0, 1e-7),
+            "d": Budget(1.1, DELTA),
+            "e": Budget(3.0, DELTA),
+            "f": Budget(3.0, DELTA),
+        }
+    )
     ledger.record("f", "earlier-run", 1, [NoiseEvent(1.5, 0.2, 7)])
     return {"a": constant, "b": constant, "c": constant, "d": constant, "e": adp, "f": constant}
 
@@ -382,7 +451,9 @@ def test_rounds_composed_ahead_decide_exactly_as_rounds_composed_when_asked(tmp_
     # folds: a with b, c, d (refused in round 3: three rounds), e, f; five rounds each but d's
     assert ahead.compose_ahead(plans, first_round=1) == 5 * 4 + 3
     composed = []
-    monkeypatch.setattr(ledger_module, "composed_epsilon", lambda *args: composed.append(args) or pytest.fail("composed"))
+    monkeypatch.setattr(
+        ledger_module, "composed_epsilon", lambda *args: composed.append(args) or pytest.fail("composed")
+    )
     assert _play_rounds(ahead, plans, 6) == expected
     assert composed == []
 
@@ -403,8 +474,18 @@ def test_composing_ahead_stops_before_the_shared_histories_would_be_forgotten(tm
 def test_plans_are_kept_per_account_and_run(tmp_path):
     ledger = Ledger(tmp_path / "l.sqlite")
     plan = Plan(
-        client_id="c", rule="proactive", n=100, epsilon=1.0, delta=DELTA, clip_norm=1.0, sigma=3.0,
-        sampling_rate=0.1, steps=10, rounds=2, noise_segments=((3.0, 10),), epsilon_pld=0.5,
+        client_id="c",
+        rule="proactive",
+        n=100,
+        epsilon=1.0,
+        delta=DELTA,
+        clip_norm=1.0,
+        sigma=3.0,
+        sampling_rate=0.1,
+        steps=10,
+        rounds=2,
+        noise_segments=((3.0, 10),),
+        epsilon_pld=0.5,
         epsilon_rdp=0.6,
     )
     ledger.save_plan("a", "run1", plan)
@@ -434,7 +515,8 @@ CREATE TABLE spends (id INTEGER PRIMARY KEY AUTOINCREMENT, account TEXT NOT NULL
     epsilon_after REAL NOT NULL, delta REAL NOT NULL, recorded_at TEXT NOT NULL);
 CREATE INDEX spends_account ON spends(account);
 CREATE INDEX spends_round ON spends(run_id, server_round, account);
-CREATE TABLE plans (account TEXT NOT NULL, run_id TEXT NOT NULL, plan_json TEXT NOT NULL, PRIMARY KEY (account, run_id));
+CREATE TABLE plans (account TEXT NOT NULL, run_id TEXT NOT NULL, plan_json TEXT NOT NULL,
+    PRIMARY KEY (account, run_id));
 CREATE TABLE accounts (account TEXT PRIMARY KEY, epsilon REAL NOT NULL, delta REAL NOT NULL, pinned_at TEXT NOT NULL,
     changed_at TEXT);
 CREATE TABLE partitionings (dataset TEXT PRIMARY KEY, partitioning TEXT NOT NULL, pinned_at TEXT NOT NULL);
@@ -449,25 +531,46 @@ def test_a_ledger_of_the_earlier_layout_keeps_every_spend_and_budget(tmp_path):
     path = tmp_path / "ledger.sqlite"
     old = sqlite3.connect(path)
     old.executescript(_SCHEMA_2)
-    rows = [(3, "a", "r1", 1, 2.0, 0.1, 5), (4, "b\x00x", "r1", 1, 2.0, 0.1, 5), (9, "a", "r2", 1, 1.5, 0.1, 7),
-            (12, "unpinned", "r0", 1, 3.0, 0.2, 4)]  # fmt: skip
-    old.executemany("INSERT INTO spends (id, account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, "
-                    "recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0.5, 1e-5, '2026-01-01')", rows)  # fmt: skip
-    old.executemany("INSERT INTO accounts VALUES (?, 5.0, 1e-5, '2026-01-01', NULL)", [("a",), ("b\x00x",), ("never-spent",)])
+    rows = [
+        (3, "a", "r1", 1, 2.0, 0.1, 5),
+        (4, "b\x00x", "r1", 1, 2.0, 0.1, 5),
+        (9, "a", "r2", 1, 1.5, 0.1, 7),
+        (12, "unpinned", "r0", 1, 3.0, 0.2, 4),
+    ]
+    old.executemany(
+        "INSERT INTO spends (id, account, run_id, server_round, sigma, sampling_rate, steps, epsilon_after, delta, "
+        "recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, 0.5, 1e-5, '2026-01-01')",
+        rows,
+    )
+    old.executemany(
+        "INSERT INTO accounts VALUES (?, 5.0, 1e-5, '2026-01-01', NULL)",
+        [("a",), ("b\x00x",), ("never-spent",)],
+    )
     old.execute("UPDATE sqlite_sequence SET seq = 20 WHERE name = 'spends'")  # ids up to 20 were given once
     old.commit()
     old.close()
 
     ledger = Ledger(path)
     assert ledger.events("a") == [NoiseEvent(2.0, 0.1, 5), NoiseEvent(1.5, 0.1, 7)]
-    assert ledger.events("b\x00x") == [NoiseEvent(2.0, 0.1, 5)] and ledger.events("unpinned") == [NoiseEvent(3.0, 0.2, 4)]
+    assert ledger.events("b\x00x") == [NoiseEvent(2.0, 0.1, 5)] and ledger.events("unpinned") == [
+        NoiseEvent(3.0, 0.2, 4)
+    ]
     assert ledger.runs("a") == {"r1", "r2"} and ledger.budget("a") == Budget(5.0, DELTA)
-    assert ledger.epsilon_spent("a") == pytest.approx(pld_epsilon([(2.0, 0.1, 5), (1.5, 0.1, 7)], DELTA), rel=CERTIFICATE_REL_TOL)
+    assert ledger.epsilon_spent("a") == pytest.approx(
+        pld_epsilon([(2.0, 0.1, 5), (1.5, 0.1, 7)], DELTA), rel=CERTIFICATE_REL_TOL
+    )
     assert {s.account: s.steps for s in ledger.accounts()} == {"a": 12, "b\x00x": 5, "never-spent": 0}
     ledger.record_round("r3", 1, {"a": [NoiseEvent(2.0, 0.1, 1)], "never-spent": [NoiseEvent(2.0, 0.1, 1)]})
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert [r[0] for r in db.execute("SELECT id FROM spends ORDER BY id")] == [3, 4, 9, 12, 21, 22]  # ids only grow
+        assert [r[0] for r in db.execute("SELECT id FROM spends ORDER BY id")] == [
+            3,
+            4,
+            9,
+            12,
+            21,
+            22,
+        ]  # ids only grow
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert Ledger(path).steps_spent("a") == 13 and Ledger(path).steps_spent("never-spent") == 1
 

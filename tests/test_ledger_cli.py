@@ -8,14 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 from fedprivacy.ledger import Ledger
 from fedprivacy.privacy.accountants import NoiseEvent
-from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 
 def fedprivacy(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedprivacy", *args], input=stdin, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fedprivacy", *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture
@@ -43,7 +45,9 @@ def test_show_lists_each_account_with_its_spend(ledger):
 
 
 def test_set_budget_asks_and_changes_only_what_the_operator_confirms(ledger):
-    declined = fedprivacy("ledger", "set-budget", str(ledger), "data:aaa", "--epsilon", "3", "--delta", "1e-5", stdin="n\n")
+    declined = fedprivacy(
+        "ledger", "set-budget", str(ledger), "data:aaa", "--epsilon", "3", "--delta", "1e-5", stdin="n\n"
+    )
     assert declined.returncode == 1 and Ledger(ledger).budget("data:aaa").epsilon == 1.0
     done = fedprivacy("ledger", "set-budget", str(ledger), "data:aaa", "--epsilon", "3", "--delta", "1e-5", "--yes")
     assert done.returncode == 0, done.stderr
@@ -55,9 +59,18 @@ def test_set_budget_asks_and_changes_only_what_the_operator_confirms(ledger):
     ("args", "message"),
     [
         (["show", "{missing}"], "ledger='{missing}': no such file"),
-        (["set-budget", "{ledger}", "data:zzz", "--epsilon", "2", "--delta", "1e-5", "--yes"], "account='data:zzz': no such account"),
-        (["set-budget", "{ledger}", "data:aaa", "--epsilon", "-2", "--delta", "1e-5", "--yes"], "epsilon=-2.0: must be a finite number > 0"),
-        (["set-budget", "{ledger}", "data:aaa", "--epsilon", "2", "--delta", "1.5", "--yes"], "delta=1.5: must be a number in the open interval"),
+        (
+            ["set-budget", "{ledger}", "data:zzz", "--epsilon", "2", "--delta", "1e-5", "--yes"],
+            "account='data:zzz': no such account",
+        ),
+        (
+            ["set-budget", "{ledger}", "data:aaa", "--epsilon", "-2", "--delta", "1e-5", "--yes"],
+            "epsilon=-2.0: must be a finite number > 0",
+        ),
+        (
+            ["set-budget", "{ledger}", "data:aaa", "--epsilon", "2", "--delta", "1.5", "--yes"],
+            "delta=1.5: must be a number in the open interval",
+        ),
     ],
 )
 def test_bad_ledger_commands_are_one_line_and_exit_2(ledger, tmp_path, args, message):

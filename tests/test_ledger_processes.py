@@ -49,7 +49,9 @@ def test_processes_racing_on_one_ledger_record_each_round_exactly_once(tmp_path:
     assert recorded == list(range(1, ROUNDS + 1))  # every round once: none lost, none doubled
     assert all(kind in ("recorded", "RoundRepeated") for kind, _ in results)
     with sqlite3.connect(path) as db:
-        rows = db.execute("SELECT server_round, COUNT(*) FROM spends GROUP BY server_round ORDER BY server_round").fetchall()
+        rows = db.execute(
+            "SELECT server_round, COUNT(*) FROM spends GROUP BY server_round ORDER BY server_round"
+        ).fetchall()
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert rows == [(r, 1) for r in range(1, ROUNDS + 1)]
     ledger = Ledger(path)
@@ -76,4 +78,3 @@ def test_processes_racing_for_the_last_of_a_budget_never_overspend(tmp_path: Pat
     assert sorted(r for kind, r in results if kind == "recorded") == list(range(1, affordable + 1))
     ledger = Ledger(path)
     assert ledger.steps_spent(ACCOUNT) == affordable * EVENT.count and ledger.epsilon_spent(ACCOUNT) <= tight
-

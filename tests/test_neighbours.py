@@ -28,6 +28,7 @@ from fedprivacy.reports.sheets import write_sheet
 def analytic_gaussian_epsilon(sigma: float, sensitivity: float, delta: float) -> float:
     """ε of the Gaussian mechanism N(0, σ²) at L2 sensitivity Δ: the root of
     δ(ε) = Φ(Δ/2σ − εσ/Δ) − e^ε Φ(−Δ/2σ − εσ/Δ) (Balle & Wang 2018, Theorem 8)."""
+
     def gap(eps: float) -> float:
         a, b = sensitivity / (2 * sigma), eps * sigma / sensitivity
         return norm.cdf(a - b) - math.exp(eps) * norm.cdf(-a - b) - delta
@@ -36,7 +37,9 @@ def analytic_gaussian_epsilon(sigma: float, sensitivity: float, delta: float) ->
 
 
 def test_a_full_batch_replace_one_plan_is_the_gaussian_at_twice_the_sensitivity():
-    plan = plan_client(10, 2.0, 1e-5, rule="calibrated", sampling_rate=1.0, steps=1, compare=False, neighbours="replace-one")
+    plan = plan_client(
+        10, 2.0, 1e-5, rule="calibrated", sampling_rate=1.0, steps=1, compare=False, neighbours="replace-one"
+    )
     assert plan.neighbours == "replace-one"
     exact = analytic_gaussian_epsilon(plan.sigma, 2.0, 1e-5)
     assert exact <= plan.epsilon_pld <= 2.0  # the certificate is pessimistic, and within the target
@@ -51,13 +54,24 @@ def test_a_sampled_replace_one_certificate_lies_between_add_remove_and_group_pri
     ε ≈ 1.9 replace-one: the figure that makes a declared public N necessary."""
     add_remove = plan_client(5736, 1.0, 1e-5, rule="calibrated", compare=False)
     events = dict(sigma=add_remove.sigma, sampling_rate=add_remove.sampling_rate, steps=add_remove.steps)
-    replace_one = plan_client(5736, 3.0, 1e-5, rule="calibrated", compare=False, neighbours="replace-one",
-                              sampling_rate=events["sampling_rate"], steps=events["steps"])  # fmt: skip
+    replace_one = plan_client(
+        5736,
+        3.0,
+        1e-5,
+        rule="calibrated",
+        compare=False,
+        neighbours="replace-one",
+        sampling_rate=events["sampling_rate"],
+        steps=events["steps"],
+    )
     assert replace_one.sigma < add_remove.sigma  # a larger target under the stricter relation
     from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon
 
-    at_same_noise = pld_epsilon([NoiseEvent(add_remove.sigma, add_remove.sampling_rate, add_remove.steps)], 1e-5,
-                                neighbours="replace-one")  # fmt: skip
+    at_same_noise = pld_epsilon(
+        [NoiseEvent(add_remove.sigma, add_remove.sampling_rate, add_remove.steps)],
+        1e-5,
+        neighbours="replace-one",
+    )
     assert add_remove.epsilon_pld < at_same_noise < 2 * add_remove.epsilon_pld + 1e-9
     assert at_same_noise == pytest.approx(1.91, abs=0.03)  # docs/privacy.md's figure
     assert replace_one.epsilon_rdp is None  # dp-accounting's RDP has no replace-one Poisson analysis
@@ -81,7 +95,21 @@ def test_the_relation_is_on_the_plan_json_the_sheet_and_the_calculator(tmp_path)
 
 def test_the_cli_takes_the_relation_by_name():
     runner = CliRunner()
-    result = runner.invoke(cli_app, ["plan", "--n", "5736", "--epsilon", "1", "--rule", "calibrated", "--adjacency", "replace-one", "--json"])
+    result = runner.invoke(
+        cli_app,
+        [
+            "plan",
+            "--n",
+            "5736",
+            "--epsilon",
+            "1",
+            "--rule",
+            "calibrated",
+            "--adjacency",
+            "replace-one",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["neighbours"] == "replace-one"
     result = runner.invoke(cli_app, ["plan", "--n", "5736", "--epsilon", "1", "--adjacency", "swap"])

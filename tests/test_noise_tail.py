@@ -76,12 +76,14 @@ def test_injected_words_give_the_exact_radius_far_past_one_word(case, word, cont
     radius = radius_from_words(np.array(word, dtype=np.uint64), extension)
     expected = exact_radius(word + (continuation or []))
     assert radius.shape == (1,) and np.isfinite(radius).all()
-    assert radius[0] == pytest.approx(expected, rel=1e-13, abs=1e-9)  # abs: the largest word's radius, 2⁻³², rounds to 0
+    assert radius[0] == pytest.approx(
+        expected, rel=1e-13, abs=1e-9
+    )  # abs: the largest word's radius, 2⁻³², rounds to 0
     assert radius[0] <= MAX_RADIUS * (1 + 1e-15)
 
 
 def test_the_deepest_radius_is_max_radius_and_the_closed_form():
-    assert MAX_RADIUS == pytest.approx(math.sqrt(2 * 1025 * LN2), rel=1e-15)
+    assert pytest.approx(math.sqrt(2 * 1025 * LN2), rel=1e-15) == MAX_RADIUS
     assert RADIUS_WORDS == 16
     deepest = radius_from_words(np.zeros(1, dtype=np.uint64), feeding([[0] * (RADIUS_WORDS - 1)]))
     assert deepest[0] == pytest.approx(MAX_RADIUS, rel=1e-15)
@@ -92,7 +94,9 @@ def test_zero_words_among_others_take_their_own_continuations_through_box_muller
     """Through `box_muller` (the draws' own path, its default extension replaced): zero radius words
     in a chunk take their continuations in order, the others keep their closed form, and the noise
     is r·(cos θ, sin θ) with θ = 0 for angle word 0."""
-    words = np.array([[0, 5, 0, 0, 0, 0], [7, 0, 2**63, 0, 0, 0]], dtype=np.uint64)  # rows: 3 radius words, 3 angle words
+    words = np.array(
+        [[0, 5, 0, 0, 0, 0], [7, 0, 2**63, 0, 0, 0]], dtype=np.uint64
+    )  # rows: 3 radius words, 3 angle words
     continuations = [padded([2**63]), padded([0, 0, 0, 0, 12345]), padded([1])]
     monkeypatch.setattr(rng_module, "_fresh_words", feeding(continuations))
     noise = box_muller(words, np.float64)

@@ -118,9 +118,22 @@ def test_the_crafted_record_adds_at_most_c_to_the_clipped_sum(craft):
 def test_the_crafted_record_moves_a_dp_trainer_step_by_at_most_lr_c_over_qn():
     """Through DPTrainer and a plan at C = 1e-6, noise off (σ = 0) to see the clipped sum alone:
     two copies of the record, q = 1, so the update is η·(Σ clipped)/(qN) with ‖Σ clipped‖ ≤ 2C."""
-    plan = Plan(client_id="c", rule="calibrated", n=2, epsilon=1.0, delta=1e-5, clip_norm=C, sigma=0.0,
-                sampling_rate=1.0, steps=1, rounds=1, noise_segments=((0.0, 1),), epsilon_pld=0.9,
-                epsilon_rdp=1.0, learning_rate=1.0)  # fmt: skip
+    plan = Plan(
+        client_id="c",
+        rule="calibrated",
+        n=2,
+        epsilon=1.0,
+        delta=1e-5,
+        clip_norm=C,
+        sigma=0.0,
+        sampling_rate=1.0,
+        steps=1,
+        rounds=1,
+        noise_segments=((0.0, 1),),
+        epsilon_pld=0.9,
+        epsilon_rdp=1.0,
+        learning_rate=1.0,
+    )
     model = crafted_mlp()
     before = [p.detach().clone() for p in model.parameters()]
     x, y = target(2)
@@ -134,10 +147,15 @@ def stack_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) 
     """One client's step for the fast engine's stacked functions, as sims/fast/worker.py builds it."""
     parameters = sum(p.numel() for p in model.parameters())
     return stack.StepInputs(
-        features=x.unsqueeze(0), labels=y.unsqueeze(0), valid=torch.ones(1, len(x), dtype=torch.bool),
-        normals=torch.zeros(1, parameters), sigma=torch.zeros(1), clip=torch.tensor([clip]),
-        expected_batch=torch.tensor([float(len(x))]), active=torch.ones(1, dtype=torch.bool),
-    )  # fmt: skip
+        features=x.unsqueeze(0),
+        labels=y.unsqueeze(0),
+        valid=torch.ones(1, len(x), dtype=torch.bool),
+        normals=torch.zeros(1, parameters),
+        sigma=torch.zeros(1),
+        clip=torch.tensor([clip]),
+        expected_batch=torch.tensor([float(len(x))]),
+        active=torch.ones(1, dtype=torch.bool),
+    )
 
 
 @pytest.mark.parametrize("craft", list(CRAFTED))
@@ -297,7 +315,9 @@ def test_the_cli_refuses_a_clip_norm_outside_the_limits(command, value, monkeypa
 
 
 def test_the_cli_plans_at_the_smallest_clip_norm(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["fedprivacy", "plan", "--n", "5736", "--epsilon", "1", "--clip-norm", "1e-6", "--json"])
+    monkeypatch.setattr(
+        sys, "argv", ["fedprivacy", "plan", "--n", "5736", "--epsilon", "1", "--clip-norm", "1e-6", "--json"]
+    )
     with pytest.raises(SystemExit) as ended:
         cli.main()
     assert ended.value.code in (0, None)

@@ -28,20 +28,30 @@ print(seen[0] if seen else "torch not imported")
 
 def _run(code: str, *args: str, **environment: str) -> str:
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    return subprocess.run([sys.executable, "-c", code, *args], env={**clean, **environment}, capture_output=True,
-                          text=True, check=True).stdout.strip()  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**clean, **environment},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
-@pytest.mark.parametrize("environment, expected", [
-    ({}, "10000"),                               # unset: the short spin
-    ({"GOMP_SPINCOUNT": "5"}, "5"),              # the user's own count
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, "None"),     # the user's own policy: no count added
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "environment, expected",
+    [
+        ({}, "10000"),  # unset: the short spin
+        ({"GOMP_SPINCOUNT": "5"}, "5"),  # the user's own count
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "None"),  # the user's own policy: no count added
+    ],
+)
 def test_importing_fedprivacy_shortens_openmp_spinning_unless_the_user_chose(environment, expected):
     assert _run("import os, fedprivacy; print(os.environ.get('GOMP_SPINCOUNT'))", **environment) == expected
 
 
-@pytest.mark.parametrize("entry", ["sims.fast.engine", "sims.fast.worker", "clients.app", "server.app", "fedprivacy.cli"])
+@pytest.mark.parametrize(
+    "entry", ["sims.fast.engine", "sims.fast.worker", "clients.app", "server.app", "fedprivacy.cli"]
+)
 def test_every_entry_point_sets_it_before_pytorch_loads(entry):
     """A script that starts from the fast engine, or Flower loading the apps, gets the setting in
     time: OpenMP reads it once, when PyTorch loads."""

@@ -9,15 +9,21 @@ import sys
 import numpy as np
 import pytest
 from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, GaussianPrivacyLoss
+from forking import child_exit_code, fork_running
+from independent import (
+    CERTIFICATE_REL_TOL,
+    plan_prefix_events,
+    pld_epsilon,
+    pld_epsilon_lower_bound,
+    rdp_epsilon,
+)
 
-from fedprivacy.privacy import accountants
+from fedprivacy.privacy import accountants, pld_dense
 from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
-from fedprivacy.privacy import pld_dense
+from fedprivacy.privacy.planner import plan_client
 from fedprivacy.privacy.pld_dense import compose as compose_plds
 from fedprivacy.privacy.pld_dense import epsilon_for_delta
-from fedprivacy.privacy.planner import plan_client
-from forking import child_exit_code, fork_running
-from independent import CERTIFICATE_REL_TOL, pld_epsilon, pld_epsilon_lower_bound, plan_prefix_events, rdp_epsilon
+
 
 def test_reference_values_from_the_notes():
     events = accountants.constant_events(1.1, 256 / 60000, 14062)
@@ -42,7 +48,13 @@ def test_every_certified_epsilon_matches_independent_dp_accounting(rule, n, eps,
 
 @pytest.mark.parametrize(
     "eps, delta, q, steps",
-    [(1.0, 1e-5, 0.1, 50), (0.25, 1e-5, 0.03, 128), (2.0, 1 / 5736, 0.2, 25), (1.0, 1e-5, 0.01, 10_000), (8.0, 1e-6, 1.0, 3)],
+    [
+        (1.0, 1e-5, 0.1, 50),
+        (0.25, 1e-5, 0.03, 128),
+        (2.0, 1 / 5736, 0.2, 25),
+        (1.0, 1e-5, 0.01, 10_000),
+        (8.0, 1e-6, 1.0, 3),
+    ],
 )
 def test_pld_calibration_is_within_one_percent_below_target(eps, delta, q, steps):
     sigma = accountants.calibrate_pld(eps, delta, q, ((1.0, steps),))
@@ -77,7 +89,10 @@ def test_split_events_compose_like_one_event():
     whole = accountants.pld_epsilon(accountants.constant_events(2.0, 0.05, 300), 1e-5)
     parts = [accountants.NoiseEvent(2.0, 0.05, 100), accountants.NoiseEvent(2.0, 0.05, 200)]
     assert accountants.pld_epsilon(parts, 1e-5) == pytest.approx(whole, rel=1e-3)
-    assert accountants.prefix_events(parts, 150) == (accountants.NoiseEvent(2.0, 0.05, 100), accountants.NoiseEvent(2.0, 0.05, 50))
+    assert accountants.prefix_events(parts, 150) == (
+        accountants.NoiseEvent(2.0, 0.05, 100),
+        accountants.NoiseEvent(2.0, 0.05, 50),
+    )
 
 
 def test_epsilon_curve_grows_with_steps_and_ends_at_the_certificate():
@@ -100,12 +115,18 @@ def test_noise_mass_left_out_stays_a_small_share_of_delta(delta):
 def test_a_composition_extended_round_by_round_equals_one_made_at_once():
     """The ledger's history grows one round at a time; extending the cached prefix must give
     exactly what composing the whole history from scratch gives."""
-    rounds = [accountants.NoiseEvent(2.0, 0.05, 7), accountants.NoiseEvent(1.5, 0.05, 3), accountants.NoiseEvent(2.0, 0.05, 7)]
+    rounds = [
+        accountants.NoiseEvent(2.0, 0.05, 7),
+        accountants.NoiseEvent(1.5, 0.05, 3),
+        accountants.NoiseEvent(2.0, 0.05, 7),
+    ]
     grown = [accountants.pld_epsilon(rounds[: i + 1], 1e-5) for i in range(len(rounds))]
     accountants.clear_caches()
     assert accountants.pld_epsilon(rounds, 1e-5) == grown[-1]  # bit for bit
     assert grown == sorted(grown)
-    assert grown[-1] == pytest.approx(pld_epsilon([(e.sigma, e.sampling_rate, e.count) for e in rounds], 1e-5), rel=CERTIFICATE_REL_TOL)
+    assert grown[-1] == pytest.approx(
+        pld_epsilon([(e.sigma, e.sampling_rate, e.count) for e in rounds], 1e-5), rel=CERTIFICATE_REL_TOL
+    )
 
 
 def test_rounds_of_different_lengths_build_one_step_of_noise_once():
@@ -113,25 +134,39 @@ def test_rounds_of_different_lengths_build_one_step_of_noise_once():
     round's PLD is that step composed twice (bit for bit what a fresh grid gives), a 1-step round's
     is the step's own grid, and the ε is dp-accounting's independent one."""
     accountants.clear_caches()
-    rounds = [accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 2), accountants.NoiseEvent(3.0, 0.1, 1)]
+    rounds = [
+        accountants.NoiseEvent(3.0, 0.1, 2),
+        accountants.NoiseEvent(3.0, 0.1, 2),
+        accountants.NoiseEvent(3.0, 0.1, 1),
+    ]
     epsilon = accountants.pld_epsilon(rounds, 1e-5)
     assert accountants._one_step_pld.cache_info().misses == 1
     assert accountants._step_pld.cache_info().misses == 2  # 2 steps, 1 step
     truncation = accountants.log_truncation_bound(1e-5)
     fresh_step = gaussian_pld_module.gaussian_pld(3.0, 0.1, accountants.CERTIFICATE_DISCRETIZATION, truncation)
     for count, fresh in ((1, fresh_step), (2, fresh_step.self_compose(2))):
-        shared = accountants._step_pld(accountants.NoiseEvent(3.0, 0.1, count), accountants.CERTIFICATE_DISCRETIZATION, truncation)
+        shared = accountants._step_pld(
+            accountants.NoiseEvent(3.0, 0.1, count), accountants.CERTIFICATE_DISCRETIZATION, truncation
+        )
         for a, b in ((shared._pmf_remove, fresh._pmf_remove), (shared._pmf_add, fresh._pmf_add)):
-            assert (a._lower_loss, a._infinity_mass) == (b._lower_loss, b._infinity_mass) and np.array_equal(a._probs, b._probs)
-    assert epsilon == pytest.approx(pld_epsilon([(e.sigma, e.sampling_rate, e.count) for e in rounds], 1e-5), rel=CERTIFICATE_REL_TOL)
+            assert (a._lower_loss, a._infinity_mass) == (b._lower_loss, b._infinity_mass) and np.array_equal(
+                a._probs, b._probs
+            )
+    assert epsilon == pytest.approx(
+        pld_epsilon([(e.sigma, e.sampling_rate, e.count) for e in rounds], 1e-5), rel=CERTIFICATE_REL_TOL
+    )
 
 
-@pytest.mark.parametrize("sigma, q, steps, delta", [(0.8, 0.02, 3000, 1e-12), (2.0, 0.1, 200, 1e-30), (5.0, 1.0, 40, 1e-9)])
+@pytest.mark.parametrize(
+    "sigma, q, steps, delta", [(0.8, 0.02, 3000, 1e-12), (2.0, 0.1, 200, 1e-30), (5.0, 1.0, 40, 1e-9)]
+)
 def test_truncated_certificate_stays_an_upper_bound_at_tiny_delta(sigma, q, steps, delta):
     """Where dp-accounting's own composition is noisy (see tests/independent.py), the certificate
     still lies above an optimistic estimate of the true ε and within 1% of PLDAccountant."""
     certified = accountants.pld_epsilon(accountants.constant_events(sigma, q, steps), delta)
-    assert pld_epsilon_lower_bound(sigma, q, steps, delta) <= certified <= 1.01 * pld_epsilon([(sigma, q, steps)], delta)
+    assert (
+        pld_epsilon_lower_bound(sigma, q, steps, delta) <= certified <= 1.01 * pld_epsilon([(sigma, q, steps)], delta)
+    )
 
 
 SUBSAMPLED = [(0.5, 1e-4), (0.8, 0.02), (1.0, 0.3), (3.0, 0.5)]
@@ -140,7 +175,12 @@ SUBSAMPLED = [(0.5, 1e-4), (0.8, 0.02), (1.0, 0.3), (3.0, 0.5)]
 @pytest.mark.parametrize(
     "adjacency, sigma, q",
     [(AdjacencyType.REMOVE, 2.0, 1.0)]  # at q = 1 one PMF serves both adjacencies
-    + [(adjacency, sigma, q) for adjacency in AdjacencyType if adjacency != AdjacencyType.REPLACE for sigma, q in SUBSAMPLED],
+    + [
+        (adjacency, sigma, q)
+        for adjacency in AdjacencyType
+        if adjacency != AdjacencyType.REPLACE
+        for sigma, q in SUBSAMPLED
+    ],
 )
 def test_vectorised_hockey_stick_equals_dp_accounting_point_by_point(adjacency, sigma, q):
     """gaussian_pld's δ(ε) is dp-accounting's GaussianPrivacyLoss.get_delta_for_epsilon, to rounding,
@@ -150,23 +190,32 @@ def test_vectorised_hockey_stick_equals_dp_accounting_point_by_point(adjacency, 
     bounds = reference.connect_dots_bounds()
     span = bounds.epsilon_upper - bounds.epsilon_lower
     epsilons = np.linspace(bounds.epsilon_lower - 0.1 * span, bounds.epsilon_upper + 0.1 * span, 4001)
-    np.testing.assert_allclose(ours.get_delta_for_epsilon(epsilons), reference.get_delta_for_epsilon(epsilons), rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(
+        ours.get_delta_for_epsilon(epsilons), reference.get_delta_for_epsilon(epsilons), rtol=1e-9, atol=1e-15
+    )
     assert ours.get_delta_for_epsilon(0.5) == pytest.approx(reference.get_delta_for_epsilon(0.5), rel=1e-12)
 
 
 @pytest.mark.parametrize(
     "sigma, q, steps, delta, grid",
-    [(5.0, 0.125, 20, 1e-5, 1e-3), (1.1, 0.01, 300, 1e-5, 1e-3), (0.6, 0.2, 3, 1e-6, 1e-3), (2.0, 1.0, 50, 1e-5, 1e-3),
-     (0.02, 1.0, 1, 1e-5, 0.1),  # losses so large that e^-loss underflows: ε is the loss reached
-     (60.0, 0.01, 1, 0.5, 1e-3),  # a δ the distribution meets at ε = 0
-     (0.3, 0.5, 40, 1e-16, 1e-3)],  # more mass at infinity than δ: no finite ε
+    [
+        (5.0, 0.125, 20, 1e-5, 1e-3),
+        (1.1, 0.01, 300, 1e-5, 1e-3),
+        (0.6, 0.2, 3, 1e-6, 1e-3),
+        (2.0, 1.0, 50, 1e-5, 1e-3),
+        (0.02, 1.0, 1, 1e-5, 0.1),  # losses so large that e^-loss underflows: ε is the loss reached
+        (60.0, 0.01, 1, 0.5, 1e-3),  # a δ the distribution meets at ε = 0
+        (0.3, 0.5, 40, 1e-16, 1e-3),
+    ],  # more mass at infinity than δ: no finite ε
 )
 def test_vectorised_epsilon_for_delta_equals_dp_accounting(sigma, q, steps, delta, grid):
     """The ledger's and the calibrations' ε(δ) is dp-accounting's get_epsilon_for_delta on the same
     composed PLD (dp-accounting's own PLD here, both adjacencies), to rounding."""
     from dp_accounting.pld.privacy_loss_distribution import from_gaussian_mechanism
 
-    distribution = from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid).self_compose(steps)
+    distribution = from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid).self_compose(
+        steps
+    )
     reference = distribution.get_epsilon_for_delta(delta)
     ours = epsilon_for_delta(distribution, delta)
     assert ours == reference or ours == pytest.approx(reference, rel=1e-12, abs=1e-15)
@@ -174,8 +223,14 @@ def test_vectorised_epsilon_for_delta_equals_dp_accounting(sigma, q, steps, delt
 
 @pytest.mark.parametrize(
     "sigma, q, steps, delta, grid",
-    [(5.0, 0.125, 20, 1e-5, 1e-4), (1.1, 0.01, 300, 1e-5, 1e-3), (2.0, 1.0, 50, 1e-5, 1e-3), (0.02, 1.0, 1, 1e-5, 0.1),
-     (60.0, 0.01, 5, 0.5, 1e-3), (0.3, 0.5, 40, 1e-16, 1e-3)],
+    [
+        (5.0, 0.125, 20, 1e-5, 1e-4),
+        (1.1, 0.01, 300, 1e-5, 1e-3),
+        (2.0, 1.0, 50, 1e-5, 1e-3),
+        (0.02, 1.0, 1, 1e-5, 0.1),
+        (60.0, 0.01, 5, 0.5, 1e-3),
+        (0.3, 0.5, 40, 1e-16, 1e-3),
+    ],
 )
 def test_epsilon_walk_by_chunks_equals_the_walk_over_the_whole_grid(sigma, q, steps, delta, grid):
     """ε(δ) walks the grid a chunk at a time and stops at the chunk holding the answer: exactly the
@@ -185,24 +240,30 @@ def test_epsilon_walk_by_chunks_equals_the_walk_over_the_whole_grid(sigma, q, st
 
     from fedprivacy.privacy.pld_dense import _dense_epsilon
 
-    distribution = from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid).self_compose(steps)
+    distribution = from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid).self_compose(
+        steps
+    )
     for pmf in (distribution._pmf_remove, distribution._pmf_add):
         whole = _dense_epsilon(pmf, delta, first_chunk=len(pmf._probs))
-        assert whole == pmf.get_epsilon_for_delta(delta) or whole == pytest.approx(pmf.get_epsilon_for_delta(delta), rel=1e-12, abs=1e-15)
+        assert whole == pmf.get_epsilon_for_delta(delta) or whole == pytest.approx(
+            pmf.get_epsilon_for_delta(delta), rel=1e-12, abs=1e-15
+        )
         for chunk in (1, 3, 64, 2048):
             assert _dense_epsilon(pmf, delta, first_chunk=chunk) == whole
 
 
 @pytest.mark.parametrize(
     ("first", "second", "grid", "pessimistic", "tail"),
-    [((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 1e-15),  # a ledger's history and its next round
-     ((1.1, 0.01, 300), (0.9, 0.02, 7), 1e-3, True, 1e-15),  # other σ and q: both adjacencies differ
-     ((2.0, 1.0, 50), (3.0, 1.0, 1), 1e-3, True, 1e-15),  # full-batch steps: symmetric PLDs
-     ((5.0, 0.125, 11), (2.0, 1.0, 3), 1e-3, True, 1e-15),  # one symmetric, one not
-     ((0.6, 0.2, 3), (0.6, 0.2, 3), 1e-2, True, 1e-15),  # a coarse grid: short PMFs
-     ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, False, 1e-15),  # optimistic rounding: the right tail stays
-     ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 1.5),  # tails that would overlap: one loss is kept
-     ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 0.0)],  # no truncation at all
+    [
+        ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 1e-15),  # a ledger's history and its next round
+        ((1.1, 0.01, 300), (0.9, 0.02, 7), 1e-3, True, 1e-15),  # other σ and q: both adjacencies differ
+        ((2.0, 1.0, 50), (3.0, 1.0, 1), 1e-3, True, 1e-15),  # full-batch steps: symmetric PLDs
+        ((5.0, 0.125, 11), (2.0, 1.0, 3), 1e-3, True, 1e-15),  # one symmetric, one not
+        ((0.6, 0.2, 3), (0.6, 0.2, 3), 1e-2, True, 1e-15),  # a coarse grid: short PMFs
+        ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, False, 1e-15),  # optimistic rounding: the right tail stays
+        ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 1.5),  # tails that would overlap: one loss is kept
+        ((5.0, 0.125, 11), (5.0, 0.125, 10), 1e-3, True, 0.0),
+    ],  # no truncation at all
 )
 def test_vectorised_composition_equals_dp_accounting_bit_for_bit(first, second, grid, pessimistic, tail, monkeypatch):
     """The ledger composes a history with its next round as dp-accounting's compose does: the same
@@ -233,8 +294,9 @@ def test_vectorised_composition_equals_dp_accounting_bit_for_bit(first, second, 
     monkeypatch.setattr(pld_dense, "fft", counting)
 
     def distribution(sigma, q, steps):
-        return from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=grid,
-                                       pessimistic_estimate=pessimistic).self_compose(steps)  # fmt: skip
+        return from_gaussian_mechanism(
+            sigma, sampling_prob=q, value_discretization_interval=grid, pessimistic_estimate=pessimistic
+        ).self_compose(steps)
 
     a, b = distribution(*first), distribution(*second)
     pld_dense._SPECTRA.clear()

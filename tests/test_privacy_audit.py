@@ -9,6 +9,7 @@ compared between neighbouring data sets (one record replaced), must be the same.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,11 @@ import dp_accounting
 import numpy as np
 import pandas as pd
 import pytest
+from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 from clients.app import app as client_app
 from fedprivacy.participant import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS
 from fedprivacy.privacy.planner import plan_client
-from independent import CERTIFICATE_REL_TOL, pld_epsilon
 from server.app import app as server_app
 from sims import audit
 
@@ -157,27 +158,42 @@ def replies(in_process, tmp_path: Path, data: Path, run_config: dict[str, Any], 
                 seen.append((message.metadata.message_type, ("error", f"{type(error).__name__}: {error}")))
             raise
         if audited:
-            content = {key: sorted(record) if key == "arrays" else dict(record) for key, record in reply.content.items()}
+            content = {
+                key: sorted(record) if key == "arrays" else dict(record) for key, record in reply.content.items()
+            }
             seen.append((message.metadata.message_type, content))
         return reply
 
     nodes = [
-        {"client-id": "audited", "data-path": str(data), "epsilon": 1.0, "delta": 1e-5, "public-size": 300,
-         "ledger-path": str(tmp_path / f"{name}-audited.sqlite")},
-        {"client-id": "other", "data-path": str(data), "epsilon": 2.0, "delta": 1e-5, "public-size": 300,
-         "ledger-path": str(tmp_path / f"{name}-other.sqlite")},
-    ]  # fmt: skip
+        {
+            "client-id": "audited",
+            "data-path": str(data),
+            "epsilon": 1.0,
+            "delta": 1e-5,
+            "public-size": 300,
+            "ledger-path": str(tmp_path / f"{name}-audited.sqlite"),
+        },
+        {
+            "client-id": "other",
+            "data-path": str(data),
+            "epsilon": 2.0,
+            "delta": 1e-5,
+            "public-size": 300,
+            "ledger-path": str(tmp_path / f"{name}-other.sqlite"),
+        },
+    ]
     config = {**in_process.defaults(), **run_config, "results-dir": str(tmp_path / f"results-{name}")}
     grid = in_process.Grid(recording, nodes, config)
-    try:
+    with contextlib.suppress(RuntimeError):  # a run in which no client can train fails; its replies are what is audited
         in_process.run_server(server_app, grid, config)
-    except RuntimeError:
-        pass  # a run in which no client can train fails; its replies are what is audited
     return seen
 
 
 def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_data(in_process, tmp_path, neighbours):
-    runs = {name: replies(in_process, tmp_path, path, ADVERSARIAL, name.replace("'", "p")) for name, path in neighbours.items()}
+    runs = {
+        name: replies(in_process, tmp_path, path, ADVERSARIAL, name.replace("'", "p"))
+        for name, path in neighbours.items()
+    }
     assert runs["D"] == runs["D'"] == runs["D-"]  # nothing but the (noised) weights depends on the record
     kinds = [kind for kind, _ in runs["D"]]
     assert kinds.count("train") == 2 and kinds.count("evaluate") == 1  # evaluation is declined once, then not asked
@@ -187,7 +203,10 @@ def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_da
             assert set(content) == {"metrics", "client", "arrays"}
             assert set(content["metrics"]) == set(PUBLIC_REPLY_KEYS)
             assert not set(content["metrics"]) & set(DIAGNOSTIC_KEYS)
-            assert (content["metrics"]["epsilon-budget"], content["metrics"]["delta"]) == (1.0, 1e-5)  # the node's
+            assert (content["metrics"]["epsilon-budget"], content["metrics"]["delta"]) == (
+                1.0,
+                1e-5,
+            )  # the node's
             assert set(content["client"]) == {"client-id", "plan"}
         elif kind == "evaluate":
             assert content == {"metrics": {"num-examples": 0, "evaluation-off": 1}}
@@ -202,9 +221,13 @@ def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_da
         ({"diagnostics": True}, "diagnostics=true: raw training statistics are not private"),
     ],
 )
-def test_a_deployed_client_refuses_seeds_and_diagnostics_with_the_same_public_words(in_process, tmp_path, neighbours, override, refusal):
-    runs = {name: replies(in_process, tmp_path, path, {**ADVERSARIAL, **override}, name.replace("'", "p"))
-            for name, path in neighbours.items()}  # fmt: skip
+def test_a_deployed_client_refuses_seeds_and_diagnostics_with_the_same_public_words(
+    in_process, tmp_path, neighbours, override, refusal
+):
+    runs = {
+        name: replies(in_process, tmp_path, path, {**ADVERSARIAL, **override}, name.replace("'", "p"))
+        for name, path in neighbours.items()
+    }
     assert runs["D"] == runs["D'"] == runs["D-"]
     trains = [content for kind, content in runs["D"] if kind == "train"]
     assert trains and all(c[0] == "error" and refusal in c[1] for c in trains)

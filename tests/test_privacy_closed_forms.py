@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from fedprivacy.privacy import adp, classical
-from fedprivacy.privacy.proactive import proactive_conditions, proactive_sigma, proactive_steps, smallest_epochs
+from fedprivacy.privacy.proactive import (
+    proactive_conditions,
+    proactive_sigma,
+    proactive_steps,
+    smallest_epochs,
+)
 
 
 def test_proactive_sigma_matches_hand_values():
@@ -33,12 +38,23 @@ def test_proactive_steps_is_ceil_of_two_k_squared_over_epsilon(k, eps, steps):
 
 def test_proactive_conditions_are_named_and_evaluated():
     conditions = {c.name: c for c in proactive_conditions(5736, 0.49, 1 / 5736, 5, 103)}
-    assert set(conditions) == {"epsilon_regime", "delta_vs_n", "steps_lower_bound", "epochs_vs_log_n", "earlier_epsilon_scale"}
+    assert set(conditions) == {
+        "epsilon_regime",
+        "delta_vs_n",
+        "steps_lower_bound",
+        "epochs_vs_log_n",
+        "earlier_epsilon_scale",
+    }
     assert all(c.met for c in conditions.values())
     assert conditions["earlier_epsilon_scale"].kind == "information"
     failing = {c.name: c.met for c in proactive_conditions(5736, 1.0, 1e-3, 3, 10)}
-    assert failing == {"epsilon_regime": False, "delta_vs_n": False, "steps_lower_bound": False,
-                       "epochs_vs_log_n": False, "earlier_epsilon_scale": True}
+    assert failing == {
+        "epsilon_regime": False,
+        "delta_vs_n": False,
+        "steps_lower_bound": False,
+        "epochs_vs_log_n": False,
+        "earlier_epsilon_scale": True,
+    }
 
 
 def test_naive_sigma_is_seed_000_formula():
@@ -51,7 +67,9 @@ def test_naive_sigma_is_seed_000_formula():
 def test_advanced_composition_hand_value():
     # 0.01 sqrt(200 ln 1e5) + 100 * 0.01 * (e^0.01 - 1)/(e^0.01 + 1) = 0.479850 + 0.0049999
     value = classical.advanced_composition_epsilon(0.01, 100, 1e-5)
-    assert value == pytest.approx(0.01 * math.sqrt(200 * math.log(1e5)) + (math.exp(0.01) - 1) / (math.exp(0.01) + 1), rel=1e-12)
+    assert value == pytest.approx(
+        0.01 * math.sqrt(200 * math.log(1e5)) + (math.exp(0.01) - 1) / (math.exp(0.01) + 1), rel=1e-12
+    )
     assert value == pytest.approx(0.48485, abs=1e-5)
 
 
@@ -64,7 +82,9 @@ def test_strong_sigma_solves_the_exact_advanced_composition_formula():
     lo, hi = 1e-12, 1.0
     for _ in range(200):
         mid = (lo + hi) / 2
-        total = mid * math.sqrt(2 * steps * math.log(1 / slack)) + steps * mid * (math.exp(mid) - 1) / (math.exp(mid) + 1)
+        total = mid * math.sqrt(2 * steps * math.log(1 / slack)) + steps * mid * (math.exp(mid) - 1) / (
+            math.exp(mid) + 1
+        )
         lo, hi = (mid, hi) if total < eps else (lo, mid)
     half_split_sigma = q * math.sqrt(2 * math.log(1.25 * q / per_step)) / lo
     assert sigma <= half_split_sigma * (1 + 1e-6)
@@ -131,7 +151,9 @@ def test_theorem41_power_one_scales_with_harmonic_sum():
 
 
 def test_inverse_sqrt_lr_alpha_follows_the_step_size():
-    alphas = adp.alpha_values("inverse_sqrt_lr", 4, learning_rate=1.0, lr_schedule="inverse_sqrt", lr_params={"a": 20, "c": 1})
+    alphas = adp.alpha_values(
+        "inverse_sqrt_lr", 4, learning_rate=1.0, lr_schedule="inverse_sqrt", lr_params={"a": 20, "c": 1}
+    )
     assert alphas == pytest.approx([20**0.25, 21**0.25, 22**0.25, 23**0.25])
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 from fedprivacy.errors import InputError, PlanRefused
 from fedprivacy.privacy import classical
@@ -14,7 +15,6 @@ from fedprivacy.privacy.calculator import feasible_plans
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client, resolve_schedule
 from fedprivacy.privacy.proactive import proactive_sigma
-from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 
 def test_default_proactive_plan_uses_smallest_k_and_t():
@@ -25,7 +25,13 @@ def test_default_proactive_plan_uses_smallest_k_and_t():
     assert (plan.steps, plan.epochs) == (25, pytest.approx(5.0))
     assert plan.expected_batch_size == pytest.approx(5736 * 0.2)
     assert plan.epsilon_pld == pytest.approx(pld_epsilon([(plan.sigma, 0.2, 25)], delta), rel=CERTIFICATE_REL_TOL)
-    assert {c.name for c in plan.conditions} >= {"epsilon_regime", "delta_vs_n", "steps_lower_bound", "epochs_vs_log_n", "certified"}
+    assert {c.name for c in plan.conditions} >= {
+        "epsilon_regime",
+        "delta_vs_n",
+        "steps_lower_bound",
+        "epochs_vs_log_n",
+        "certified",
+    }
 
 
 @pytest.mark.parametrize("rule", ["proactive", "calibrated", "adp"])
@@ -40,7 +46,15 @@ def test_every_rule_refuses_a_delta_of_one_over_n_or_more(rule, n):
 
 def test_sigma_by_rule_holds_every_rule():
     plan = plan_client(5736, 1.0, 1e-5, rule="calibrated", epochs=8)
-    assert set(plan.sigma_by_rule) == {"naive", "strong", "rdp_calibrated", "pld_calibrated", "proactive", "adp", "dpgd"}
+    assert set(plan.sigma_by_rule) == {
+        "naive",
+        "strong",
+        "rdp_calibrated",
+        "pld_calibrated",
+        "proactive",
+        "adp",
+        "dpgd",
+    }
     by_rule = plan.sigma_by_rule
     assert by_rule["pld_calibrated"] == pytest.approx(plan.sigma)
     assert by_rule["pld_calibrated"] < by_rule["rdp_calibrated"] < by_rule["strong"] < by_rule["naive"]
@@ -120,6 +134,7 @@ def test_calculator_ranks_feasible_plans_at_equal_epochs():
 
 
 # ---------------- property tests ----------------
+
 
 @settings(max_examples=12, deadline=None)
 @given(

@@ -14,13 +14,22 @@ from fedprivacy.reports import sheets
 @pytest.fixture(scope="module")
 def two_plans():
     """Two clients with different budgets, hence different plans and figures."""
-    return [plan_client(800, epsilon, 1e-5, client_id=f"c{i}", rule="calibrated") for i, epsilon in enumerate((1.0, 2.0))]
+    return [
+        plan_client(800, epsilon, 1e-5, client_id=f"c{i}", rule="calibrated") for i, epsilon in enumerate((1.0, 2.0))
+    ]
 
 
 def test_sheet_shows_plan_certificate_conditions_and_rules(tmp_path, two_plans):
     paths = sheets.write_sheet(two_plans[0], tmp_path)
     markdown = paths["md"].read_text()
-    for text in ("certified ε, PLD", "budget unused", "σC/(qN)", "certified (required)", "pld_calibrated", paths["png"].name):
+    for text in (
+        "certified ε, PLD",
+        "budget unused",
+        "σC/(qN)",
+        "certified (required)",
+        "pld_calibrated",
+        paths["png"].name,
+    ):
         assert text in markdown
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<table>" in paths["html"].read_text() and paths["png"].name in paths["html"].read_text()
@@ -33,8 +42,14 @@ def test_clients_with_the_same_plan_share_one_figure_and_others_get_their_own(tm
     written = sheets.write_sheets([*same, two_plans[1]], tmp_path / "out")
     figures = sorted(p.name for p in written if p.suffix == ".png")
     assert len(figures) == 2
-    assert sheets.PlanFigure.of(same[0]).file_name in figures and sheets.PlanFigure.of(two_plans[1]).file_name in figures
-    links = {p.stem: next(f for f in figures if f in p.read_text()) for p in written if p.suffix == ".md" and p.stem != "index"}
+    assert (
+        sheets.PlanFigure.of(same[0]).file_name in figures and sheets.PlanFigure.of(two_plans[1]).file_name in figures
+    )
+    links = {
+        p.stem: next(f for f in figures if f in p.read_text())
+        for p in written
+        if p.suffix == ".md" and p.stem != "index"
+    }
     assert links["s800"] == links["s900"] != links["c1"]
     # the same inputs give the same figure file in another folder, another time
     assert sheets.write_sheet(same[1], tmp_path / "again")["png"].name == links["s800"]
@@ -92,9 +107,17 @@ def test_importing_the_reports_selects_no_matplotlib_backend():
     import subprocess
     import sys
 
-    code = ("import matplotlib, fedprivacy.reports.sheets, fedprivacy.reports.progress, fedprivacy.results; "
-            "import sys; print(matplotlib.rcParams._get_backend_or_none(), 'matplotlib.pyplot' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={"MPLBACKEND": "svg", "PATH": ""})
+    code = (
+        "import matplotlib, fedprivacy.reports.sheets, fedprivacy.reports.progress, fedprivacy.results; "
+        "import sys; print(matplotlib.rcParams._get_backend_or_none(), 'matplotlib.pyplot' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"MPLBACKEND": "svg", "PATH": ""},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["svg", "False"]
 
@@ -103,5 +126,9 @@ def test_two_clients_sharing_one_plan_get_one_sheet(tmp_path):
     """SuperNodes on one ledger account follow the plan the first of them saved, client id included."""
     plan = plan_client(800, 1.0, 1e-5, client_id="twin-a")
     written = sheets.write_sheets([plan, plan], tmp_path / "out")
-    assert sorted(p.name for p in written if p.stem == "twin-a") == ["twin-a.html", "twin-a.json", "twin-a.md"]
+    assert sorted(p.name for p in written if p.stem == "twin-a") == [
+        "twin-a.html",
+        "twin-a.json",
+        "twin-a.md",
+    ]
     assert len([p for p in written if p.suffix == ".png"]) == 1

@@ -35,11 +35,14 @@ def test_a_scenario_runs_the_apps_and_reads_their_results(tmp_path):
     assert [r["accuracy"] for r in proxy.rounds] == pytest.approx([r["accuracy"] for r in result.rounds], abs=1e-6)
 
 
-@pytest.mark.parametrize(("config", "clients", "field"), [
-    ({"epsilons": "1,2"}, 4, "epsilons"),  # one ε per client: 4 clients, 2 values
-    ({}, 1, "num_clients"),  # fewer clients than min-clients: the ServerApp would wait for ever
-    ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),  # every client would fail
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "clients", "field"),
+    [
+        ({"epsilons": "1,2"}, 4, "epsilons"),  # one ε per client: 4 clients, 2 values
+        ({}, 1, "num_clients"),  # fewer clients than min-clients: the ServerApp would wait for ever
+        ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),  # every client would fail
+    ],
+)
 def test_a_scenario_the_apps_cannot_run_is_refused_before_any_client_starts(tmp_path, config, clients, field):
     with pytest.raises(InputError) as refused:
         run_scenario(Scenario("bad", {**TINY, **config}, num_clients=clients), tmp_path, quiet=True)
@@ -59,7 +62,9 @@ def test_the_baseline_uses_the_private_schedule_and_learns(tmp_path):
 
 def test_the_baseline_follows_the_step_size_schedule(tmp_path):
     """η_t = η/sqrt(a + c·t) with a huge a is η/1e6 at every step: the same run as a constant η/1e6."""
-    decayed = nonprivate_baseline({**TINY, "results-dir": str(tmp_path), "lr-schedule": "inverse_sqrt", "lr-offset": 1e12}, 2)
+    decayed = nonprivate_baseline(
+        {**TINY, "results-dir": str(tmp_path), "lr-schedule": "inverse_sqrt", "lr-offset": 1e12}, 2
+    )
     tiny_constant = nonprivate_baseline({**TINY, "results-dir": str(tmp_path), "learning-rate": 1e-6}, 2)
     full_constant = nonprivate_baseline({**TINY, "results-dir": str(tmp_path)}, 2)
     accuracy = lambda run: [r["accuracy"] for r in run.rounds]  # noqa: E731

@@ -47,7 +47,7 @@ def _markdown_rows(markdown: str, section: str) -> list[list[str]]:
     lines = markdown.splitlines()
     start = next(i for i in range(lines.index(section), len(lines)) if lines[i].startswith("|"))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([cell.strip() for cell in line.strip("|").split("|")])
@@ -76,7 +76,10 @@ def test_the_tiny_scenario_runs_every_cell_in_process_and_sweep_csv_agrees_with_
         assert result.summary["status"] == "completed" and len(result.clients) == 2
         assert row.final_accuracy == pytest.approx(result.final_accuracy, abs=1e-12)
         assert row.best_accuracy == pytest.approx(result.best[1], abs=1e-12)
-        assert row.epsilon_spent_max == pytest.approx(result.epsilon_spent_max, abs=1e-12) and row.epsilon_spent_max <= row.epsilon
+        assert (
+            row.epsilon_spent_max == pytest.approx(result.epsilon_spent_max, abs=1e-12)
+            and row.epsilon_spent_max <= row.epsilon
+        )
         assert row.epsilon_spent_mean == pytest.approx(sum(c["epsilon_spent"] for c in result.clients) / 2, abs=1e-12)
         assert row.all_within_budget and row.wall_s > 0
         config = json.loads((result.folder / "config.json").read_text())["run_config"]
@@ -88,7 +91,17 @@ def test_the_tiny_scenario_runs_every_cell_in_process_and_sweep_csv_agrees_with_
 
 def test_the_fast_engine_gives_the_in_process_numbers_for_the_tiny_scenario(tiny_sweep, tmp_path, capsys, monkeypatch):
     """`--engine fast` slots in as a module of sims/engines: same cells, same results to float tolerance."""
-    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--engine", "fast", "--no-baseline", "--out", str(tmp_path / "fast"))
+    code, _, err = run_cli(
+        capsys,
+        monkeypatch,
+        "sweep",
+        str(TINY),
+        "--engine",
+        "fast",
+        "--no-baseline",
+        "--out",
+        str(tmp_path / "fast"),
+    )
     assert code == 0, err
     fast, apps = pd.read_csv(tmp_path / "fast" / "sweep.csv"), pd.read_csv(tiny_sweep / "sweep.csv")
     assert set(fast["engine"]) == {"fast"} and list(fast["cell"]) == list(apps["cell"])
@@ -100,8 +113,12 @@ def test_the_fast_engine_gives_the_in_process_numbers_for_the_tiny_scenario(tiny
 
 
 def test_report_writes_figures_and_tables_from_a_finished_sweep(tiny_sweep):
-    result = subprocess.run([sys.executable, "-m", "fedprivacy", "report", str(tiny_sweep)],
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "fedprivacy", "report", str(tiny_sweep)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     report = tiny_sweep / "report"
     stems = ("accuracy_vs_epsilon", "accuracy_vs_round", "epsilon_vs_round", "budget_use")
@@ -123,25 +140,67 @@ def test_report_writes_figures_and_tables_from_a_finished_sweep(tiny_sweep):
 
 def test_report_tables_average_over_seeds(tmp_path):
     """A sweep folder written by hand (2 rules × 2 ε × 2 seeds): the report's means and spreads."""
-    accuracies = {("proactive", 1.0): (0.50, 0.60), ("proactive", 4.0): (0.70, 0.74),
-                  ("calibrated", 1.0): (0.62, 0.66), ("calibrated", 4.0): (0.80, 0.70)}  # fmt: skip
+    accuracies = {
+        ("proactive", 1.0): (0.50, 0.60),
+        ("proactive", 4.0): (0.70, 0.74),
+        ("calibrated", 1.0): (0.62, 0.66),
+        ("calibrated", 4.0): (0.80, 0.70),
+    }
     rows = []
     for (rule, epsilon), finals in accuracies.items():
         for seed, final in enumerate(finals):
             name = cell_name({"rule": rule, "epsilon": epsilon, "seed": seed})
             run = tmp_path / "cells" / name / "run"
             run.mkdir(parents=True)
-            pd.DataFrame({"round": [1, 2], "accuracy": [final - 0.1, final], "epsilon_spent_max": [epsilon / 2, epsilon]}).to_csv(run / "rounds.csv", index=False)
+            pd.DataFrame(
+                {
+                    "round": [1, 2],
+                    "accuracy": [final - 0.1, final],
+                    "epsilon_spent_max": [epsilon / 2, epsilon],
+                }
+            ).to_csv(run / "rounds.csv", index=False)
             spent = [epsilon, epsilon / 2] if rule == "calibrated" else [epsilon / 2, epsilon / 4]
-            pd.DataFrame({"client_id": ["a", "b"], "epsilon_budget": [epsilon] * 2, "epsilon_spent": spent,
-                          "status": ["exhausted", "ok"] if rule == "calibrated" else ["ok", "ok"]}).to_csv(run / "clients.csv", index=False)  # fmt: skip
-            (tmp_path / "cells" / name / "cell.json").write_text(json.dumps({"params": {"rule": rule, "epsilon": epsilon, "seed": seed}, "run_folder": "run"}))
-            rows.append({"rule": rule, "epsilon": epsilon, "seed": seed, **dict.fromkeys(RESULT_COLUMNS), "status": "completed", "final_accuracy": final,
-                         "best_accuracy": final, "epsilon_spent_max": epsilon, "all_within_budget": True, "cell": f"cells/{name}"})  # fmt: skip
+            pd.DataFrame(
+                {
+                    "client_id": ["a", "b"],
+                    "epsilon_budget": [epsilon] * 2,
+                    "epsilon_spent": spent,
+                    "status": ["exhausted", "ok"] if rule == "calibrated" else ["ok", "ok"],
+                }
+            ).to_csv(run / "clients.csv", index=False)
+            (tmp_path / "cells" / name / "cell.json").write_text(
+                json.dumps({"params": {"rule": rule, "epsilon": epsilon, "seed": seed}, "run_folder": "run"})
+            )
+            rows.append(
+                {
+                    "rule": rule,
+                    "epsilon": epsilon,
+                    "seed": seed,
+                    **dict.fromkeys(RESULT_COLUMNS),
+                    "status": "completed",
+                    "final_accuracy": final,
+                    "best_accuracy": final,
+                    "epsilon_spent_max": epsilon,
+                    "all_within_budget": True,
+                    "cell": f"cells/{name}",
+                }
+            )
     pd.DataFrame(rows).to_csv(tmp_path / "sweep.csv", index=False)
-    (tmp_path / "sweep.json").write_text(json.dumps({"name": "by hand", "grid": {"rule": ["proactive", "calibrated"], "epsilon": [1.0, 4.0], "seed": [0, 1]}}))
+    (tmp_path / "sweep.json").write_text(
+        json.dumps(
+            {
+                "name": "by hand",
+                "grid": {"rule": ["proactive", "calibrated"], "epsilon": [1.0, 4.0], "seed": [0, 1]},
+            }
+        )
+    )
 
-    code = subprocess.run([sys.executable, "-m", "fedprivacy", "report", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    code = subprocess.run(
+        [sys.executable, "-m", "fedprivacy", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert code.returncode == 0, code.stderr
     markdown = (tmp_path / "report" / "report.md").read_text()
     accuracy = {(r[0], float(r[1])): r for r in _markdown_rows(markdown, "## Accuracy")}
@@ -151,68 +210,127 @@ def test_report_tables_average_over_seeds(tmp_path):
         assert float(row[3]) == pytest.approx(sum(finals) / 2, abs=5e-5)
         assert float(row[4]) == pytest.approx(pd.Series(finals).std(), abs=5e-5)
     budget = {(r[0], float(r[1])): r for r in _markdown_rows(markdown, "## Budget use per client")}
-    assert [float(v) for v in budget[("calibrated", 4.0)][3:6]] == [0.5, 0.75, 1.0]  # min, median, max of spent/budget
-    assert int(budget[("calibrated", 4.0)][6]) == 2 and int(budget[("proactive", 1.0)][6]) == 0  # out of budget, over seeds
+    assert [float(v) for v in budget[("calibrated", 4.0)][3:6]] == [
+        0.5,
+        0.75,
+        1.0,
+    ]  # min, median, max of spent/budget
+    assert (
+        int(budget[("calibrated", 4.0)][6]) == 2 and int(budget[("proactive", 1.0)][6]) == 0
+    )  # out of budget, over seeds
     assert (tmp_path / "report" / "accuracy_vs_epsilon.svg").is_file()
 
 
 def test_flags_and_a_scenario_file_give_the_same_cells(tmp_path, capsys, monkeypatch):
     from_file = load_scenario(TINY)
-    raw = scenario_from_flags({"dataset": "digits", "rounds": "2"}, {"epsilons": "1,2", "rules": "calibrated"}, ["epochs=2"], [],
-                              {"clients": 2, "seeded-noise": True}, {})  # fmt: skip
+    raw = scenario_from_flags(
+        {"dataset": "digits", "rounds": "2"},
+        {"epsilons": "1,2", "rules": "calibrated"},
+        ["epochs=2"],
+        [],
+        {"clients": 2, "seeded-noise": True},
+        {},
+    )
     from_flags = validate(raw, base_dir=tmp_path, default_name="tiny")
-    assert [(c.name, c.run_config, c.num_clients) for c in cells(from_flags)] == [(c.name, c.run_config, c.num_clients) for c in cells(from_file)]
+    assert [(c.name, c.run_config, c.num_clients) for c in cells(from_flags)] == [
+        (c.name, c.run_config, c.num_clients) for c in cells(from_file)
+    ]
     # and through the command, which lists the cells it would run
-    _, listed_from_file, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "tiny"), "--dry-run")
-    code, listed_from_flags, _ = run_cli(capsys, monkeypatch, "sweep", "--out", str(tmp_path / "tiny"), "--dry-run", "--dataset", "digits",
-                                         "--clients", "2", "--rounds", "2", "--epsilons", "1,2", "--rules", "calibrated",
-                                         "--set", "epochs=2", "--seeded-noise")  # fmt: skip
+    _, listed_from_file, _ = run_cli(
+        capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "tiny"), "--dry-run"
+    )
+    code, listed_from_flags, _ = run_cli(
+        capsys,
+        monkeypatch,
+        "sweep",
+        "--out",
+        str(tmp_path / "tiny"),
+        "--dry-run",
+        "--dataset",
+        "digits",
+        "--clients",
+        "2",
+        "--rounds",
+        "2",
+        "--epsilons",
+        "1,2",
+        "--rules",
+        "calibrated",
+        "--set",
+        "epochs=2",
+        "--seeded-noise",
+    )
     assert code == 0 and listed_from_flags == listed_from_file and all(name in listed_from_file for name in TINY_CELLS)
     assert not (tmp_path / "tiny").exists()  # a dry run writes nothing
 
 
 def test_seed_ranges_and_readable_unique_cell_names():
-    raw = scenario_from_flags({"dataset": "digits"}, {"seeds": "0-2,7"}, [], ["clip-norm=0.1,1e-05", "model=mlp"], {"clients": 2}, {})
+    raw = scenario_from_flags(
+        {"dataset": "digits"},
+        {"seeds": "0-2,7"},
+        [],
+        ["clip-norm=0.1,1e-05", "model=mlp"],
+        {"clients": 2},
+        {},
+    )
     spec = validate(raw, base_dir=Path.cwd(), default_name="x")
     assert spec.grid == {"seed": (0, 1, 2, 7), "clip-norm": (0.1, 1e-05), "model": ("mlp",)}
     assert cells(spec)[0].name == "seed=0_clip-norm=0.1_model=mlp"
     assert cell_name({"epsilon": 1.0, "rule": "proactive"}) == "epsilon=1_rule=proactive"
     unsafe = cell_name({"epsilons": "0.5,1/2"})
-    assert unsafe.startswith("epsilons=0.5-1-2-") and unsafe != cell_name({"epsilons": "0.5-1-2"}) != cell_name({"epsilons": "0.5,1,2"})
+    assert unsafe.startswith("epsilons=0.5-1-2-") and unsafe != cell_name({"epsilons": "0.5-1-2"}) != cell_name(
+        {"epsilons": "0.5,1,2"}
+    )
 
 
 def test_the_command_and_the_report_import_neither_flower_nor_sims():
     """fedprivacy never imports flwr at module level: `sweep` imports sims inside the command."""
-    code = ("import sys, fedprivacy.cli, fedprivacy.reports.sweep_report, fedprivacy.results; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'sims', 'ray'}))")
+    code = (
+        "import sys, fedprivacy.cli, fedprivacy.reports.sweep_report, fedprivacy.results; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'sims', 'ray'}))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
 BAD_SCENARIOS = {
-    "unknown grid key": ('[grid]\nepsilonn = [1, 2]\n', "grid.epsilonn"),
-    "unknown table": ('[grids]\nepsilon = [1]\n', "grids"),
+    "unknown grid key": ("[grid]\nepsilonn = [1, 2]\n", "grid.epsilonn"),
+    "unknown table": ("[grids]\nepsilon = [1]\n", "grids"),
     "unknown sweep key": ('[sweep]\nengin = "flower"\n[grid]\nepsilon = [1]\n', "sweep.engin"),
     "empty grid": ('[run]\ndataset = "digits"\n', "grid"),
-    "empty value list": ('[grid]\nepsilon = []\n', "grid.epsilon"),
-    "not a list": ('[grid]\nepsilon = 1\n', "grid.epsilon"),
+    "empty value list": ("[grid]\nepsilon = []\n", "grid.epsilon"),
+    "not a list": ("[grid]\nepsilon = 1\n", "grid.epsilon"),
     "wrong type in the grid": ('[grid]\nepsilon = [1, "two"]\n', "grid.epsilon"),
-    "wrong type in run": ('[run]\nnum-server-rounds = 2.5\n[grid]\nepsilon = [1]\n', "run.num-server-rounds"),
+    "wrong type in run": ("[run]\nnum-server-rounds = 2.5\n[grid]\nepsilon = [1]\n", "run.num-server-rounds"),
     "duplicate cell": ('[grid]\nrule = ["proactive", "proactive"]\n', "grid.rule"),
-    "duplicate after typing": ('[grid]\nepsilon = [1, 1.0]\n', "grid.epsilon"),
-    "fixed and varied": ('[run]\nepsilon = 1.0\n[grid]\nepsilon = [1, 2]\n', "grid.epsilon"),
+    "duplicate after typing": ("[grid]\nepsilon = [1, 1.0]\n", "grid.epsilon"),
+    "fixed and varied": ("[run]\nepsilon = 1.0\n[grid]\nepsilon = [1, 2]\n", "grid.epsilon"),
     "unknown engine": ('[sweep]\nengine = "fastest"\n[grid]\nepsilon = [1]\n', "sweep.engine"),
     "set by the sweep": ('[run]\nresults-dir = "/tmp/x"\n[grid]\nepsilon = [1]\n', "run.results-dir"),
-    "out-of-range value": ('[sweep]\nclients = 2\n[grid]\nepsilon = [1, -2]\n', "epsilon"),
-    "too few clients": ('[sweep]\nclients = 1\n[grid]\nepsilon = [1]\n', "sweep.clients"),
-    "one budget per client, wrong count": ('[sweep]\nclients = 2\n[run]\nepsilons = "1,2,3"\n[grid]\nseed = [0]\n', "epsilons"),
-    "a common ε beside per-client ones": ('[sweep]\nclients = 3\n[run]\nepsilons = "1,2,3"\n[grid]\nepsilon = [1, 2]\n', "grid.epsilon"),
-    "a common δ beside per-client ones": ('[sweep]\nclients = 2\n[run]\ndelta = 1e-6\n[grid]\ndeltas = ["1e-5,1e-6"]\n', "run.delta"),
-    "a data file that is not there": ('[sweep]\nclients = 2\n[run]\ndataset = "pums"\ndata-path = "/nowhere/pums.csv"\n'
-                                      '[grid]\nseed = [0]\n', "data-path"),
-    "baseline learning rate not positive": ('[sweep]\nbaseline-learning-rate = 0\n[grid]\nepsilon = [1]\n', "sweep.baseline-learning-rate"),
-    "fractional CPUs": ('[resources]\nclient-cpus = 0.5\n[grid]\nepsilon = [1]\n', "resources.client-cpus"),
-    "not TOML": ('[grid\nepsilon = [1]\n', "scenario"),
+    "out-of-range value": ("[sweep]\nclients = 2\n[grid]\nepsilon = [1, -2]\n", "epsilon"),
+    "too few clients": ("[sweep]\nclients = 1\n[grid]\nepsilon = [1]\n", "sweep.clients"),
+    "one budget per client, wrong count": (
+        '[sweep]\nclients = 2\n[run]\nepsilons = "1,2,3"\n[grid]\nseed = [0]\n',
+        "epsilons",
+    ),
+    "a common ε beside per-client ones": (
+        '[sweep]\nclients = 3\n[run]\nepsilons = "1,2,3"\n[grid]\nepsilon = [1, 2]\n',
+        "grid.epsilon",
+    ),
+    "a common δ beside per-client ones": (
+        '[sweep]\nclients = 2\n[run]\ndelta = 1e-6\n[grid]\ndeltas = ["1e-5,1e-6"]\n',
+        "run.delta",
+    ),
+    "a data file that is not there": (
+        '[sweep]\nclients = 2\n[run]\ndataset = "pums"\ndata-path = "/nowhere/pums.csv"\n[grid]\nseed = [0]\n',
+        "data-path",
+    ),
+    "baseline learning rate not positive": (
+        "[sweep]\nbaseline-learning-rate = 0\n[grid]\nepsilon = [1]\n",
+        "sweep.baseline-learning-rate",
+    ),
+    "fractional CPUs": ("[resources]\nclient-cpus = 0.5\n[grid]\nepsilon = [1]\n", "resources.client-cpus"),
+    "not TOML": ("[grid\nepsilon = [1]\n", "scenario"),
 }
 
 
@@ -229,7 +347,11 @@ def test_a_bad_scenario_is_refused_in_one_line_before_anything_runs(case, tmp_pa
 
 
 def test_flags_with_a_scenario_file_or_a_bad_flag_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
-    for args, field in ((["--epsilons", "1,2"], "epsilons"), (["--seeds", "4-0"], "seeds"), (["--grid", "clip-norm=x"], "grid clip-norm")):
+    for args, field in (
+        (["--epsilons", "1,2"], "epsilons"),
+        (["--seeds", "4-0"], "seeds"),
+        (["--grid", "clip-norm=x"], "grid clip-norm"),
+    ):
         scenario = [str(TINY)] if field == "epsilons" else ["--dataset", "digits", "--clients", "2"]
         code, _, err = run_cli(capsys, monkeypatch, "sweep", *scenario, "--out", str(tmp_path / "out"), *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: {field}="), err
@@ -244,7 +366,9 @@ def test_resource_flags_apply_to_a_scenario_file():
     none = dict.fromkeys(("dataset", "data-path", "partition-by", "partitioning", "model", "rounds", "fraction-train"))
     sweep = {"engine": "fast", "baseline": None, "clients": None, "seeded-noise": None}
     resources = {"client-cpus": None, "client-gpus": None, "workers": 2, "worker-gpus": 0.5}
-    spec = _sweep_scenario(TINY, none, {"epsilons": None, "rules": None, "seeds": None}, [], [], sweep, resources, Path("out"))
+    spec = _sweep_scenario(
+        TINY, none, {"epsilons": None, "rules": None, "seeds": None}, [], [], sweep, resources, Path("out")
+    )
     assert (spec.engine, spec.resources.workers, spec.resources.worker_gpus) == ("fast", 2, 0.5)
     assert spec.grid == load_scenario(TINY).grid and spec.run == load_scenario(TINY).run
 
@@ -306,7 +430,11 @@ class EngineThatCannotStart(InProcessEngine):
 def test_an_engine_that_cannot_start_is_one_line_and_is_torn_down(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: EngineThatCannotStart())
     code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "out"), "--no-baseline")
-    assert code == 1 and err.strip().splitlines()[-1] == "error: engine inprocess could not start: RuntimeError: no SuperLink came up (injected)"
+    assert (
+        code == 1
+        and err.strip().splitlines()[-1]
+        == "error: engine inprocess could not start: RuntimeError: no SuperLink came up (injected)"
+    )
     assert EngineThatCannotStart.torn_down
     assert set(pd.read_csv(tmp_path / "out" / "sweep.csv")["status"]) == {"pending"}
 
@@ -316,7 +444,9 @@ def test_a_finished_sweep_refuses_to_resume_with_other_settings(tiny_sweep, tmp_
     changed.write_text(TINY.read_text().replace("num-server-rounds = 2", "num-server-rounds = 3"))
     before = (tiny_sweep / "sweep.csv").read_text()
     code, _, err = run_cli(capsys, monkeypatch, "sweep", str(changed), "--out", str(tiny_sweep))
-    assert code == 2 and err.startswith(f"error: out='{tiny_sweep}': its cell {TINY_CELLS[0]} ran with num-server-rounds=2")
+    assert code == 2 and err.startswith(
+        f"error: out='{tiny_sweep}': its cell {TINY_CELLS[0]} ran with num-server-rounds=2"
+    )
     assert (tiny_sweep / "sweep.csv").read_text() == before
 
 
@@ -328,13 +458,19 @@ def test_a_sweep_refuses_a_folder_holding_another_scenarios_cells(tiny_sweep, tm
     assert other.read_text() != TINY.read_text()
     before = {path: path.read_bytes() for path in tiny_sweep.rglob("*") if path.is_file()}
     code, _, err = run_cli(capsys, monkeypatch, "sweep", str(other), "--out", str(tiny_sweep), "--no-baseline")
-    assert code == 2 and err.startswith(f"error: out='{tiny_sweep}': holds cell {TINY_CELLS[1]}, which this scenario does not have")
+    assert code == 2 and err.startswith(
+        f"error: out='{tiny_sweep}': holds cell {TINY_CELLS[1]}, which this scenario does not have"
+    )
     assert {path: path.read_bytes() for path in tiny_sweep.rglob("*") if path.is_file()} == before
 
 
 def _sweep_process(out: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fedprivacy", "sweep", str(TINY), "--out", str(out)],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedprivacy", "sweep", str(TINY), "--out", str(out)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def test_a_killed_sweep_resumes_with_no_cell_duplicated_or_lost(tmp_path):
@@ -349,7 +485,9 @@ def test_a_killed_sweep_resumes_with_no_cell_duplicated_or_lost(tmp_path):
     process.wait(timeout=30)
     assert not (second / "cell.json").exists(), "the sweep finished its second cell before the kill"
     assert list(pd.read_csv(out / "sweep.csv")["status"]) == ["completed", "pending"]
-    kept = {path: path.stat().st_mtime_ns for path in (first / "cell.json", out / "baseline" / "default" / "baseline.json")}
+    kept = {
+        path: path.stat().st_mtime_ns for path in (first / "cell.json", out / "baseline" / "default" / "baseline.json")
+    }
 
     resumed = _sweep_process(out, tmp_path / "second.log")
     assert resumed.wait(timeout=240) == 0, (tmp_path / "second.log").read_text()
@@ -359,7 +497,9 @@ def test_a_killed_sweep_resumes_with_no_cell_duplicated_or_lost(tmp_path):
     assert list(table["cell"]) == [f"cells/{name}" for name in TINY_CELLS] and set(table["status"]) == {"completed"}
     assert sorted(p.name for p in (out / "cells").iterdir()) == TINY_CELLS
     for cell in (first, second):  # exactly one results folder each: the killed attempt left nothing behind
-        assert [p.name for p in cell.iterdir() if p.is_dir()] == [json.loads((cell / "cell.json").read_text())["run_folder"]]
+        assert [p.name for p in cell.iterdir() if p.is_dir()] == [
+            json.loads((cell / "cell.json").read_text())["run_folder"]
+        ]
         read_results(cell_folder(out, cell.name)).check_budgets()
     assert sorted(p.name for p in (out / "baseline").iterdir()) == ["default"]
 
@@ -369,9 +509,16 @@ def test_cells_that_differ_only_in_keys_the_baseline_ignores_share_one_baseline(
     from sims.sweep.grid import cells
     from sims.sweep.spec import validate
 
-    raw = {"sweep": {"clients": 2}, "run": {"dataset": "digits", "num-server-rounds": 1},
-           "grid": {"epsilon": [1, 2], "aggregation": ["examples", "inverse-noise"],
-                    "server-optimizer": ["none", "fedadam"], "seed": [0, 1]}}  # fmt: skip
+    raw = {
+        "sweep": {"clients": 2},
+        "run": {"dataset": "digits", "num-server-rounds": 1},
+        "grid": {
+            "epsilon": [1, 2],
+            "aggregation": ["examples", "inverse-noise"],
+            "server-optimizer": ["none", "fedadam"],
+            "seed": [0, 1],
+        },
+    }
     grid_cells = cells(validate(raw, base_dir=tmp_path, default_name="t"))
     jobs = baseline_jobs(grid_cells)
     assert len(grid_cells) == 16 and [job.params for job in jobs] == [{"seed": 0}, {"seed": 1}]
@@ -385,9 +532,11 @@ def test_a_sweep_can_give_its_baselines_their_own_learning_rate(tmp_path):
     from sims.sweep.grid import cells
     from sims.sweep.spec import validate
 
-    raw = {"sweep": {"clients": 2, "baseline-learning-rate": 0.05},
-           "run": {"dataset": "digits", "num-server-rounds": 1, "epochs": 1.0, "learning-rate": 3.0},
-           "grid": {"epsilon": [1, 2]}}  # fmt: skip
+    raw = {
+        "sweep": {"clients": 2, "baseline-learning-rate": 0.05},
+        "run": {"dataset": "digits", "num-server-rounds": 1, "epochs": 1.0, "learning-rate": 3.0},
+        "grid": {"epsilon": [1, 2]},
+    }
     spec = validate(raw, base_dir=tmp_path, default_name="t")
     grid_cells = cells(spec)
     (job,) = baseline_jobs(grid_cells, spec.baseline_learning_rate)

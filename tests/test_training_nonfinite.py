@@ -11,8 +11,8 @@ import torch
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import DPTrainer, NonFiniteModel, PerExampleClipper, check_finite
-from fedprivacy.training import step as step_module
 from fedprivacy.training import clipping as clipping_module
+from fedprivacy.training import step as step_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
 
@@ -131,9 +131,22 @@ def test_sums_that_overflow_after_the_norms_are_redone_example_by_example(monkey
 
 
 def plan(steps: int, lr: float) -> Plan:
-    return Plan(client_id="c", rule="calibrated", n=32, epsilon=1.0, delta=1e-5, clip_norm=CLIP, sigma=1.0,
-                sampling_rate=0.5, steps=steps, rounds=1, noise_segments=((1.0, steps),), epsilon_pld=0.9,
-                epsilon_rdp=1.0, learning_rate=lr)  # fmt: skip
+    return Plan(
+        client_id="c",
+        rule="calibrated",
+        n=32,
+        epsilon=1.0,
+        delta=1e-5,
+        clip_norm=CLIP,
+        sigma=1.0,
+        sampling_rate=0.5,
+        steps=steps,
+        rounds=1,
+        noise_segments=((1.0, steps),),
+        epsilon_pld=0.9,
+        epsilon_rdp=1.0,
+        learning_rate=lr,
+    )
 
 
 def test_a_non_finite_global_model_is_refused_before_any_record_is_touched():

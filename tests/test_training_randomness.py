@@ -13,8 +13,14 @@ import torch
 from scipy import stats
 
 from fedprivacy.training import rng as rng_module
-
-from fedprivacy.training.rng import UNIFORM_BITS, DrawRequest, SeededRunWarning, StepRandomness, draw_batch, sampling_threshold
+from fedprivacy.training.rng import (
+    UNIFORM_BITS,
+    DrawRequest,
+    SeededRunWarning,
+    StepRandomness,
+    draw_batch,
+    sampling_threshold,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
 
@@ -25,7 +31,18 @@ def noise(seed, step: int = 0, count: int = 64) -> np.ndarray:
 
 def test_any_change_of_the_seed_material_changes_the_noise():
     """torch's CPU generator keeps 32 bits of a 64-bit seed; here every bit and byte counts."""
-    seeds = [1, 1 + 2**32, 1 + 2**63, 1 + 2**64, 2**200 + 1, "1:a", "1:b", b"1:a\x00", b"\x01" * 32, b"\x01" * 31 + b"\x03"]
+    seeds = [
+        1,
+        1 + 2**32,
+        1 + 2**63,
+        1 + 2**64,
+        2**200 + 1,
+        "1:a",
+        "1:b",
+        b"1:a\x00",
+        b"\x01" * 32,
+        b"\x01" * 31 + b"\x03",
+    ]
     draws = [noise(s) for s in seeds]
     for (a, da), (b, db) in combinations(zip(seeds, draws), 2):
         assert not np.any(da == db), (a, b)  # unrelated streams: not even one coordinate equal
@@ -97,13 +114,17 @@ def test_many_clients_drawn_together_get_exactly_their_own_streams():
 def test_clients_of_one_width_drawn_into_one_buffer_get_exactly_their_own_streams():
     """Clients whose steps read the same number of blocks (the usual round) share one buffer; some
     take no step this round. Each must still see what it alone would, seeded or not."""
-    clients = [(StepRandomness(f"7:same-{i}" if i % 4 else None), 5 * i, i % 3, 160 - i % 5, 0.02 * (i + 1)) for i in range(9)]
+    clients = [
+        (StepRandomness(f"7:same-{i}" if i % 4 else None), 5 * i, i % 3, 160 - i % 5, 0.02 * (i + 1)) for i in range(9)
+    ]
     keep, noise = draw_batch([DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients], 32)
     row = 0
     for randomness, first, steps, n, q in clients:
         if randomness.seeded:
             alone = randomness.draws(first, steps, n, q, 32)
-            assert torch.equal(keep[row : row + steps, :n], alone.keep) and torch.equal(noise[row : row + steps], alone.noise)
+            assert torch.equal(keep[row : row + steps, :n], alone.keep) and torch.equal(
+                noise[row : row + steps], alone.noise
+            )
         assert not keep[row : row + steps, n:].any()
         row += steps
     assert row == keep.shape[0] == noise.shape[0] == sum(steps for _, _, steps, _, _ in clients)

@@ -60,7 +60,9 @@ def data(n: int = 40, features: int = 15, classes: int = 2, seed: int = 0):
     return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
 
 
-def trainer(plan: Plan, seed: int | None = 3, model_seed: int = 0, device: str | torch.device = "cpu", **kwargs) -> DPTrainer:
+def trainer(
+    plan: Plan, seed: int | None = 3, model_seed: int = 0, device: str | torch.device = "cpu", **kwargs
+) -> DPTrainer:
     """An MLP trainer on `device` (the trainer follows the model's device, data included)."""
     torch.manual_seed(model_seed)
     x, y = data(plan.n)

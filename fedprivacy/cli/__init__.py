@@ -34,7 +34,9 @@ def _version(shown: bool) -> None:
 
 @app.callback()
 def _options(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and exit"
+    ),
 ) -> None:
     """Federated, proactive DP-SGD: plan and certify each client's privacy budget, run and sweep federations."""
 

@@ -47,9 +47,14 @@ DeltaOption = Annotated[float, typer.Option("--delta", help="target δ, below 1/
 RuleOption = Annotated[Rule, typer.Option("--rule", help=RULE_HELP)]
 ClipNormOption = Annotated[float, typer.Option("--clip-norm", help="per-example clipping norm C (1e-6 to 1e6)")]
 RoundsOption = Annotated[int, typer.Option("--rounds", help="federated rounds the steps are split over")]
-AdjacencyOption = Annotated[Adjacency, typer.Option(
-    "--adjacency", help="the neighbour relation ε holds for: add-remove (N public: what a run plans) or replace-one "
-    "(N may be the real size)")]  # fmt: skip
+AdjacencyOption = Annotated[
+    Adjacency,
+    typer.Option(
+        "--adjacency",
+        help="the neighbour relation ε holds for: add-remove (N public: what a run plans) or replace-one "
+        "(N may be the real size)",
+    ),
+]
 
 
 def value(choice: Enum | None) -> str | None:

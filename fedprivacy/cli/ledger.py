@@ -20,7 +20,10 @@ from fedprivacy.cli.common import guarded
 from fedprivacy.errors import InputError
 from fedprivacy.privacy import limits
 
-app = typer.Typer(no_args_is_help=True, help="A node operator's view of a privacy ledger, and the one way to change a budget.")
+app = typer.Typer(
+    no_args_is_help=True,
+    help="A node operator's view of a privacy ledger, and the one way to change a budget.",
+)
 OPERATOR_WAIT_S = 5.0  # an operator waits this long for a SuperNode's write, then is told the file is locked
 
 
@@ -46,8 +49,16 @@ def show(
     for column in ("account", "ε budget", "δ", "steps", "ε spent", "ε left", "runs", "last spend (UTC)"):
         table.add_column(column, justify="left" if column == "account" else "right")
     for a in accounts:
-        table.add_row(a.account, f"{a.epsilon:g}", f"{a.delta:.3g}", str(a.steps), f"{a.epsilon_spent:.4f}",
-                      f"{a.epsilon_left:.4f}", str(a.runs), (a.last_spend or "")[:19])  # fmt: skip
+        table.add_row(
+            a.account,
+            f"{a.epsilon:g}",
+            f"{a.delta:.3g}",
+            str(a.steps),
+            f"{a.epsilon_spent:.4f}",
+            f"{a.epsilon_left:.4f}",
+            str(a.runs),
+            (a.last_spend or "")[:19],
+        )
     Console().print(table)
 
 
@@ -60,6 +71,7 @@ def set_budget(
     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
 ) -> None:
     """Change an account's (ε, δ): the data owner's decision, never the server's."""
+
     def change() -> None:
         limits.epsilon("epsilon", epsilon)
         errors.open_unit("delta", delta)
@@ -85,6 +97,7 @@ def accept_data(
 ) -> None:
     """Declare that an account's records now live in another file (rows added or corrected): its
     spends keep counting against the same budget. A different data set needs its own client-id."""
+
     def accept() -> None:
         from fedprivacy.participant import file_digest
 

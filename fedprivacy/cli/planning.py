@@ -53,13 +53,21 @@ def _plan_table(plan: Any) -> Table:
         ("σ (noise multiplier)", f"{plan.sigma:.4f}"),
         ("q (Poisson rate) / expected batch", f"{plan.sampling_rate:.4g} / {plan.expected_batch_size:.1f}"),
         ("T steps / epochs k", f"{plan.steps} / {plan.epochs:.3g}"),
-        ("certified ε: PLD / RDP", f"{plan.epsilon_pld:.4f} / " + ("n/a" if plan.epsilon_rdp is None else f"{plan.epsilon_rdp:.4f}")),
+        (
+            "certified ε: PLD / RDP",
+            f"{plan.epsilon_pld:.4f} / " + ("n/a" if plan.epsilon_rdp is None else f"{plan.epsilon_rdp:.4f}"),
+        ),
         ("budget unused", f"{plan.budget_unused:.4f}"),
         ("noise std on averaged gradient", f"{plan.noise_std_on_mean:.4g}"),
     ]
     rows += [(f"σ {name}", "n/a" if v is None else f"{v:.4g}") for name, v in plan.sigma_by_rule.items()]
-    rows += [(f"condition {c.name}", ("met" if c.met else "[red]NOT met[/red]") + ("" if c.kind == "required" else " (info)"))
-             for c in plan.conditions]  # fmt: skip
+    rows += [
+        (
+            f"condition {c.name}",
+            ("met" if c.met else "[red]NOT met[/red]") + ("" if c.kind == "required" else " (info)"),
+        )
+        for c in plan.conditions
+    ]
     for name, cell in rows:
         table.add_row(name, cell)
     return table
@@ -72,30 +80,60 @@ def plan(
     delta: DeltaOption = 1e-5,
     rule: RuleOption = Rule("proactive"),
     clip_norm: ClipNormOption = 1.0,
-    epochs: Annotated[float | None, typer.Option("--epochs", help="epochs k = qT (default: the smallest k meeting the proactive ln N condition)")] = None,
-    sampling_rate: Annotated[float | None, typer.Option("--sampling-rate", help="Poisson sampling rate q in (0, 1]")] = None,
-    batch_size: Annotated[float | None, typer.Option("--batch-size", help="expected batch size qN (instead of --sampling-rate)")] = None,
+    epochs: Annotated[
+        float | None,
+        typer.Option("--epochs", help="epochs k = qT (default: the smallest k meeting the proactive ln N condition)"),
+    ] = None,
+    sampling_rate: Annotated[
+        float | None, typer.Option("--sampling-rate", help="Poisson sampling rate q in (0, 1]")
+    ] = None,
+    batch_size: Annotated[
+        float | None, typer.Option("--batch-size", help="expected batch size qN (instead of --sampling-rate)")
+    ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="total local steps T")] = None,
     rounds: RoundsOption = 1,
     client_id: Annotated[str, typer.Option("--client-id", help="the name on the plan and its sheet")] = "client",
     learning_rate: Annotated[float, typer.Option("--learning-rate", help="the step size η")] = 0.1,
-    lr_schedule: Annotated[LrSchedule | None, typer.Option("--lr-schedule", help="default: constant (adp: inverse_sqrt)")] = None,
-    alpha_schedule: Annotated[AlphaSchedule | None, typer.Option("--alpha-schedule", help="the noise schedule α_t of rule adp")] = None,
-    alpha_power: Annotated[float, typer.Option("--alpha-power", help="p in [0, 1] of the power schedule α_t² ∝ t^p")] = 0.5,
+    lr_schedule: Annotated[
+        LrSchedule | None, typer.Option("--lr-schedule", help="default: constant (adp: inverse_sqrt)")
+    ] = None,
+    alpha_schedule: Annotated[
+        AlphaSchedule | None, typer.Option("--alpha-schedule", help="the noise schedule α_t of rule adp")
+    ] = None,
+    alpha_power: Annotated[
+        float, typer.Option("--alpha-power", help="p in [0, 1] of the power schedule α_t² ∝ t^p")
+    ] = 0.5,
     adjacency: AdjacencyOption = Adjacency("add-remove"),
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object and nothing else")] = False,
-    out: Annotated[Path | None, typer.Option("--out", help="also write the planning sheet (md, html, png, json) into this folder")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="also write the planning sheet (md, html, png, json) into this folder"),
+    ] = None,
 ) -> None:
     """Plan, certify and explain one client's DP-SGD parameters."""
     from fedprivacy.privacy import limits
     from fedprivacy.privacy.planner import plan_client
 
-    the_plan = guarded(lambda: plan_client(
-        n, epsilon, delta, rule=value(rule), clip_norm=limits.clip_norm("clip-norm", clip_norm), epochs=epochs, sampling_rate=sampling_rate,
-        expected_batch_size=batch_size, steps=steps, rounds=rounds, client_id=client_id, learning_rate=learning_rate,
-        lr_schedule=value(lr_schedule), alpha_schedule=value(alpha_schedule), alpha_power=alpha_power,
-        neighbours=value(adjacency),
-    ))  # fmt: skip
+    the_plan = guarded(
+        lambda: plan_client(
+            n,
+            epsilon,
+            delta,
+            rule=value(rule),
+            clip_norm=limits.clip_norm("clip-norm", clip_norm),
+            epochs=epochs,
+            sampling_rate=sampling_rate,
+            expected_batch_size=batch_size,
+            steps=steps,
+            rounds=rounds,
+            client_id=client_id,
+            learning_rate=learning_rate,
+            lr_schedule=value(lr_schedule),
+            alpha_schedule=value(alpha_schedule),
+            alpha_power=alpha_power,
+            neighbours=value(adjacency),
+        )
+    )
     written = guarded(lambda: _write_sheets([the_plan], out, index=False)) if out is not None else []
     if as_json:
         sys.stdout.write(the_plan.to_json() + "\n")
@@ -111,7 +149,10 @@ def sheets(
     data: Annotated[Path, typer.Option("--data", help="CSV file with one row per record")],
     partition_by: Annotated[str, typer.Option("--partition-by", help="the column whose values are the clients")],
     epsilon: Annotated[float, typer.Option("--epsilon", help="target ε of every client")] = 1.0,
-    epsilons: Annotated[str | None, typer.Option("--epsilons", help="one ε per client, comma-separated, in sorted client order")] = None,
+    epsilons: Annotated[
+        str | None,
+        typer.Option("--epsilons", help="one ε per client, comma-separated, in sorted client order"),
+    ] = None,
     delta: Annotated[float, typer.Option("--delta", help="target δ, below 1/N of every client")] = 1e-5,
     rule: RuleOption = Rule("proactive"),
     clip_norm: ClipNormOption = 1.0,
@@ -137,8 +178,19 @@ def sheets(
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("planning clients", total=len(sizes))
             for (client, size), budget in zip(sizes.items(), budgets, strict=True):
-                plans.append(plan_client(size, budget, delta, rule=value(rule), clip_norm=clip_norm, epochs=epochs,
-                                         rounds=rounds, client_id=f"{partition_by}-{client}", neighbours=value(adjacency)))  # fmt: skip
+                plans.append(
+                    plan_client(
+                        size,
+                        budget,
+                        delta,
+                        rule=value(rule),
+                        clip_norm=clip_norm,
+                        epochs=epochs,
+                        rounds=rounds,
+                        client_id=f"{partition_by}-{client}",
+                        neighbours=value(adjacency),
+                    )
+                )
                 progress.advance(task)
         return plans
 
@@ -149,8 +201,16 @@ def sheets(
     for column in ("client", "N", "ε", "σ", "q", "T", "PLD ε", "unused"):
         table.add_column(column, justify="right")
     for p in plans:
-        table.add_row(p.client_id, str(p.n), f"{p.epsilon:g}", f"{p.sigma:.3f}", f"{p.sampling_rate:.3g}",
-                      str(p.steps), f"{p.epsilon_pld:.3f}", f"{p.budget_unused:.3f}")  # fmt: skip
+        table.add_row(
+            p.client_id,
+            str(p.n),
+            f"{p.epsilon:g}",
+            f"{p.sigma:.3f}",
+            f"{p.sampling_rate:.3g}",
+            str(p.steps),
+            f"{p.epsilon_pld:.3f}",
+            f"{p.budget_unused:.3f}",
+        )
     Console().print(table)
     Console().print(f"sheets and index: {out / 'index.html'}")
 
@@ -176,19 +236,36 @@ def calculator(
         limits.clip_norm("clip-norm", clip_norm)
         with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
             task = progress.add_task("certifying grid", total=None)
-            return feasible_plans(n, epsilon, delta, rule=value(rule), clip_norm=clip_norm, neighbours=value(adjacency),
-                                  on_progress=lambda done, total: progress.update(task, completed=done, total=total))  # fmt: skip
+            return feasible_plans(
+                n,
+                epsilon,
+                delta,
+                rule=value(rule),
+                clip_norm=clip_norm,
+                neighbours=value(adjacency),
+                on_progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
 
     rows = guarded(run)
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in rows]) + "\n")
         return
-    table = Table(title=f"Feasible plans for N={n}, ε={epsilon:g}, δ={delta:.2g} ({value(rule)}, {value(adjacency)}); ranked by {UTILITY_PROXY}")
+    table = Table(
+        title=f"Feasible plans for N={n}, ε={epsilon:g}, δ={delta:.2g} ({value(rule)}, {value(adjacency)}); "
+        f"ranked by {UTILITY_PROXY}"
+    )
     for column in ("k", "q", "batch", "T", "σ", "σC/(qN)", "PLD ε", "rank"):
         table.add_column(column, justify="right")
     for r in rows:
         d = r.to_dict()
-        table.add_row(f"{d['epochs']:.3g}", f"{d['sampling_rate']:.3g}", f"{d['expected_batch_size']:.1f}", str(d["steps"]),
-                      f"{d['sigma']:.3f}", f"{d['noise_std_on_mean']:.3g}", f"{d['epsilon_pld']:.3f}",
-                      ("[bold green]1[/bold green]" if r.rank == 1 else str(r.rank)))  # fmt: skip
+        table.add_row(
+            f"{d['epochs']:.3g}",
+            f"{d['sampling_rate']:.3g}",
+            f"{d['expected_batch_size']:.1f}",
+            str(d["steps"]),
+            f"{d['sigma']:.3f}",
+            f"{d['noise_std_on_mean']:.3g}",
+            f"{d['epsilon_pld']:.3f}",
+            ("[bold green]1[/bold green]" if r.rank == 1 else str(r.rank)),
+        )
     Console().print(table)

@@ -28,8 +28,16 @@ Model = choices("Model", tuple(MODELS))
 SCENARIO_HELP = "scenario file (TOML, see scenarios/); or build the grid with the flags below"
 
 
-def _sweep_scenario(scenario: Path | None, run_flags: dict[str, str | None], grid_flags: dict[str, str | None],
-                    sets: list[str], grids: list[str], sweep: dict[str, Any], resources: dict[str, Any], out: Path) -> Any:
+def _sweep_scenario(
+    scenario: Path | None,
+    run_flags: dict[str, str | None],
+    grid_flags: dict[str, str | None],
+    sets: list[str],
+    grids: list[str],
+    sweep: dict[str, Any],
+    resources: dict[str, Any],
+    out: Path,
+) -> Any:
     """The validated scenario from a file or from the flags (not both); --engine, --no-baseline and the
     resource flags (where it runs, not what: the results are the same) apply to either."""
     from sims.sweep.flags import scenario_from_flags
@@ -38,11 +46,21 @@ def _sweep_scenario(scenario: Path | None, run_flags: dict[str, str | None], gri
     if scenario is None:
         raw = scenario_from_flags(run_flags, grid_flags, sets, grids, sweep, resources)
         return validate(raw, base_dir=Path.cwd(), default_name=out.name)
-    inline = {**run_flags, **grid_flags, "clients": sweep["clients"], "seeded-noise": sweep["seeded-noise"],
-              "set": sets or None, "grid": grids or None}  # fmt: skip
+    inline = {
+        **run_flags,
+        **grid_flags,
+        "clients": sweep["clients"],
+        "seeded-noise": sweep["seeded-noise"],
+        "set": sets or None,
+        "grid": grids or None,
+    }
     given = [flag for flag, value in inline.items() if value is not None]
     if given:
-        raise InputError(given[0], inline[given[0]], f"the scenario file {scenario} declares the grid: give it by a file or by flags, not both")
+        raise InputError(
+            given[0],
+            inline[given[0]],
+            f"the scenario file {scenario} declares the grid: give it by a file or by flags, not both",
+        )
     raw = read_scenario(scenario)
     overrides = {key: sweep[key] for key in ("engine", "baseline") if sweep[key] is not None}
     if overrides and isinstance(raw.get("sweep", {}), dict):
@@ -57,36 +75,79 @@ def _sweep_scenario(scenario: Path | None, run_flags: dict[str, str | None], gri
 def sweep(
     scenario: Path | None = typer.Argument(None, help=SCENARIO_HELP, show_default=False),
     out: Path = typer.Option(..., "--out", help="folder for the cells, sweep.csv and the baselines; rerun to resume"),
-    engine: str | None = typer.Option(None, "--engine", help="inprocess (default: the apps in this process), flower (a flwr run per cell) or fast (a round's clients trained together)"),
-    baseline: bool | None = typer.Option(None, "--baseline/--no-baseline", help="also run the non-private baseline (default: yes)"),
+    engine: str | None = typer.Option(
+        None,
+        "--engine",
+        help="inprocess (default: the apps in this process), flower (a flwr run per cell) "
+        "or fast (a round's clients trained together)",
+    ),
+    baseline: bool | None = typer.Option(
+        None, "--baseline/--no-baseline", help="also run the non-private baseline (default: yes)"
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the cells, run nothing"),
     dataset: Dataset | None = typer.Option(None, "--dataset", help="the data set of every cell"),
     data_path: str | None = typer.Option(None, "--data-path", help="data file (relative paths are taken from here)"),
-    partition_by: str | None = typer.Option(None, "--partition-by", help="column whose values are the clients, e.g. puma"),
-    partitioning: Partitioning | None = typer.Option(None, "--partitioning", help="how the rows are dealt to the clients"),
+    partition_by: str | None = typer.Option(
+        None, "--partition-by", help="column whose values are the clients, e.g. puma"
+    ),
+    partitioning: Partitioning | None = typer.Option(
+        None, "--partitioning", help="how the rows are dealt to the clients"
+    ),
     model: Model | None = typer.Option(None, "--model", help="the model of every cell"),
     rounds: str | None = typer.Option(None, "--rounds", help="federated rounds of every cell"),
     fraction_train: str | None = typer.Option(None, "--fraction-train", help="fraction of clients trained per round"),
-    clients: int | None = typer.Option(None, "--clients", help="simulated clients (default: one per natural partition)"),
+    clients: int | None = typer.Option(
+        None, "--clients", help="simulated clients (default: one per natural partition)"
+    ),
     epsilons: str | None = typer.Option(None, "--epsilons", help="grid of ε, e.g. 0.25,0.5,1,2,4,8"),
     rules: str | None = typer.Option(None, "--rules", help="grid of rules, e.g. proactive,calibrated"),
     seeds: str | None = typer.Option(None, "--seeds", help="grid of seeds, e.g. 0-4 or 0,3"),
-    seeded_noise: bool = typer.Option(False, "--seeded-noise", help="every cell's noise-seed is its seed (reproducible; experiments only)"),
+    seeded_noise: bool = typer.Option(
+        False, "--seeded-noise", help="every cell's noise-seed is its seed (reproducible; experiments only)"
+    ),
     grid: list[str] = typer.Option([], "--grid", help="KEY=V1,V2: vary any run-config key (repeatable)"),
     sets: list[str] = typer.Option([], "--set", help="KEY=VALUE: fix any run-config key (repeatable)"),
-    client_cpus: int | None = typer.Option(None, "--client-cpus", help="CPUs per simulated client (flower engine; default 1)"),
-    client_gpus: float | None = typer.Option(None, "--client-gpus", help="GPU fraction per simulated client (flower engine; default 0)"),
-    workers: int | None = typer.Option(None, "--workers", help="fast engine workers: 1 in this process, more as Ray actors (default 1)"),
-    worker_gpus: float | None = typer.Option(None, "--worker-gpus", help="GPU fraction per fast-engine worker (default 0: CPU)"),
+    client_cpus: int | None = typer.Option(
+        None, "--client-cpus", help="CPUs per simulated client (flower engine; default 1)"
+    ),
+    client_gpus: float | None = typer.Option(
+        None, "--client-gpus", help="GPU fraction per simulated client (flower engine; default 0)"
+    ),
+    workers: int | None = typer.Option(
+        None, "--workers", help="fast engine workers: 1 in this process, more as Ray actors (default 1)"
+    ),
+    worker_gpus: float | None = typer.Option(
+        None, "--worker-gpus", help="GPU fraction per fast-engine worker (default 0: CPU)"
+    ),
 ) -> None:
-    """Run a grid of federated runs, declared by a scenario file (TOML, see scenarios/) or by the flags: one results folder per cell and sweep.csv; rerun the same command to resume."""
+    """Run a grid of federated runs from a scenario file (TOML, see scenarios/) or flags; rerun to resume.
+
+    Each cell writes one results folder, and the sweep writes sweep.csv beside them.
+    """
     from sims.sweep.grid import cells as grid_cells
 
-    run_flags = {"dataset": value(dataset), "data-path": data_path, "partition-by": partition_by, "partitioning": value(partitioning),
-                 "model": value(model), "rounds": rounds, "fraction-train": fraction_train}  # fmt: skip
+    run_flags = {
+        "dataset": value(dataset),
+        "data-path": data_path,
+        "partition-by": partition_by,
+        "partitioning": value(partitioning),
+        "model": value(model),
+        "rounds": rounds,
+        "fraction-train": fraction_train,
+    }
     grid_flags = {"epsilons": epsilons, "rules": rules, "seeds": seeds}
-    sweep_table = {"engine": engine, "baseline": baseline, "clients": clients, "seeded-noise": seeded_noise or None}
-    resources = {"client-cpus": client_cpus, "client-gpus": client_gpus, "workers": workers, "worker-gpus": worker_gpus}
+    sweep_table = {
+        "engine": engine,
+        "baseline": baseline,
+        "clients": clients,
+        "seeded-noise": seeded_noise or None,
+    }
+    resources = {
+        "client-cpus": client_cpus,
+        "client-gpus": client_gpus,
+        "workers": workers,
+        "worker-gpus": worker_gpus,
+    }
     spec = guarded(lambda: _sweep_scenario(scenario, run_flags, grid_flags, sets, grid, sweep_table, resources, out))
     console = Console(stderr=True)
     with console.status("validating every cell"):
@@ -122,7 +183,10 @@ def _run_sweep(spec: Any, cells: list[Any], out: Path, console: Console) -> None
         signal.signal(signal.SIGTERM, previous)
     failures = outcome.failures
     done = sum(1 for row in outcome.rows if row["status"] == "completed")
-    typer.echo(f"{done} of {len(outcome.rows)} cells completed: {out / 'sweep.csv'}; figures and tables: fedprivacy report {out}")
+    typer.echo(
+        f"{done} of {len(outcome.rows)} cells completed: {out / 'sweep.csv'}; "
+        f"figures and tables: fedprivacy report {out}"
+    )
     if failures:
         for failure in failures:
             typer.echo(f"failed: {failure}", err=True)
@@ -132,7 +196,9 @@ def _run_sweep(spec: Any, cells: list[Any], out: Path, console: Console) -> None
 @app.command()
 def report(
     sweep_dir: Path = typer.Argument(..., help="a sweep's --out folder"),
-    out: Path | None = typer.Option(None, "--out", help="folder for the figures and report.md (default: SWEEP_DIR/report)"),
+    out: Path | None = typer.Option(
+        None, "--out", help="folder for the figures and report.md (default: SWEEP_DIR/report)"
+    ),
 ) -> None:
     """Figures (PNG and SVG) and report.md from a sweep's sweep.csv and cell folders."""
     from fedprivacy.reports.sweep_report import write_report

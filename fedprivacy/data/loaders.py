@@ -23,15 +23,31 @@ logger = logging.getLogger(__name__)
 
 # The seed slides' binary features, then the optional ones that lift accuracy (see pums/README.md).
 PUMS_BASE_FEATURES = (
-    "sex", "married", "black", "asian", "collegedegree",
-    "militaryservice", "uscitizen", "disability", "englishability", "blackfemale",
-)  # fmt: skip
+    "sex",
+    "married",
+    "black",
+    "asian",
+    "collegedegree",
+    "militaryservice",
+    "uscitizen",
+    "disability",
+    "englishability",
+    "blackfemale",
+)
 PUMS_EXTRA_FEATURES = ("age/100", "educ/16", "latino", "divorced", "children")
 PUMS_LABEL = "employed"
 _PUMS_COLUMNS = (
-    "sex", "married", "black", "asian", "educ", "militaryservice",
-    "uscitizen", "disability", "englishability", PUMS_LABEL,
-)  # fmt: skip
+    "sex",
+    "married",
+    "black",
+    "asian",
+    "educ",
+    "militaryservice",
+    "uscitizen",
+    "disability",
+    "englishability",
+    PUMS_LABEL,
+)
 _PUMS_EXTRA_COLUMNS = ("age", "latino", "divorced", "children")
 _PUMS_NOT_BINARY = ("educ", "age")
 # Life stages with employment rates far apart (study, prime age, early and full retirement ages):
@@ -79,7 +95,10 @@ def load_digits(path: Path | None = None, images: bool = False) -> Dataset:
 
 
 def load_pums(
-    path: Path | None = None, extended: bool = True, client_column: str | None = "puma", age: str = "linear",
+    path: Path | None = None,
+    extended: bool = True,
+    client_column: str | None = "puma",
+    age: str = "linear",
     per_row: bool = False,
 ) -> Dataset:
     """The census PUMS layout: predict `employed`; 10 binary features, 15 with `extended`.
@@ -108,17 +127,26 @@ def load_pums(
             row = int(np.flatnonzero(outside)[0])
             raise InputError(f"column {c}", cell(table, c, row), f"must be 0 or 1 (data row {row + 1} of {file})")
     columns = [
-        col["sex"], col["married"], col["black"], col["asian"], col["educ"] >= 13,
-        col["militaryservice"], col["uscitizen"], col["disability"], col["englishability"],
+        col["sex"],
+        col["married"],
+        col["black"],
+        col["asian"],
+        col["educ"] >= 13,
+        col["militaryservice"],
+        col["uscitizen"],
+        col["disability"],
+        col["englishability"],
         col["black"] * col["sex"],
-    ]  # fmt: skip
+    ]
     names = PUMS_BASE_FEATURES
     if extended:
         ages = {"age/100": col["age"] / 100} if age == "linear" else _age_bands(col["age"])
         columns += [*ages.values(), col["educ"] / 16, col["latino"], col["divorced"], col["children"]]
         names += (*ages, *PUMS_EXTRA_FEATURES[1:])
     features = np.clip(np.column_stack(columns).astype(np.float32), 0.0, 1.0)
-    labels, num_classes = (col[PUMS_LABEL].astype(np.int64), 2) if per_row else class_labels(table, PUMS_LABEL, str(file))
+    labels, num_classes = (
+        (col[PUMS_LABEL].astype(np.int64), 2) if per_row else class_labels(table, PUMS_LABEL, str(file))
+    )
     return Dataset(
         features=features,
         labels=labels,
@@ -197,8 +225,11 @@ def load_csv(
 def _rows_kept(table: pd.DataFrame, keep: np.ndarray, file: Path) -> pd.DataFrame:
     """The rows of `keep`; how many were dropped goes to this machine's log only (it counts records)."""
     if not keep.all():
-        logger.warning("%s: %d row(s) with a bad cell or label left out (each row is read or dropped on its own)",
-                       file, int((~keep).sum()))
+        logger.warning(
+            "%s: %d row(s) with a bad cell or label left out (each row is read or dropped on its own)",
+            file,
+            int((~keep).sum()),
+        )
     return table[keep].reset_index(drop=True)
 
 

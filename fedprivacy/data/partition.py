@@ -46,13 +46,17 @@ def _natural(dataset: Dataset, by: str | None, num_partitions: int | None) -> li
         raise InputError("partition-by", by, f"the {dataset.name} dataset was loaded without a client column")
     if by is not None and by != dataset.group_name:
         raise InputError(
-            "partition-by", by, f"the {dataset.name} dataset was loaded with client column {dataset.group_name!r}"
+            "partition-by",
+            by,
+            f"the {dataset.name} dataset was loaded with client column {dataset.group_name!r}",
         )
     column = str(dataset.group_name)
     sizes = partition_sizes(pd.DataFrame({column: dataset.groups}), column, min_rows=1)  # small ones: see _client
     if num_partitions is not None and integer_at_least("num-partitions", num_partitions, 1) != len(sizes):
         raise InputError(
-            "num-partitions", num_partitions, f"the natural scheme gives one client per {column} value: {len(sizes)}"
+            "num-partitions",
+            num_partitions,
+            f"the natural scheme gives one client per {column} value: {len(sizes)}",
         )
     partitioner = NaturalIdPartitioner(partition_by=column)
     partitioner.dataset = _hf_table({"row": np.arange(len(dataset)), column: dataset.groups})
@@ -80,7 +84,11 @@ def _sampled(
 
     if scheme == "dirichlet":
         partitioner = fp.DirichletPartitioner(
-            k, partition_by="label", alpha=positive("alpha", alpha), min_partition_size=MIN_CLIENT_ROWS, seed=seed
+            k,
+            partition_by="label",
+            alpha=positive("alpha", alpha),
+            min_partition_size=MIN_CLIENT_ROWS,
+            seed=seed,
         )
     else:
         growth = (fp.LinearPartitioner, fp.SquarePartitioner, fp.ExponentialPartitioner)
@@ -145,7 +153,9 @@ def _client(
     client, rows = parts[position]
     if rows.size < MIN_CLIENT_ROWS:
         raise InputError(
-            f"client {client}", int(rows.size), f"row(s) in its partition; each client needs at least {MIN_CLIENT_ROWS}"
+            f"client {client}",
+            int(rows.size),
+            f"row(s) in its partition; each client needs at least {MIN_CLIENT_ROWS}",
         )
     return split_client(client, dataset.subset(rows), fraction, np.random.default_rng([seed, position]))
 

@@ -30,13 +30,20 @@ def _check_header(file: Path, shown: str) -> None:
         header = next(csv.reader(handle), [])
     duplicated = sorted({name for name in header if header.count(name) > 1})
     if duplicated:
-        raise InputError("column", duplicated[0], f"appears {header.count(duplicated[0])} times in the header of {shown}: "
-                         "every column needs its own name")
+        raise InputError(
+            "column",
+            duplicated[0],
+            f"appears {header.count(duplicated[0])} times in the header of {shown}: every column needs its own name",
+        )
     if len(header) == 1:
         for separator in OTHER_SEPARATORS:
             if separator in header[0]:
-                raise InputError("data", shown, f"its header is one column holding {separator!r}: fedprivacy reads "
-                                 "comma-separated files; save it with ',' as the separator")
+                raise InputError(
+                    "data",
+                    shown,
+                    f"its header is one column holding {separator!r}: fedprivacy reads "
+                    "comma-separated files; save it with ',' as the separator",
+                )
 
 
 def read_table(path: str | Path, required_columns: Iterable[str] = (), *, per_row: bool = False) -> pd.DataFrame:
@@ -50,8 +57,12 @@ def read_table(path: str | Path, required_columns: Iterable[str] = (), *, per_ro
         raise InputError("data", str(path), "no such file: pass the path of a CSV file")
     size = file.stat().st_size
     if size > MAX_FILE_BYTES:
-        raise InputError("data", str(path), f"is {size / 2**20:,.0f} MiB; files up to {MAX_FILE_BYTES // 2**20} MiB are "
-                         "read (each client holds its table in memory): split it or keep only the columns used")
+        raise InputError(
+            "data",
+            str(path),
+            f"is {size / 2**20:,.0f} MiB; files up to {MAX_FILE_BYTES // 2**20} MiB are "
+            "read (each client holds its table in memory): split it or keep only the columns used",
+        )
     _check_header(file, str(path))
     try:
         table = pd.read_csv(file, encoding="utf-8-sig", on_bad_lines="skip" if per_row else "error")
@@ -85,7 +96,9 @@ def partition_sizes(table: pd.DataFrame, column: str, min_rows: int = 2) -> dict
     for client, size in sizes.items():
         if size < min_rows:
             raise InputError(
-                f"partition-by {column}", client, f"client {client} has {size} row(s); each client needs at least {min_rows}"
+                f"partition-by {column}",
+                client,
+                f"client {client} has {size} row(s); each client needs at least {min_rows}",
             )
     return sizes
 
@@ -142,11 +155,16 @@ def class_labels(table: pd.DataFrame, column: str, source: str) -> tuple[np.ndar
     labels = numbers.astype(np.int64)
     classes = np.unique(labels)
     if classes.max() >= MAX_CLASSES:
-        raise InputError(f"label column {column}", int(classes.max()),
-                         f"labels must be below {MAX_CLASSES} (data row {int(np.argmax(labels)) + 1} of {source}): "
-                         "a classifier head that wide is not what these models are for")
+        raise InputError(
+            f"label column {column}",
+            int(classes.max()),
+            f"labels must be below {MAX_CLASSES} (data row {int(np.argmax(labels)) + 1} of {source}): "
+            "a classifier head that wide is not what these models are for",
+        )
     if classes.size < 2:
         raise InputError(
-            f"label column {column}", int(classes[0]), f"is the only class in {source}; a classifier needs at least two"
+            f"label column {column}",
+            int(classes[0]),
+            f"is the only class in {source}; a classifier needs at least two",
         )
     return labels, int(classes.max()) + 1

@@ -119,7 +119,9 @@ def log_truncation_bound(delta: float) -> float:
 
 
 @lru_cache(maxsize=256)
-def _step_pld(event: NoiseEvent, discretization: float, log_truncation: float) -> pld.privacy_loss_distribution.PrivacyLossDistribution:
+def _step_pld(
+    event: NoiseEvent, discretization: float, log_truncation: float
+) -> pld.privacy_loss_distribution.PrivacyLossDistribution:
     """The PLD of `event.count` steps, built as dp-accounting's PLDAccountant builds it, except that
     one step is its own PLD: dp-accounting's `self_compose(1)` returns the same loss grid (its
     probabilities through an FFT round trip, within 4e-18) with 1e-15 more infinity mass, a bound on
@@ -132,8 +134,9 @@ def _step_pld(event: NoiseEvent, discretization: float, log_truncation: float) -
 
 
 @lru_cache(maxsize=16)  # up to ~2 MB each at small σ
-def _one_step_pld(sigma: float, sampling_rate: float, discretization: float,
-                  log_truncation: float) -> pld.privacy_loss_distribution.PrivacyLossDistribution:  # fmt: skip
+def _one_step_pld(
+    sigma: float, sampling_rate: float, discretization: float, log_truncation: float
+) -> pld.privacy_loss_distribution.PrivacyLossDistribution:
     """One subsampled Gaussian step's PLD (its loss grid: ~4 ms on the 2-core CI machine), shared
     by every step count of the same noise: a run whose rounds hold 2 steps, then 1, builds it once."""
     return gaussian_pld(sigma, sampling_rate, discretization, log_truncation)
@@ -181,8 +184,15 @@ def _pld_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float, discretiza
 
 def clear_caches() -> None:
     """Forget every cached composition and calibration (benchmarks time cold computations)."""
-    for cached in (_pld_epsilon_cached, _rdp_epsilon_cached, _calibrate_pld_cached, _calibrate_rdp_cached, _step_pld, _one_step_pld,
-                   _replace_one_pld_epsilon):  # fmt: skip
+    for cached in (
+        _pld_epsilon_cached,
+        _rdp_epsilon_cached,
+        _calibrate_pld_cached,
+        _calibrate_rdp_cached,
+        _step_pld,
+        _one_step_pld,
+        _replace_one_pld_epsilon,
+    ):
         cached.cache_clear()
     _COMPOSED.clear()
 
@@ -198,7 +208,9 @@ def _rdp_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float) -> float:
 
 
 def pld_epsilon(
-    events: Sequence[NoiseEvent], delta: float, discretization: float = CERTIFICATE_DISCRETIZATION,
+    events: Sequence[NoiseEvent],
+    delta: float,
+    discretization: float = CERTIFICATE_DISCRETIZATION,
     neighbours: str = ADD_REMOVE,
 ) -> float:
     """ε of the composed events under the privacy-loss-distribution accountant."""
@@ -224,8 +236,10 @@ def _replace_one_pld_epsilon(events: tuple[NoiseEvent, ...], delta: float, discr
         return 0.0
     if any(e.sigma <= 0 for e in active):
         return math.inf
-    accountant = pld.PLDAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
-                                   value_discretization_interval=discretization)  # fmt: skip
+    accountant = pld.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
+        value_discretization_interval=discretization,
+    )
     accountant.compose(_dp_event(active))
     return float(accountant.get_epsilon(delta))
 
@@ -275,7 +289,11 @@ def calibrate_rdp(
 @lru_cache(maxsize=1024)
 def _calibrate_rdp_cached(target, delta, rate, segments) -> float:
     return _bisect_scale(
-        lambda s: rdp_epsilon(scaled_events(s, rate, segments), delta), target, 0.5, 2.0, CALIBRATION_TOLERANCE
+        lambda s: rdp_epsilon(scaled_events(s, rate, segments), delta),
+        target,
+        0.5,
+        2.0,
+        CALIBRATION_TOLERANCE,
     )
 
 
@@ -287,8 +305,9 @@ def calibrate_pld(
     neighbours: str = ADD_REMOVE,
 ) -> float:
     """Smallest scale whose certified (fine-grid PLD) ε is ≤ target and within 1% of it."""
-    return _calibrate_pld_cached(float(target_epsilon), float(delta), float(sampling_rate), tuple(relative_segments),
-                                 neighbours)  # fmt: skip
+    return _calibrate_pld_cached(
+        float(target_epsilon), float(delta), float(sampling_rate), tuple(relative_segments), neighbours
+    )
 
 
 @lru_cache(maxsize=1024)

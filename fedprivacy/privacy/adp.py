@@ -1,4 +1,5 @@
-"""ADP-SGD (Wu et al., Adaptive Differentially Private Empirical Risk Minimization): noise adapted to the step size, and its privacy analysis.
+"""ADP-SGD (Wu et al., Adaptive Differentially Private Empirical Risk Minimization): noise adapted to the
+step size, and its privacy analysis.
 
 Step t adds noise α_t·c_t to the gradient; in this project's terms the noise multiplier of step t
 is σ_t = s·α_t for a scale s. The paper's best choice is α_t = 1/sqrt(η_t). Theorem 4.1 gives s
@@ -44,8 +45,10 @@ def alpha_values(
     if schedule == "inverse_sqrt_lr":
         if lr_schedule == "adagrad_norm":
             raise InputError(
-                "alpha-schedule", schedule, "needs a step size fixed in advance; adagrad_norm adapts to the data, "
-                "use alpha-schedule 'power' or 'constant' with it"
+                "alpha-schedule",
+                schedule,
+                "needs a step size fixed in advance; adagrad_norm adapts to the data, "
+                "use alpha-schedule 'power' or 'constant' with it",
             )
         params = lr_params or {}
         if lr_schedule == "inverse_sqrt":
@@ -79,7 +82,9 @@ def extended_advanced_composition(
     """Lemma 2.2: ε̃ = sqrt(Σ 2ε_i² log(1/δ')) + Σ ε_i(e^ε_i − 1)/(e^ε_i + 1), δ̃ = 1 − Π(1 − δ_i) + δ'."""
     eps = np.asarray(step_epsilons, dtype=float)
     deltas = np.asarray(step_deltas, dtype=float)
-    epsilon = math.sqrt(float(np.sum(2.0 * eps**2 * math.log(1.0 / delta_slack)))) + float(np.sum(eps * np.tanh(eps / 2)))
+    epsilon = math.sqrt(float(np.sum(2.0 * eps**2 * math.log(1.0 / delta_slack)))) + float(
+        np.sum(eps * np.tanh(eps / 2))
+    )
     delta = -math.expm1(float(np.sum(np.log1p(-deltas)))) + delta_slack
     return epsilon, delta
 
@@ -107,7 +112,11 @@ def per_step_delta(delta: float, sampling_rate: float, steps: int, slack_share: 
 
 
 def lemma22_epsilon(
-    scale: float, delta: float, sampling_rate: float, segments: Sequence[tuple[float, int]], slack_share: float = 0.8
+    scale: float,
+    delta: float,
+    sampling_rate: float,
+    segments: Sequence[tuple[float, int]],
+    slack_share: float = 0.8,
 ) -> float:
     """ε that Lemma 2.2 gives for a concrete schedule σ_t = scale·α_t (the paper's Steps 1–3).
 
@@ -122,11 +131,15 @@ def lemma22_epsilon(
     step_eps = np.concatenate([np.full(count, base / (scale * alpha)) for alpha, count in segments])
     if np.any(step_eps > 1.0):
         return math.inf
-    epsilon, _ = extended_advanced_composition(2.0 * sampling_rate * step_eps, np.full(steps, sampling_rate * delta0), slack)
+    epsilon, _ = extended_advanced_composition(
+        2.0 * sampling_rate * step_eps, np.full(steps, sampling_rate * delta0), slack
+    )
     return epsilon
 
 
-def theorem41_conditions(epsilon: float, delta: float, sampling_rate: float, alphas: Sequence[float]) -> tuple[Condition, ...]:
+def theorem41_conditions(
+    epsilon: float, delta: float, sampling_rate: float, alphas: Sequence[float]
+) -> tuple[Condition, ...]:
     """Where Theorem 4.1's σ applies: mini-batch m ≤ n/2 for its amplification step, and T long
     enough that every step is (ε_t ≤ 1)-DP under that σ (Theorem C.1's condition on T). With
     m = qn and δ0 as in `lemma22_epsilon`, ε_t ≤ 1 for all t reads
@@ -141,7 +154,8 @@ def theorem41_conditions(epsilon: float, delta: float, sampling_rate: float, alp
         Condition(
             "adp_batch_fraction",
             sampling_rate <= 0.5,
-            f"q = {sampling_rate:.3g} {'≤' if sampling_rate <= 0.5 else '>'} 1/2 (Theorem 4.1's amplification by sampling)",
+            f"q = {sampling_rate:.3g} {'≤' if sampling_rate <= 0.5 else '>'} 1/2 "
+            "(Theorem 4.1's amplification by sampling)",
         ),
         Condition(
             "adp_theorem41_steps",

@@ -10,6 +10,7 @@ why the table keeps k as its first key and lets the user pick k.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -65,13 +66,23 @@ def feasible_plans(
     grid = [(k, q) for k in epochs_grid for q in rate_grid if q * n >= 1.0 and q <= 1.0]
     plans: list[tuple[float, Plan]] = []
     for done, (k, q) in enumerate(grid, start=1):
-        try:
+        with contextlib.suppress(PlanRefused):
             plans.append(
-                (k, plan_client(n, epsilon, delta, rule=rule, clip_norm=clip_norm, epochs=k, sampling_rate=q, compare=False,
-                                neighbours=neighbours))
+                (
+                    k,
+                    plan_client(
+                        n,
+                        epsilon,
+                        delta,
+                        rule=rule,
+                        clip_norm=clip_norm,
+                        epochs=k,
+                        sampling_rate=q,
+                        compare=False,
+                        neighbours=neighbours,
+                    ),
+                )
             )
-        except PlanRefused:
-            pass
         if on_progress:
             on_progress(done, len(grid))
     rows: list[CalculatorRow] = []

@@ -63,8 +63,12 @@ def gaussian_pld(
     """One step of N(0, σ²) noise on a sensitivity-1 sum of a Poisson sample (rate q), add/remove-one."""
 
     def pmf(adjacency: Adjacency) -> pld_pmf.PLDPmf:
-        loss = _GaussianLoss(sigma, log_mass_truncation_bound=log_truncation, sampling_prob=sampling_prob,
-                             adjacency_type=adjacency)
+        loss = _GaussianLoss(
+            sigma,
+            log_mass_truncation_bound=log_truncation,
+            sampling_prob=sampling_prob,
+            adjacency_type=adjacency,
+        )
         return _connect_dots_pmf(loss, discretization)
 
     if sampling_prob == 1.0:  # symmetric: one PMF serves both adjacencies

@@ -43,7 +43,8 @@ def epsilon(field: str, value: Any) -> float:
     number = errors.positive(field, value)
     if not EPSILON_MIN <= number <= EPSILON_MAX:
         raise InputError(
-            field, value,
+            field,
+            value,
             f"must be in [{EPSILON_MIN:g}, {EPSILON_MAX:g}]: below, the certificate's 10⁻⁴ loss grid cannot "
             "certify it; above, the guarantee protects nothing",
         )
@@ -65,7 +66,8 @@ def clip_norm(field: str, value: Any) -> float:
     number = errors.positive(field, value)
     if not CLIP_NORM_MIN <= number <= CLIP_NORM_MAX:
         raise InputError(
-            field, value,
+            field,
+            value,
             f"must be in [{CLIP_NORM_MIN:g}, {CLIP_NORM_MAX:g}]: below, clipped float32 gradients near "
             "float32's subnormal range lose their relative precision; above, sums of clipped gradients "
             "and their noise approach float32's overflow",
@@ -93,7 +95,8 @@ def steps(field: str, value: Any, steps_needed: int) -> None:
     """Refuse a schedule of more than STEPS_MAX steps, naming the input that made it that long."""
     if steps_needed > STEPS_MAX:
         raise InputError(
-            field, value,
+            field,
+            value,
             f"gives T = {steps_needed:.3g} local steps; plans are certified up to T = {STEPS_MAX:.0e} "
             f"(choose fewer epochs, a larger sampling rate or a larger ε)",
         )
@@ -111,7 +114,8 @@ def epochs(field: str, value: Any) -> float:
     number = errors.positive(field, value)
     if not EPOCHS_MIN <= number <= EPOCHS_MAX:
         raise InputError(
-            field, value,
+            field,
+            value,
             f"must be in [{EPOCHS_MIN:g}, {EPOCHS_MAX:g}]: k = q·T with q in [{SAMPLING_RATE_MIN:g}, 1] "
             f"and at most T = {STEPS_MAX:.0e} steps",
         )
@@ -145,7 +149,8 @@ def sampling(field: str, value: Any, rate: float, n: int, hint: str) -> None:
     if rate >= SAMPLING_RATE_MIN * (1 - 1e-12) and rate * n >= EXPECTED_BATCH_MIN * (1 - 1e-12):
         return
     raise InputError(
-        field, value,
+        field,
+        value,
         f"gives q = {rate:.3g}, an expected batch q·N = {rate * n:.3g} records per step for N = {n}; "
         f"plans need q in [{low:.3g}, 1] (q·N ≥ {EXPECTED_BATCH_MIN:g}: fewer records per step mostly "
         f"train on nothing, and q ≥ {SAMPLING_RATE_MIN:g}){': ' + hint if hint else ''}",

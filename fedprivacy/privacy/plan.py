@@ -138,10 +138,9 @@ class Plan:
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        known = {f for f in cls.__dataclass_fields__}
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        known = set(cls.__dataclass_fields__)
         values = {k: v for k, v in data.items() if k in known}
         values["noise_segments"] = tuple((float(s), int(c)) for s, c in data["noise_segments"])
         values["conditions"] = tuple(Condition(**c) for c in data.get("conditions", ()))
         return cls(**values)
-

@@ -34,7 +34,8 @@ def below_one_over_n(delta: float, n: int) -> float:
     delta = errors.open_unit("delta", delta)
     if delta * n >= 1.0:
         raise InputError(
-            "delta", delta,
+            "delta",
+            delta,
             f"must be below 1/N = {1.0 / n:.3g} for N = {n}: a δ ≥ 1/N allows releasing a record outright",
         )
     return delta
@@ -61,11 +62,16 @@ def resolve_schedule(
     """
     if expected_batch_size is not None:
         if sampling_rate is not None:
-            raise InputError("expected-batch-size", expected_batch_size, "give either a sampling rate or a batch size, not both")
+            raise InputError(
+                "expected-batch-size",
+                expected_batch_size,
+                "give either a sampling rate or a batch size, not both",
+            )
         batch = errors.positive("expected-batch-size", expected_batch_size)
         if not limits.EXPECTED_BATCH_MIN <= batch <= n:
             raise InputError(
-                "expected-batch-size", expected_batch_size,
+                "expected-batch-size",
+                expected_batch_size,
                 f"must be in [{limits.EXPECTED_BATCH_MIN:g}, N] = [{limits.EXPECTED_BATCH_MIN:g}, {n}] "
                 "(an expected batch q·N of less than one record per step mostly trains on nothing)",
             )
@@ -82,7 +88,11 @@ def resolve_schedule(
 
     if sampling_rate is not None and steps is not None:
         if epochs is not None and not math.isclose(epochs, sampling_rate * steps, rel_tol=1e-3):
-            raise InputError("epochs", epochs, f"must equal sampling-rate × steps = {sampling_rate * steps:g} when all three are given")
+            raise InputError(
+                "epochs",
+                epochs,
+                f"must equal sampling-rate × steps = {sampling_rate * steps:g} when all three are given",
+            )
         return sampling_rate, steps
     if epochs is None:
         epochs = float(smallest_epochs(n))
@@ -94,22 +104,39 @@ def resolve_schedule(
         limits.steps("epochs" if epochs_given else "epsilon", epochs if epochs_given else epsilon, steps)
     rate = epochs / steps
     if rate > 1.0:
-        raise InputError("epochs", epochs, f"k = {epochs:g} epochs need at least {math.ceil(epochs)} steps; steps={steps} is too few")
+        raise InputError(
+            "epochs",
+            epochs,
+            f"k = {epochs:g} epochs need at least {math.ceil(epochs)} steps; steps={steps} is too few",
+        )
     # q = k/T: the refusal names the input that made it small. The default schedule (nothing
     # given: k ≥ 1, so qT ≥ 1 > δ and the calibration stays bounded) is left to the caller: a
     # run's participant refuses q·N < 1 naming the client (fedprivacy/participant.py).
     if epochs_given:
         if steps_given or steps == 1:  # q = k/T grows with k
-            hint = f"k = {epochs:g} epochs over T = {steps} steps; choose more epochs" + (" or fewer steps" if steps_given else "")
+            hint = f"k = {epochs:g} epochs over T = {steps} steps; choose more epochs" + (
+                " or fewer steps" if steps_given else ""
+            )
         else:  # q = k/⌈2k²/ε⌉ ≈ ε/(2k) shrinks as k grows
-            hint = f"k = {epochs:g} epochs over the proactive T = ⌈2k²/ε⌉ = {steps} steps; choose fewer epochs or a sampling rate"
+            hint = (
+                f"k = {epochs:g} epochs over the proactive T = ⌈2k²/ε⌉ = {steps} steps; "
+                "choose fewer epochs or a sampling rate"
+            )
         limits.sampling("epochs", epochs, rate, n, hint)
     elif steps_given:
-        limits.sampling("steps", steps, rate, n, f"the default k = {epochs:g} epochs over T = {steps} steps; choose fewer steps")
+        limits.sampling(
+            "steps",
+            steps,
+            rate,
+            n,
+            f"the default k = {epochs:g} epochs over T = {steps} steps; choose fewer steps",
+        )
     return rate, steps
 
 
-def compare_rules(epsilon: float, delta: float, rate: float, steps: int, alphas) -> tuple[dict[str, float | None], float]:
+def compare_rules(
+    epsilon: float, delta: float, rate: float, steps: int, alphas
+) -> tuple[dict[str, float | None], float]:
     """σ each rule needs for the same target, q and T; and the moments-accountant constant c."""
     rdp_sigma = accountants.calibrate_rdp(epsilon, delta, rate, ((1.0, steps),))
     return (
@@ -161,10 +188,20 @@ def plan_client(
     noise_rule = find_rule(rule)
     lr_schedule, lr_params, alpha_schedule = _step_sizes(noise_rule, lr_schedule, lr_params, alpha_schedule)
     rate, steps = resolve_schedule(
-        budget.n, budget.epsilon, epochs=epochs, sampling_rate=sampling_rate, expected_batch_size=expected_batch_size, steps=steps
+        budget.n,
+        budget.epsilon,
+        epochs=epochs,
+        sampling_rate=sampling_rate,
+        expected_batch_size=expected_batch_size,
+        steps=steps,
     )
     alphas = adp.alpha_values(
-        alpha_schedule, steps, learning_rate=learning_rate, lr_schedule=lr_schedule, lr_params=lr_params, power=alpha_power
+        alpha_schedule,
+        steps,
+        learning_rate=learning_rate,
+        lr_schedule=lr_schedule,
+        lr_params=lr_params,
+        power=alpha_power,
     )
     schedule = Schedule(rate, steps, alphas, adp.alpha_segments(alphas))
     sigma, segments = noise_rule.noise(budget, schedule)
@@ -204,25 +241,59 @@ def with_rule_comparison(plan: Plan) -> Plan:
     if plan.sigma_by_rule:
         return plan
     if plan.neighbours != accountants.ADD_REMOVE:  # the other rules' analyses are stated for add/remove
-        pld_sigma = accountants.calibrate_pld(plan.epsilon, plan.delta, plan.sampling_rate, ((1.0, plan.steps),), plan.neighbours)
-        return replace(plan, sigma_by_rule={"pld_calibrated": pld_sigma, "proactive": proactive_sigma(plan.epsilon, plan.delta)})
-    by_rule, moments_c = _comparison(plan.epsilon, plan.delta, plan.sampling_rate, plan.steps, plan.alpha_schedule,
-                                     plan.learning_rate, plan.lr_schedule, tuple(sorted(plan.lr_params.items())),
-                                     plan.alpha_params.get("power", 0.5))  # fmt: skip
+        pld_sigma = accountants.calibrate_pld(
+            plan.epsilon, plan.delta, plan.sampling_rate, ((1.0, plan.steps),), plan.neighbours
+        )
+        return replace(
+            plan,
+            sigma_by_rule={
+                "pld_calibrated": pld_sigma,
+                "proactive": proactive_sigma(plan.epsilon, plan.delta),
+            },
+        )
+    by_rule, moments_c = _comparison(
+        plan.epsilon,
+        plan.delta,
+        plan.sampling_rate,
+        plan.steps,
+        plan.alpha_schedule,
+        plan.learning_rate,
+        plan.lr_schedule,
+        tuple(sorted(plan.lr_params.items())),
+        plan.alpha_params.get("power", 0.5),
+    )
     return replace(plan, sigma_by_rule=dict(by_rule), moments_constant=moments_c)
 
 
 @functools.lru_cache(maxsize=1024)
-def _comparison(epsilon: float, delta: float, rate: float, steps: int, alpha_schedule: str, learning_rate: float,
-                lr_schedule: str, lr_params: tuple[tuple[str, float], ...], power: float) -> tuple[tuple[tuple[str, float | None], ...], float]:  # fmt: skip
-    alphas = adp.alpha_values(alpha_schedule, steps, learning_rate=learning_rate, lr_schedule=lr_schedule,
-                              lr_params=dict(lr_params), power=power)  # fmt: skip
+def _comparison(
+    epsilon: float,
+    delta: float,
+    rate: float,
+    steps: int,
+    alpha_schedule: str,
+    learning_rate: float,
+    lr_schedule: str,
+    lr_params: tuple[tuple[str, float], ...],
+    power: float,
+) -> tuple[tuple[tuple[str, float | None], ...], float]:
+    alphas = adp.alpha_values(
+        alpha_schedule,
+        steps,
+        learning_rate=learning_rate,
+        lr_schedule=lr_schedule,
+        lr_params=dict(lr_params),
+        power=power,
+    )
     by_rule, moments_c = compare_rules(epsilon, delta, rate, steps, alphas)
     return tuple(by_rule.items()), moments_c
 
 
 def _step_sizes(
-    noise_rule: NoiseRule, lr_schedule: str | None, lr_params: dict[str, float] | None, alpha_schedule: str | None
+    noise_rule: NoiseRule,
+    lr_schedule: str | None,
+    lr_params: dict[str, float] | None,
+    alpha_schedule: str | None,
 ) -> tuple[str, dict[str, float], str]:
     """(learning-rate schedule, its parameters, α schedule): the caller's, or the rule's defaults."""
     lr_schedule, default_alpha = noise_rule.default_schedules(lr_schedule)
@@ -245,14 +316,22 @@ def _certified(epsilon_pld: float, target: float) -> Condition:
     return Condition("certified", within, f"PLD ε = {epsilon_pld:.4f} {'≤' if within else '>'} target {target:g}")
 
 
-def _refuse_if_over(client_id: str, rule: str, sigma: float, schedule: Schedule, epsilon_pld: float, target: float,
-                    conditions: tuple[Condition, ...]) -> None:  # fmt: skip
+def _refuse_if_over(
+    client_id: str,
+    rule: str,
+    sigma: float,
+    schedule: Schedule,
+    epsilon_pld: float,
+    target: float,
+    conditions: tuple[Condition, ...],
+) -> None:
     """A plan whose certificate exceeds its target never runs: `PlanRefused`, naming what failed."""
     if epsilon_pld <= target:
         return
     failed = [c.name for c in conditions if not c.met and c.kind == "required" and c.name != "certified"]
     raise PlanRefused(
         f"client {client_id}: rule {rule} with σ={sigma:.4g}, q={schedule.rate:.4g}, T={schedule.steps} certifies "
-        f"ε={epsilon_pld:.4f} > target ε={target:g}" + (f" (conditions not met: {', '.join(failed)})" if failed else "")
+        f"ε={epsilon_pld:.4f} > target ε={target:g}"
+        + (f" (conditions not met: {', '.join(failed)})" if failed else "")
         + "; use rule 'calibrated' or change the epochs"
     )

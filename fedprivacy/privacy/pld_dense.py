@@ -77,7 +77,9 @@ def _dense_epsilon(pmf: pld_pmf.DensePLDPmf, delta: float, first_chunk: int = 81
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             uppers = np.cumsum(np.concatenate(([upper], chunk)))
             lowers = np.cumsum(np.concatenate(([lower], np.exp(-losses) * chunk)))
-            reached = (uppers[:-1] > delta) & (lowers[:-1] > 0) & (np.log((uppers[:-1] - delta) / lowers[:-1]) >= losses)
+            reached = (
+                (uppers[:-1] > delta) & (lowers[:-1] > 0) & (np.log((uppers[:-1] - delta) / lowers[:-1]) >= losses)
+            )
         # a loss so large that e^−loss is 0 leaves the lower mass 0 while the upper one passes δ
         only_upper = (uppers[1:] >= delta) & (lowers[1:] == 0)
         stops = np.flatnonzero(reached | only_upper)
@@ -123,8 +125,13 @@ def _compose_dense(a: pld_pmf.DensePLDPmf, b: pld_pmf.DensePLDPmf, tail_mass_tru
     probs = _convolve(a._probs, b._probs)
     infinity_mass = a._infinity_mass + b._infinity_mass - a._infinity_mass * b._infinity_mass
     offset, probs, right_tail = _truncate_tails(probs, tail_mass_truncation, a._pessimistic_estimate)
-    return pld_pmf.DensePLDPmf(a._discretization, a._lower_loss + b._lower_loss + offset, probs,
-                               infinity_mass + right_tail, a._pessimistic_estimate)  # fmt: skip
+    return pld_pmf.DensePLDPmf(
+        a._discretization,
+        a._lower_loss + b._lower_loss + offset,
+        probs,
+        infinity_mass + right_tail,
+        a._pessimistic_estimate,
+    )
 
 
 def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -59,7 +59,8 @@ def proactive_conditions(n: int, epsilon: float, delta: float, epochs: float, st
         Condition(
             "epochs_vs_log_n",
             epoch_lhs >= log_n,
-            f"(2/e)²k² − 1/2 = {epoch_lhs:.2f} {'≥' if epoch_lhs >= log_n else '<'} ln N = {log_n:.2f} (k = {epochs:g})",
+            f"(2/e)²k² − 1/2 = {epoch_lhs:.2f} {'≥' if epoch_lhs >= log_n else '<'} ln N = {log_n:.2f} "
+            f"(k = {epochs:g})",
         ),
         Condition(
             "earlier_epsilon_scale",

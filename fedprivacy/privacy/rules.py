@@ -94,14 +94,18 @@ class Proactive(_ConstantNoise):
         return sigma, ((sigma, schedule.steps),)
 
     def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
-        return proactive_conditions(budget.n, budget.epsilon, budget.delta, schedule.rate * schedule.steps, schedule.steps)
+        return proactive_conditions(
+            budget.n, budget.epsilon, budget.delta, schedule.rate * schedule.steps, schedule.steps
+        )
 
 
 class Calibrated(_ConstantNoise):
     name = "calibrated"
 
     def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
-        sigma = accountants.calibrate_pld(budget.epsilon, budget.delta, schedule.rate, schedule.relative, budget.neighbours)
+        sigma = accountants.calibrate_pld(
+            budget.epsilon, budget.delta, schedule.rate, schedule.relative, budget.neighbours
+        )
         return sigma, tuple((sigma * alpha, count) for alpha, count in schedule.relative)
 
     def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:

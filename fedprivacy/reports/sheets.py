@@ -88,8 +88,10 @@ def epsilon_curves(figure: PlanFigure) -> dict[str, list[float]]:
     events = [NoiseEvent(sigma, figure.sampling_rate, count) for sigma, count in figure.noise_segments]
     if figure.neighbours != "add-remove":  # dp-accounting's PLD under that relation; no other analysis here
         prefixes = [accountants.prefix_events(events, t) for t in checkpoints]
-        pld_curve = [accountants.pld_epsilon(e, figure.delta, accountants.SEARCH_DISCRETIZATION, figure.neighbours)
-                     for e in prefixes]  # fmt: skip
+        pld_curve = [
+            accountants.pld_epsilon(e, figure.delta, accountants.SEARCH_DISCRETIZATION, figure.neighbours)
+            for e in prefixes
+        ]
         return {"steps": checkpoints, "PLD": pld_curve}
     curves = {
         "steps": checkpoints,
@@ -97,8 +99,12 @@ def epsilon_curves(figure: PlanFigure) -> dict[str, list[float]]:
         "RDP": accountants.rdp_epsilon_curve(events, figure.delta, checkpoints),
     }
     if len(figure.noise_segments) == 1:  # classical composition is stated for a constant σ
-        curves["naive"] = [classical.naive_epsilon(figure.sigma, figure.delta, figure.sampling_rate, t) for t in checkpoints]
-        curves["strong"] = [classical.strong_epsilon(figure.sigma, figure.delta, figure.sampling_rate, t) for t in checkpoints]
+        curves["naive"] = [
+            classical.naive_epsilon(figure.sigma, figure.delta, figure.sampling_rate, t) for t in checkpoints
+        ]
+        curves["strong"] = [
+            classical.strong_epsilon(figure.sigma, figure.delta, figure.sampling_rate, t) for t in checkpoints
+        ]
     return curves
 
 
@@ -114,16 +120,22 @@ def draw_figure(figure: PlanFigure, curves: dict[str, list[float]], path: Path) 
     left.set_yscale("log")
     left.set_xlabel("local noisy steps t")
     left.set_ylabel(f"ε after t steps (δ = {figure.delta:.2g})")
-    left.set_title(f"{figure.rule} plan ({figure.neighbours}): σ = {figure.sigma:.3g}, q = {figure.sampling_rate:.3g}, "
-                   f"T = {figure.steps}")  # fmt: skip
+    left.set_title(
+        f"{figure.rule} plan ({figure.neighbours}): σ = {figure.sigma:.3g}, q = {figure.sampling_rate:.3g}, "
+        f"T = {figure.steps}"
+    )
     left.legend(fontsize=8)
     left.grid(True, which="both", alpha=0.25)
 
     rules = [(name, value) for name, value in figure.sigma_by_rule if value is not None and math.isfinite(value)]
     if rules:
         names, values = zip(*rules)
-        colours = ["tab:red" if name.startswith(figure.rule) or (figure.rule == "calibrated" and name == "pld_calibrated")
-                   else "tab:blue" for name in names]
+        colours = [
+            "tab:red"
+            if name.startswith(figure.rule) or (figure.rule == "calibrated" and name == "pld_calibrated")
+            else "tab:blue"
+            for name in names
+        ]
         right.barh(names, values, color=colours)
         right.set_xscale("log")
         for y, value in enumerate(values):
@@ -144,27 +156,41 @@ def write_figure(plan: Plan, out_dir: Path) -> Path:
 
 
 def _rows(plan: Plan) -> list[tuple[str, str]]:
-    return [
-        ("client", str(plan.client_id)),
-        ("local records N", str(plan.n)),
-        ("target (ε, δ)", f"({plan.epsilon:g}, {plan.delta:.3g})"),
-        ("neighbouring data sets", NEIGHBOUR_RELATIONS.get(plan.neighbours, plan.neighbours)),
-        ("clipping norm C", f"{plan.clip_norm:g}"),
-        ("rule", plan.rule),
-        ("noise multiplier σ", _fmt(plan.sigma)
-         + ("" if len(plan.noise_segments) == 1 else f" at step 1, rising to {_fmt(plan.noise_segments[-1][0])} ({len(plan.noise_segments)} segments)")),
-        ("sampling rate q (Poisson)", _fmt(plan.sampling_rate)),
-        ("expected batch qN", _fmt(plan.expected_batch_size)),
-        ("total local steps T", str(plan.steps)),
-        ("epochs k = qT", _fmt(plan.epochs)),
-        ("rounds / steps per round", f"{plan.rounds} / {plan.steps_in_round(1)}"),
-        ("learning rate", f"{plan.learning_rate:g} ({plan.lr_schedule}{' ' + json.dumps(plan.lr_params) if plan.lr_params else ''})"),
-        ("noise std on averaged gradient σC/(qN)", _fmt(plan.noise_std_on_mean)),
-        ("certified ε, PLD", _fmt(plan.epsilon_pld)),
-        ("certified ε, RDP", _fmt(plan.epsilon_rdp)),
-        ("budget unused ε − ε_PLD", _fmt(plan.budget_unused)),
-    ] + [(f"ε of this plan, {name} bound", _fmt(value)) for name, value in plan.epsilon_bounds.items()] + (
-        [("moments accountant constant c", _fmt(plan.moments_constant))] if plan.moments_constant else []
+    return (
+        [
+            ("client", str(plan.client_id)),
+            ("local records N", str(plan.n)),
+            ("target (ε, δ)", f"({plan.epsilon:g}, {plan.delta:.3g})"),
+            ("neighbouring data sets", NEIGHBOUR_RELATIONS.get(plan.neighbours, plan.neighbours)),
+            ("clipping norm C", f"{plan.clip_norm:g}"),
+            ("rule", plan.rule),
+            (
+                "noise multiplier σ",
+                _fmt(plan.sigma)
+                + (
+                    ""
+                    if len(plan.noise_segments) == 1
+                    else f" at step 1, rising to {_fmt(plan.noise_segments[-1][0])} "
+                    f"({len(plan.noise_segments)} segments)"
+                ),
+            ),
+            ("sampling rate q (Poisson)", _fmt(plan.sampling_rate)),
+            ("expected batch qN", _fmt(plan.expected_batch_size)),
+            ("total local steps T", str(plan.steps)),
+            ("epochs k = qT", _fmt(plan.epochs)),
+            ("rounds / steps per round", f"{plan.rounds} / {plan.steps_in_round(1)}"),
+            (
+                "learning rate",
+                f"{plan.learning_rate:g} ({plan.lr_schedule}"
+                f"{' ' + json.dumps(plan.lr_params) if plan.lr_params else ''})",
+            ),
+            ("noise std on averaged gradient σC/(qN)", _fmt(plan.noise_std_on_mean)),
+            ("certified ε, PLD", _fmt(plan.epsilon_pld)),
+            ("certified ε, RDP", _fmt(plan.epsilon_rdp)),
+            ("budget unused ε − ε_PLD", _fmt(plan.budget_unused)),
+        ]
+        + [(f"ε of this plan, {name} bound", _fmt(value)) for name, value in plan.epsilon_bounds.items()]
+        + ([("moments accountant constant c", _fmt(plan.moments_constant))] if plan.moments_constant else [])
     )
 
 
@@ -188,12 +214,16 @@ def _html(plan: Plan, figure_name: str) -> str:
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>Planning sheet: client {html.escape(str(plan.client_id))}</title>"
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse;margin:1em 0}"
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+        "table{border-collapse:collapse;margin:1em 0}"
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}</style></head><body>"
         f"<h1>Planning sheet: client {html.escape(str(plan.client_id))}</h1>"
         + table(["quantity", "value"], _rows(plan))
         + "<h2>Validity conditions</h2>"
-        + table(["condition", "met", "detail"], [(f"{c.name} ({c.kind})", "yes" if c.met else "NO", c.detail) for c in plan.conditions])
+        + table(
+            ["condition", "met", "detail"],
+            [(f"{c.name} ({c.kind})", "yes" if c.met else "NO", c.detail) for c in plan.conditions],
+        )
         + "<h2>σ each rule needs for the same ε, δ, q and T</h2>"
         + table(["rule", "σ"], [(name, _fmt(value)) for name, value in plan.sigma_by_rule.items()])
         + f"<img src='{html.escape(figure_name)}' alt='ε versus steps and σ by rule' width='100%'></body></html>"
@@ -216,8 +246,21 @@ def write_sheet(plan: Plan, out_dir: str | Path) -> dict[str, Path]:
 
 
 INDEX_FIELDS = (
-    "client_id", "rule", "n", "epsilon", "delta", "clip_norm", "sigma", "sampling_rate", "expected_batch_size",
-    "steps", "epochs", "epsilon_pld", "epsilon_rdp", "budget_unused", "noise_std_on_mean",
+    "client_id",
+    "rule",
+    "n",
+    "epsilon",
+    "delta",
+    "clip_norm",
+    "sigma",
+    "sampling_rate",
+    "expected_batch_size",
+    "steps",
+    "epochs",
+    "epsilon_pld",
+    "epsilon_rdp",
+    "budget_unused",
+    "noise_std_on_mean",
 )
 
 
@@ -241,14 +284,25 @@ def write_index(plans: Sequence[Plan], out_dir: str | Path) -> dict[str, Path]:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    shown = ("client_id", "n", "epsilon", "rule", "sigma", "sampling_rate", "steps", "epsilon_pld", "budget_unused")
+    shown = (
+        "client_id",
+        "n",
+        "epsilon",
+        "rule",
+        "sigma",
+        "sampling_rate",
+        "steps",
+        "epsilon_pld",
+        "budget_unused",
+    )
     md = ["# Planning sheets", "", "| " + " | ".join(shown) + " | sheet |", "|" + " --- |" * (len(shown) + 1)]
     for plan, row in zip(plans, rows):
         cells = [_fmt(row[k]) if isinstance(row[k], float) else str(row[k]) for k in shown]
         md.append("| " + " | ".join(cells) + f" | [{_safe_name(plan.client_id)}.md]({_safe_name(plan.client_id)}.md) |")
     paths["md"].write_text("\n".join(md) + "\n", encoding="utf-8")
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(row[k]) if isinstance(row[k], float) else str(row[k]))}</td>" for k in shown)
+        "<tr>"
+        + "".join(f"<td>{html.escape(_fmt(row[k]) if isinstance(row[k], float) else str(row[k]))}</td>" for k in shown)
         + f"<td><a href='{_safe_name(plan.client_id)}.html'>sheet</a></td></tr>"
         for plan, row in zip(plans, rows)
     )
@@ -256,7 +310,10 @@ def write_index(plans: Sequence[Plan], out_dir: str | Path) -> dict[str, Path]:
         "<!doctype html><html><head><meta charset='utf-8'><title>Planning sheets</title>"
         "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:4px 8px}"
         "table{border-collapse:collapse}</style></head><body><h1>Planning sheets</h1><table><thead><tr>"
-        + "".join(f"<th>{k}</th>" for k in shown) + "<th></th></tr></thead><tbody>" + body + "</tbody></table></body></html>",
+        + "".join(f"<th>{k}</th>" for k in shown)
+        + "<th></th></tr></thead><tbody>"
+        + body
+        + "</tbody></table></body></html>",
         encoding="utf-8",
     )
     return paths

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedprivacy.errors import InputError
-from fedprivacy.sweepfiles import BASELINE, BASELINE_JSON, CELL_JSON, CELLS, SWEEP_CSV, SWEEP_JSON, read_json
+from fedprivacy.sweepfiles import BASELINE, BASELINE_JSON, CELL_JSON, SWEEP_CSV, SWEEP_JSON, read_json
 
 SEED = "seed"
 
@@ -38,7 +38,9 @@ class SweepData:
     def x_key(self) -> str | None:
         if "epsilon" in self.grid:
             return "epsilon"
-        numeric = [k for k, values in self.grid.items() if k != SEED and all(isinstance(v, int | float) for v in values)]
+        numeric = [
+            k for k, values in self.grid.items() if k != SEED and all(isinstance(v, int | float) for v in values)
+        ]
         return numeric[0] if numeric else None
 
     @property
@@ -67,9 +69,17 @@ def load_sweep(folder: Path) -> SweepData:
     for path in sorted((folder / BASELINE).glob(f"*/{BASELINE_JSON}")):
         record = read_json(path)
         if record["status"] == "completed":
-            baselines.append({**record["params"], "final_accuracy": record["final_accuracy"], "best_accuracy": record["best_accuracy"],
-                              "schedule_from": record["schedule_from"]})  # fmt: skip
-            baseline_rounds.append(_with_params(pd.read_csv(path.parent / "rounds.csv"), record["params"], record["name"]))
+            baselines.append(
+                {
+                    **record["params"],
+                    "final_accuracy": record["final_accuracy"],
+                    "best_accuracy": record["best_accuracy"],
+                    "schedule_from": record["schedule_from"],
+                }
+            )
+            baseline_rounds.append(
+                _with_params(pd.read_csv(path.parent / "rounds.csv"), record["params"], record["name"])
+            )
     clients_table = pd.concat(clients, ignore_index=True) if clients else pd.DataFrame()
     if len(clients_table):
         clients_table["budget_used"] = clients_table["epsilon_spent"] / clients_table["epsilon_budget"]

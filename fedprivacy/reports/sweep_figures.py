@@ -52,7 +52,10 @@ def groups(table: pd.DataFrame, keys: Sequence[str]) -> list[tuple[tuple, pd.Dat
     """(values, rows) for each combination of `keys` in the table (one group of everything without keys)."""
     if not keys:
         return [((), table)]
-    return [(values if isinstance(values, tuple) else (values,), rows) for values, rows in table.groupby(list(keys), sort=False)]
+    return [
+        (values if isinstance(values, tuple) else (values,), rows)
+        for values, rows in table.groupby(list(keys), sort=False)
+    ]
 
 
 def _log_axis(axis: Axes, values: Sequence[float], always: bool) -> None:
@@ -88,7 +91,14 @@ def accuracy_figure(data: SweepData, out: Path) -> list[Path]:
     else:
         for values, rows in groups(completed, series):
             stats = rows.groupby(x_key)["final_accuracy"].agg(["mean", "std"]).sort_index()
-            axis.errorbar(stats.index, stats["mean"], yerr=stats["std"].fillna(0), fmt="o-", capsize=4, label=label(series, values))
+            axis.errorbar(
+                stats.index,
+                stats["mean"],
+                yerr=stats["std"].fillna(0),
+                fmt="o-",
+                capsize=4,
+                label=label(series, values),
+            )
         _log_axis(axis, list(completed[x_key]), always=x_key == "epsilon")
         axis.set_xlabel("ε (per client)" if x_key == "epsilon" else x_key)
     _baseline_lines(data, axis)
@@ -124,7 +134,9 @@ def _panels(count: int) -> tuple[Figure, list[Axes]]:
     return fig, axes[:count]
 
 
-def per_round_figure(data: SweepData, out: Path, column: str, ylabel: str, stem: str, with_baseline: bool) -> list[Path]:
+def per_round_figure(
+    data: SweepData, out: Path, column: str, ylabel: str, stem: str, with_baseline: bool
+) -> list[Path]:
     """`column` of rounds.csv per round: a panel per series, a line per x value, means over seeds."""
     x_key, series = data.x_key, data.series_keys
     panels = groups(data.rounds, series)
@@ -135,7 +147,14 @@ def per_round_figure(data: SweepData, out: Path, column: str, ylabel: str, stem:
         for colour, x in zip(colours, x_values):
             chosen = rows if x is None else rows[rows[x_key] == x]
             mean = chosen.groupby("round")[column].mean()
-            axis.plot(mean.index, mean.to_numpy(), "o-", color=colour, markersize=3, label="mean" if x is None else label([x_key], [x]))
+            axis.plot(
+                mean.index,
+                mean.to_numpy(),
+                "o-",
+                color=colour,
+                markersize=3,
+                label="mean" if x is None else label([x_key], [x]),
+            )
         if with_baseline and not data.baseline_rounds.empty:
             baseline = _matching(data.baseline_rounds, series, values).groupby("round")["accuracy"].mean()
             axis.plot(baseline.index, baseline.to_numpy(), "k--", linewidth=1.2, label="non-private")

@@ -34,25 +34,27 @@ def summarise(table: pd.DataFrame, keys: list[str], **aggregations: tuple[str, s
 
 def accuracy_table(data: SweepData) -> pd.DataFrame:
     return summarise(
-        data.completed, [k for k in (*data.series_keys, data.x_key) if k],
+        data.completed,
+        [k for k in (*data.series_keys, data.x_key) if k],
         seeds=("final_accuracy", "size"),
         final_accuracy_mean=("final_accuracy", "mean"),
         final_accuracy_sd=("final_accuracy", "std"),
         best_accuracy_mean=("best_accuracy", "mean"),
         epsilon_spent_max=("epsilon_spent_max", "max"),
         all_within_budget=("all_within_budget", "all"),
-    )  # fmt: skip
+    )
 
 
 def budget_table(data: SweepData) -> pd.DataFrame:
     return summarise(
-        data.clients.assign(exhausted=data.clients["status"].eq("exhausted")), [k for k in data.grid if k != SEED],
+        data.clients.assign(exhausted=data.clients["status"].eq("exhausted")),
+        [k for k in data.grid if k != SEED],
         client_runs=("budget_used", "size"),
         used_min=("budget_used", "min"),
         used_median=("budget_used", "median"),
         used_max=("budget_used", "max"),
         out_of_budget=("exhausted", "sum"),
-    )  # fmt: skip
+    )
 
 
 def _figure(path: Path, caption: str) -> str:
@@ -73,32 +75,63 @@ def _heading(data: SweepData) -> list[str]:
 
 
 def _failed_cells(data: SweepData) -> list[str]:
-    return ["## Failed cells", "", _markdown(data.cells[data.cells["status"] == "failed"][["cell", "error"]]), ""]
+    return [
+        "## Failed cells",
+        "",
+        _markdown(data.cells[data.cells["status"] == "failed"][["cell", "error"]]),
+        "",
+    ]
 
 
 def failures_markdown(data: SweepData) -> str:
     """The report of a sweep none of whose cells completed: why they failed, no figures."""
-    return "\n".join([*_heading(data), "No cell completed, so there are no figures or tables yet.", "", *_failed_cells(data)])
+    return "\n".join(
+        [
+            *_heading(data),
+            "No cell completed, so there are no figures or tables yet.",
+            "",
+            *_failed_cells(data),
+        ]
+    )
 
 
 def report_markdown(data: SweepData, figures: list[Path]) -> str:
     pngs = [p for p in figures if p.suffix == ".png"]
     lines = [
         *_heading(data),
-        "## Accuracy", "", _figure(pngs[0], "final accuracy"), "", _markdown(accuracy_table(data)), "",
-        "### Non-private baseline", "",
+        "## Accuracy",
+        "",
+        _figure(pngs[0], "final accuracy"),
+        "",
+        _markdown(accuracy_table(data)),
+        "",
+        "### Non-private baseline",
+        "",
         "FedAvg of plain local SGD on the same clients, model, initial weights and local schedule "
-        "(sims.baseline), once per setting outside the keys it does not read (privacy, aggregation, server optimiser); `schedule_from` is the cell whose "
-        "private plan gave the schedule (q and T depend on ε).", "",
-        _markdown(data.baselines), "",
-        "## Accuracy per round", "", _figure(pngs[1], "accuracy per round"), "",
-        "## ε spent per round", "", _figure(pngs[2], "largest ε spent per round"), "",
-        "## Budget use per client", "",
+        "(sims.baseline), once per setting outside the keys it does not read (privacy, aggregation, server optimiser); "
+        "`schedule_from` is the cell whose private plan gave the schedule (q and T depend on ε).",
+        "",
+        _markdown(data.baselines),
+        "",
+        "## Accuracy per round",
+        "",
+        _figure(pngs[1], "accuracy per round"),
+        "",
+        "## ε spent per round",
+        "",
+        _figure(pngs[2], "largest ε spent per round"),
+        "",
+        "## Budget use per client",
+        "",
         "ε spent / ε budget of each client (`used`, over clients and seeds); `out_of_budget` counts clients "
-        "that stopped because their next round would have exceeded their budget.", "",
-        _figure(pngs[3], "budget use per client"), "", _markdown(budget_table(data)), "",
+        "that stopped because their next round would have exceeded their budget.",
+        "",
+        _figure(pngs[3], "budget use per client"),
+        "",
+        _markdown(budget_table(data)),
+        "",
         *_failed_cells(data),
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)
 
 

@@ -239,7 +239,9 @@ def _linear_terms(module: nn.Linear, a: Tensor, d: Tensor, to64: ToFloat64 = _fr
     return sq, slack, a, d, per_example
 
 
-def _sq_norms(module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = _fresh_float64) -> tuple[Tensor, Slack, Tensor | None]:
+def _sq_norms(
+    module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = _fresh_float64
+) -> tuple[Tensor, Slack, Tensor | None]:
     """Upper bounds on ‖DᵢᵀAᵢ‖² (+ ‖Σₜ Dᵢₜ‖² for the bias) as summed, for A: (B, T, K), D: (B, T, O),
     by the cheaper of the Gram ("ghost") form and the per-example gradients DᵢᵀAᵢ, which are then
     returned too; and each example's absolute slack (see `clip_weights`). All in float64."""
@@ -248,7 +250,7 @@ def _sq_norms(module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = _fresh_
     weight = module.weight.requires_grad
     bias = module.bias is not None and module.bias.requires_grad
     d64 = to64(d, (module, "d"))
-    if weight and 1 < t and t * t <= k * o:  # the Gram form, in float64
+    if weight and t > 1 and t * t <= k * o:  # the Gram form, in float64
         a64 = to64(a, (module, "a"))
         gram_a, gram_d = torch.bmm(a64, a64.transpose(1, 2)), torch.bmm(d64, d64.transpose(1, 2))
         if bias:
@@ -423,7 +425,9 @@ class PerExampleClipper:
             return ClippedBatch(grad_sums, sq_norms, losses.detach().sum(), clip_norm, nonfinite)
         if inputs.shape[0] == 1:
             zeros = [torch.zeros_like(g) for g in grad_sums]
-            return ClippedBatch(zeros, torch.zeros_like(sq_norms), torch.zeros((), device=sq_norms.device), clip_norm, 1)
+            return ClippedBatch(
+                zeros, torch.zeros_like(sq_norms), torch.zeros((), device=sq_norms.device), clip_norm, 1
+            )
         singles = [self.clipped_sum(inputs[i : i + 1], targets[i : i + 1], clip_norm) for i in range(inputs.shape[0])]
         return ClippedBatch(
             [torch.stack(parts).sum(0) for parts in zip(*(b.grad_sums for b in singles), strict=True)],
@@ -433,7 +437,9 @@ class PerExampleClipper:
             sum(b.nonfinite for b in singles),
         )
 
-    def _terms(self, inputs: Tensor, targets: Tensor) -> tuple[list[tuple[nn.Module, Tensor, Tensor, Tensor | None]], Tensor, Slack, Tensor]:
+    def _terms(
+        self, inputs: Tensor, targets: Tensor
+    ) -> tuple[list[tuple[nn.Module, Tensor, Tensor, Tensor | None]], Tensor, Slack, Tensor]:
         """One forward and one backward pass: each layer's (A, D, per-example gradients or None),
         the per-example squared-norm bounds and slacks (float64, see `clip_weights`) and the
         per-example losses."""
@@ -482,7 +488,10 @@ class PerExampleClipper:
 
     @staticmethod
     def _weighted_sums(
-        terms: list[tuple[nn.Module, Tensor, Tensor, Tensor | None]], sq_norms: Tensor, clip_norm: float, slack: Slack
+        terms: list[tuple[nn.Module, Tensor, Tensor, Tensor | None]],
+        sq_norms: Tensor,
+        clip_norm: float,
+        slack: Slack,
     ) -> list[Tensor]:
         """Σᵢ wᵢ·gᵢ per parameter, wᵢ = C / max(‖gᵢ‖, C): 1 below C, C/‖gᵢ‖ above (`clip_weights`),
         in the dtype of A and D, from exactly the tensors the norms were computed from."""

@@ -283,7 +283,9 @@ class DrawRequest:
     q: float
 
 
-def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def draw_batch(
+    requests: Sequence[DrawRequest], noise_count: int, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """Samples and noise for many clients' steps in one vectorised pass (a trainer's round, or a
     whole round of a batched engine): (keep [rows, max n] bool, noise [rows, noise_count]), one
     row per step, requests in order. Each row is exactly what its client's own stream gives."""
@@ -296,7 +298,10 @@ def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.d
         noise = box_muller(words[:, : 2 * pairs], float_type, torch.get_num_threads())
         # every row has `most` Poisson words (a shorter client's last ones are its padding): one comparison
         steps = [r.steps for r in requests]
-        keep = uniform53(words[:, 2 * pairs : 2 * pairs + most]) < np.repeat([thresholds[r.q] for r in requests], steps)[:, None]
+        keep = (
+            uniform53(words[:, 2 * pairs : 2 * pairs + most])
+            < np.repeat([thresholds[r.q] for r in requests], steps)[:, None]
+        )
         if any(r.n < most for r in requests):
             keep &= np.arange(most) < np.repeat([r.n for r in requests], steps)[:, None]
         return torch.from_numpy(keep), torch.from_numpy(noise[:, :noise_count]).to(dtype)
@@ -305,7 +310,11 @@ def draw_batch(requests: Sequence[DrawRequest], noise_count: int, dtype: torch.d
     keep = np.zeros((noise.shape[0], most), dtype=bool)
     row = 0
     for r, words in zip(requests, streams, strict=True):
-        np.less(uniform53(words[:, 2 * pairs : 2 * pairs + r.n]), thresholds[r.q], out=keep[row : row + r.steps, : r.n])
+        np.less(
+            uniform53(words[:, 2 * pairs : 2 * pairs + r.n]),
+            thresholds[r.q],
+            out=keep[row : row + r.steps, : r.n],
+        )
         row += r.steps
     return torch.from_numpy(keep), torch.from_numpy(noise[:, :noise_count]).to(dtype)
 

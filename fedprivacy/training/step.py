@@ -21,7 +21,9 @@ def noise_scale(sigma: float | Tensor, clip_norm: float | Tensor, dtype: torch.d
     trainer and the fast engine both scale their normals by it; on the tensors' own device (a
     batched round's scales never leave the GPU)."""
     device = sigma.device if isinstance(sigma, Tensor) else None
-    exact = torch.as_tensor(sigma, dtype=torch.float64, device=device) * torch.as_tensor(clip_norm, dtype=torch.float64, device=device)
+    exact = torch.as_tensor(sigma, dtype=torch.float64, device=device) * torch.as_tensor(
+        clip_norm, dtype=torch.float64, device=device
+    )
     rounded = exact.to(dtype)
     upward = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
     return torch.where(rounded.to(torch.float64) < exact, upward, rounded)
@@ -38,7 +40,9 @@ def release(
 
     `normals` holds one standard normal per coordinate, in parameter order (see rng.py).
     """
-    noise = [chunk.view_as(g) for chunk, g in zip(normals.split([g.numel() for g in grad_sums]), grad_sums, strict=True)]
+    noise = [
+        chunk.view_as(g) for chunk, g in zip(normals.split([g.numel() for g in grad_sums]), grad_sums, strict=True)
+    ]
     # torch._foreach_*: one call per list instead of one per tensor (what torch.optim uses).
     torch._foreach_add_(grad_sums, noise, alpha=float(noise_scale(sigma, clip_norm, grad_sums[0].dtype)))
     torch._foreach_div_(grad_sums, expected_batch)

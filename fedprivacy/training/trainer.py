@@ -111,9 +111,14 @@ class DPTrainer:
         noise_count = sum(p.numel() for p in self.clipper.parameters)
         steps = min(steps_wanted, self.randomness.chunk_steps(self.num_rows, noise_count))
         return self.randomness.draws(
-            self.step, steps, self.num_rows, self.plan.sampling_rate, noise_count,
-            dtype=self.clipper.parameters[0].dtype, device=self.device,
-        )  # fmt: skip
+            self.step,
+            steps,
+            self.num_rows,
+            self.plan.sampling_rate,
+            noise_count,
+            dtype=self.clipper.parameters[0].dtype,
+            device=self.device,
+        )
 
     @property
     def steps_left(self) -> int:

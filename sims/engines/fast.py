@@ -27,9 +27,14 @@ class FastEngine:
     def run_cell(self, cell: Cell, results_dir: Path, on_round: Callable[[int], None]) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SeededRunWarning)
-            run_fast({**cell.run_config, "results-dir": str(results_dir)}, cell.num_clients,
-                     workers=self.resources.workers, gpus_per_worker=self.resources.worker_gpus,
-                     on_round=lambda row: on_round(int(row["round"])), say=lambda _: None)  # fmt: skip
+            run_fast(
+                {**cell.run_config, "results-dir": str(results_dir)},
+                cell.num_clients,
+                workers=self.resources.workers,
+                gpus_per_worker=self.resources.worker_gpus,
+                on_round=lambda row: on_round(int(row["round"])),
+                say=lambda _: None,
+            )
 
     def teardown(self) -> None:
         """Nothing outlives a cell."""

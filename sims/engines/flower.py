@@ -85,20 +85,39 @@ class FlowerEngine:
 
     def setup(self) -> None:
         if not (PROJECT / "pyproject.toml").is_file():
-            raise RuntimeError(f"the flower engine runs the app from its source folder, and {PROJECT} has no pyproject.toml")
+            raise RuntimeError(
+                f"the flower engine runs the app from its source folder, and {PROJECT} has no pyproject.toml"
+            )
         self.home = Path(tempfile.mkdtemp(prefix="fedprivacy-flwr-home-"))
         port = free_port()
         with (self.home / "superlink.log").open("wb") as log:
             self.superlink = subprocess.Popen(
-                [_tool("flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1", "--port", str(port),
-                 "--database", ":flwr-in-memory:"],
-                stdout=log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True,
-            )  # fmt: skip
+                [
+                    _tool("flower-superlink"),
+                    "--insecure",
+                    "--simulation",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--database",
+                    ":flwr-in-memory:",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                start_new_session=True,
+            )
         (self.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
         )
         self._wait_healthy(port)
-        print(f"flower engine: SuperLink pid {self.superlink.pid} on 127.0.0.1:{port}, FLWR_HOME {self.home}", file=sys.stderr, flush=True)
+        print(
+            f"flower engine: SuperLink pid {self.superlink.pid} on 127.0.0.1:{port}, FLWR_HOME {self.home}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _wait_healthy(self, port: int) -> None:
         deadline = time.monotonic() + HEALTHY_WITHIN_S
@@ -111,21 +130,37 @@ class FlowerEngine:
             except OSError:
                 time.sleep(0.5)
         log = (self.home / "superlink.log").read_text(errors="replace").strip().splitlines()[-5:] if self.home else []
-        raise RuntimeError(f"the SuperLink on port {port} did not come up within {HEALTHY_WITHIN_S:g} s: {' | '.join(log)}")
+        raise RuntimeError(
+            f"the SuperLink on port {port} did not come up within {HEALTHY_WITHIN_S:g} s: {' | '.join(log)}"
+        )
 
     def _flwr(self, *args: str) -> dict[str, Any]:
-        result = subprocess.run([_tool("flwr"), *args, "--format", "json"], cwd=PROJECT, env=self._env(),
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        result = subprocess.run(
+            [_tool("flwr"), *args, "--format", "json"],
+            cwd=PROJECT,
+            env=self._env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         try:
             return json.loads(result.stdout)
         except json.JSONDecodeError:
-            raise RuntimeError(f"flwr {args[0]} answered no JSON: {(result.stdout + result.stderr).strip()[-300:]}") from None
+            raise RuntimeError(
+                f"flwr {args[0]} answered no JSON: {(result.stdout + result.stderr).strip()[-300:]}"
+            ) from None
 
     def run_cell(self, cell: Cell, results_dir: Path, on_round: Callable[[int], None]) -> None:
-        config = write_run_config({**cell.run_config, "results-dir": str(results_dir.resolve())}, results_dir / "run-config.toml")
-        federation = (f"num-supernodes={cell.num_clients} client-resources-num-cpus={self.resources.client_cpus} "
-                      f"client-resources-num-gpus={self.resources.client_gpus:g}")  # fmt: skip
-        reply = self._flwr("run", str(PROJECT), CONNECTION, "--run-config", str(config), "--federation-config", federation)
+        config = write_run_config(
+            {**cell.run_config, "results-dir": str(results_dir.resolve())}, results_dir / "run-config.toml"
+        )
+        federation = (
+            f"num-supernodes={cell.num_clients} client-resources-num-cpus={self.resources.client_cpus} "
+            f"client-resources-num-gpus={self.resources.client_gpus:g}"
+        )
+        reply = self._flwr(
+            "run", str(PROJECT), CONNECTION, "--run-config", str(config), "--federation-config", federation
+        )
         if not reply.get("success"):
             raise RuntimeError(f"flwr run refused the cell: {reply.get('error-message', reply)}")
         run_id = str(reply["run-id"])
@@ -135,13 +170,21 @@ class FlowerEngine:
             summaries = list(results_dir.rglob("summary.json"))
             reason = read_json(summaries[0]).get("error") if summaries else None
             self._save_log(run_id, results_dir / RUN_LOG)
-            raise RuntimeError(f"flwr run {run_id} ended {run['status']}: {reason or run.get('status-details') or 'no reason given'} "
-                               f"(its log: {RUN_LOG} in the cell's folder)")  # fmt: skip
+            raise RuntimeError(
+                f"flwr run {run_id} ended {run['status']}: {reason or run.get('status-details') or 'no reason given'} "
+                f"(its log: {RUN_LOG} in the cell's folder)"
+            )
 
     def _save_log(self, run_id: str, path: Path) -> None:
         """The run's log as `flwr log` shows it: the SuperLink and its FLWR_HOME end with the sweep."""
-        result = subprocess.run([_tool("flwr"), "log", run_id, "--show"], cwd=PROJECT, env=self._env(),
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [_tool("flwr"), "log", run_id, "--show"],
+            cwd=PROJECT,
+            env=self._env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         path.write_text(result.stdout + result.stderr, encoding="utf-8")
 
     def _wait_finished(self, run_id: str) -> dict[str, Any]:

@@ -32,7 +32,16 @@ from flwr.app import ArrayRecord
 
 from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
-from fedprivacy.ledger import BudgetExceeded, Ledger, NoiseSchedule, RoundDecision, composed_epsilon, noise_schedule, round_events
+from fedprivacy.ledger import (
+    BudgetExceeded,
+    Ledger,
+    NoiseSchedule,
+    RoundDecision,
+    composed_epsilon,
+    noise_schedule,
+    round_events,
+)
+from fedprivacy.models import evaluate_model
 from fedprivacy.participant import (
     LocalClient,
     client_noise_seed,
@@ -44,11 +53,17 @@ from fedprivacy.participant import (
     run_plans,
     simulation_client,
 )
-from fedprivacy.models import evaluate_model
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.replies import MAX_CONSECUTIVE_FAILURES
-from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, done_line, new_run_folder, progress_line, resolved_config
+from fedprivacy.results import (
+    DIAGNOSTICS_NOTE,
+    RunRecorder,
+    done_line,
+    new_run_folder,
+    progress_line,
+    resolved_config,
+)
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.sampling import sample_clients
 from fedprivacy.training.rng import SeededRunWarning
@@ -139,13 +154,27 @@ def run_fast(
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
-    extra = {"run_id": run_id, "ledger": str(ledger_path), "engine": "fast",
-             "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off"}  # fmt: skip
+    extra = {
+        "run_id": run_id,
+        "ledger": str(ledger_path),
+        "engine": "fast",
+        "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
+    }
     timings = Timings()
     try:
         with _fewer_collections(), Ledger(ledger_path) as ledger:
-            _run_rounds(settings, {**DEFAULTS, **run_config}, num_clients, run_id, recorder, ledger,
-                        WorkerPoolSpec(workers, gpus_per_worker), timings, on_round, say)  # fmt: skip
+            _run_rounds(
+                settings,
+                {**DEFAULTS, **run_config},
+                num_clients,
+                run_id,
+                recorder,
+                ledger,
+                WorkerPoolSpec(workers, gpus_per_worker),
+                timings,
+                on_round,
+                say,
+            )
     except Exception as exc:
         reason = error_summary(f"{type(exc).__name__}: {exc}")
         recorder.write_plans()
@@ -176,19 +205,38 @@ class WorkerPoolSpec:
     gpus_per_worker: float
 
 
-def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: int, run_id: int, recorder: RunRecorder,
-              ledger: Ledger, spec: WorkerPoolSpec, timings: Timings, on_round: RoundCallback | None,
-              say: Callable[[str], None]) -> None:  # fmt: skip
+def _run_rounds(
+    settings: RunSettings,
+    run_config: dict[str, Any],
+    num_clients: int,
+    run_id: int,
+    recorder: RunRecorder,
+    ledger: Ledger,
+    spec: WorkerPoolSpec,
+    timings: Timings,
+    on_round: RoundCallback | None,
+    say: Callable[[str], None],
+) -> None:
     random.seed(settings.seed)
     rng = random.Random(settings.seed)
     test = server_test_set(settings, num_clients)
     assert test is not None  # None only without a data file, refused in run_fast
     clients = [_client(settings, index, num_clients, ledger.path) for index in range(num_clients)]
-    recorder.write_config(resolved_config(settings, run_id, run_config, {
-        "results_folder": str(recorder.folder), "ledger": str(ledger.path), "clients": num_clients,
-        "evaluation": "central (union of the clients' test splits)", "engine": "fast",
-        "workers": spec.workers,
-    }))  # fmt: skip
+    recorder.write_config(
+        resolved_config(
+            settings,
+            run_id,
+            run_config,
+            {
+                "results_folder": str(recorder.folder),
+                "ledger": str(ledger.path),
+                "clients": num_clients,
+                "evaluation": "central (union of the clients' test splits)",
+                "engine": "fast",
+                "workers": spec.workers,
+            },
+        )
+    )
     torch.manual_seed(settings.seed)
     model = new_model(settings, test.features, test.num_classes)
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -196,10 +244,21 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
     recorder.evaluated("", accuracy, loss)
     loaded = [c for c in clients if c.local is not None]
     pool = WorkerPool(
-        [WorkerClient(c.index, c.local.data.train.features, c.local.data.train.labels, c.local.data.test.features,
-                      c.local.data.test.labels, client_noise_seed(settings, c.local.account)) for c in loaded],
-        (settings.model, int(test.features[0].size), test.num_classes), spec.workers, spec.gpus_per_worker,
-    )  # fmt: skip
+        [
+            WorkerClient(
+                c.index,
+                c.local.data.train.features,
+                c.local.data.train.labels,
+                c.local.data.test.features,
+                c.local.data.test.labels,
+                client_noise_seed(settings, c.local.account),
+            )
+            for c in loaded
+        ],
+        (settings.model, int(test.features[0].size), test.num_classes),
+        spec.workers,
+        spec.gpus_per_worker,
+    )
     state = Participation()
     optimizer = ServerOptimizer.from_settings(settings)
     try:
@@ -209,16 +268,35 @@ def _run_rounds(settings: RunSettings, run_config: dict[str, Any], num_clients: 
             eligible = [c.index for c in clients if c.index not in gone]
             sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
             recorder.sampled(server_round, len(sampled))
-            aggregate_and_evaluate = partial(_aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test)
-            replies, (global_state, (loss, accuracy)) = _train_round(sampled, global_state, settings, ledger, run_id, server_round, pool,
-                                                                      recorder, state, timings, aggregate_and_evaluate, say)  # fmt: skip
+            aggregate_and_evaluate = partial(
+                _aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test
+            )
+            replies, (global_state, (loss, accuracy)) = _train_round(
+                sampled,
+                global_state,
+                settings,
+                ledger,
+                run_id,
+                server_round,
+                pool,
+                recorder,
+                state,
+                timings,
+                aggregate_and_evaluate,
+                say,
+            )
             for client in sampled:
                 if client.index in replies:
                     state.failures[client.index] = 0
                     recorder.trained(server_round, client.name, replies[client.index], client.plan)
             left_out = state.failed | state.dropped_now
-            evaluated = [i for i in sample_clients(rng, [c.index for c in clients if c.index not in left_out], settings.fraction_evaluate)
-                         if clients[i].local is not None]  # fmt: skip
+            evaluated = [
+                i
+                for i in sample_clients(
+                    rng, [c.index for c in clients if c.index not in left_out], settings.fraction_evaluate
+                )
+                if clients[i].local is not None
+            ]
             _evaluate_federated(pool, global_state, evaluated, recorder)
             recorder.evaluated("", accuracy, loss)
             row = recorder.end_round(server_round)
@@ -241,10 +319,20 @@ def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Pa
         return Client(index, failure=_reason(exc))
 
 
-def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], settings: RunSettings, ledger: Ledger, run_id: int,
-                 server_round: int, pool: WorkerPool, recorder: RunRecorder, state: Participation, timings: Timings,
-                 then: Callable[[list[tuple[Client, int]], RoundResult], T],
-                 say: Callable[[str], None]) -> tuple[dict[int, dict[str, Any]], T]:  # fmt: skip
+def _train_round(
+    sampled: list[Client],
+    global_state: dict[str, torch.Tensor],
+    settings: RunSettings,
+    ledger: Ledger,
+    run_id: int,
+    server_round: int,
+    pool: WorkerPool,
+    recorder: RunRecorder,
+    state: Participation,
+    timings: Timings,
+    then: Callable[[list[tuple[Client, int]], RoundResult], T],
+    say: Callable[[str], None],
+) -> tuple[dict[int, dict[str, Any]], T]:
     """The ClientApp's steps for the round's sampled clients, batched: accounts, plans, the
     round's spends in one ledger transaction that refuses what a budget cannot afford, training of
     the clients it recorded, and every sampled client's reply. The transaction commits while they
@@ -256,7 +344,15 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     that crashes mid-round has spent for updates nobody used: never less). Returns the replies by
     client index and `then`'s result."""
     started = time.perf_counter()
-    _first_sampling([c for c in sampled if c.plan is None and c.failure is None], settings, ledger, run_id, server_round, pool, say)
+    _first_sampling(
+        [c for c in sampled if c.plan is None and c.failure is None],
+        settings,
+        ledger,
+        run_id,
+        server_round,
+        pool,
+        say,
+    )
     asking: dict[str, Client] = {}  # by account
     spends: dict[str, tuple[NoiseEvent, ...]] = {}
     out_of_budget: list[Client] = []
@@ -280,17 +376,28 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
         outcomes = decision.outcomes
         ready = [client for account, client in asking.items() if isinstance(outcomes[account], float)]  # recorded
         begun = time.perf_counter()
-        result = pool.train(global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics)
+        result = pool.train(
+            global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics
+        )
         trained_at = time.perf_counter()
         if result.indices != [c.index for c in ready]:  # the pool returns rows in request order
             raise RuntimeError("the workers returned other clients than were asked to train")
         after = then(list(zip(ready, range(len(ready)))), result)
         ended = time.perf_counter()
         accounts = [c.local.account for c in ready]
-        _replies(ready, [outcomes[a] for a in accounts], [decision.steps[a] for a in accounts], result, settings, replies)
+        _replies(
+            ready,
+            [outcomes[a] for a in accounts],
+            [decision.steps[a] for a in accounts],
+            result,
+            settings,
+            replies,
+        )
         return ready, after, trained_at - begun, ended - begun, time.perf_counter()
 
-    outcomes, (ready, after, training, working, worked_at) = ledger.record_round_while(str(run_id), server_round, spends, work)
+    outcomes, (ready, after, training, working, worked_at) = ledger.record_round_while(
+        str(run_id), server_round, spends, work
+    )
     commit_wait = time.perf_counter() - worked_at
     if len(ready) < len(asking):  # some were refused
         for account, client in asking.items():
@@ -306,16 +413,25 @@ def _train_round(sampled: list[Client], global_state: dict[str, torch.Tensor], s
     return replies, after
 
 
-def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger, run_id: int, server_round: int,
-                    pool: WorkerPool, say: Callable[[str], None]) -> None:  # fmt: skip
+def _first_sampling(
+    clients: list[Client],
+    settings: RunSettings,
+    ledger: Ledger,
+    run_id: int,
+    server_round: int,
+    pool: WorkerPool,
+    say: Callable[[str], None],
+) -> None:
     """Open the accounts and make the plans of clients asked for the first time, in bulk; when
     every client trains in every round, the ε their rounds will reach is composed now, one fold
     per distinct plan, budget and history (`Ledger.compose_ahead`: with clients sampled at random,
     their histories are not their plans' prefixes, and it would be work for nothing)."""
     if not clients:
         return
-    say(f"planning {len(clients)} client{'s' * (len(clients) != 1)} sampled for the first time"
-        + (" and composing the ε of their rounds" if settings.fraction_train >= 1.0 else ""))
+    say(
+        f"planning {len(clients)} client{'s' * (len(clients) != 1)} sampled for the first time"
+        + (" and composing the ε of their rounds" if settings.fraction_train >= 1.0 else "")
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededRunWarning)
         refusals = open_accounts([c.local for c in clients], settings, ledger, str(run_id))
@@ -323,7 +439,9 @@ def _first_sampling(clients: list[Client], settings: RunSettings, ledger: Ledger
     for client in clients:
         if refusals[client.local.account] is not None:
             client.failure = _reason(refusals[client.local.account])
-    plans = run_plans([c.local for c in opened], settings, ledger, str(run_id), compare=False)  # the sheets add the comparison
+    plans = run_plans(
+        [c.local for c in opened], settings, ledger, str(run_id), compare=False
+    )  # the sheets add the comparison
     for client in opened:
         outcome = plans[client.local.account]
         if isinstance(outcome, Exception):
@@ -339,8 +457,14 @@ def _reason(error: Exception) -> str:
     return error_summary(f"{type(error).__name__}: {error}")
 
 
-def _replies(ready: list[Client], spent: list[float], steps: list[int], results: RoundResult, settings: RunSettings,
-             replies: dict[int, dict[str, Any]]) -> None:  # fmt: skip
+def _replies(
+    ready: list[Client],
+    spent: list[float],
+    steps: list[int],
+    results: RoundResult,
+    settings: RunSettings,
+    replies: dict[int, dict[str, Any]],
+) -> None:
     """The trained clients' replies (into `replies`) and new trainer states (`spent`, `steps`:
     theirs, in order; `results`: their rows, in the same order)."""
     on_gpu = int(results.on_gpu)
@@ -364,30 +488,50 @@ def _exhausted_replies(clients: list[Client], ledger: Ledger) -> dict[int, dict[
     for client in clients:
         history = histories.get(client.local.account, [])
         spent = composed_epsilon(history, client.local.delta)
-        replies[client.index] = reply_metrics(client.local, client.plan, spent, sum(e.count for e in history), trained=False)
+        replies[client.index] = reply_metrics(
+            client.local, client.plan, spent, sum(e.count for e in history), trained=False
+        )
     return replies
 
 
-def _aggregate_and_evaluate(global_state: dict[str, torch.Tensor], server_round: int, settings: RunSettings,
-                            optimizer: ServerOptimizer | None, model: torch.nn.Module, test: Any, trained: list[tuple[Client, int]],
-                            results: RoundResult) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:  # fmt: skip
+def _aggregate_and_evaluate(
+    global_state: dict[str, torch.Tensor],
+    server_round: int,
+    settings: RunSettings,
+    optimizer: ServerOptimizer | None,
+    model: torch.nn.Module,
+    test: Any,
+    trained: list[tuple[Client, int]],
+    results: RoundResult,
+) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
     """The round's new global model and its central (loss, accuracy)."""
     new_state = _aggregate(global_state, trained, results, server_round, settings, optimizer)
     return new_state, _central_metrics(model, new_state, test)
 
 
-def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client, int]], results: RoundResult, server_round: int,
-               settings: RunSettings, optimizer: ServerOptimizer | None) -> dict[str, torch.Tensor]:  # fmt: skip
+def _aggregate(
+    global_state: dict[str, torch.Tensor],
+    trained: list[tuple[Client, int]],
+    results: RoundResult,
+    server_round: int,
+    settings: RunSettings,
+    optimizer: ServerOptimizer | None,
+) -> dict[str, torch.Tensor]:
     """As the strategy: each update weighted by its client's examples or inverse noise variance
     (weight factors w/Σw in float32, as Flower's aggregation), then the server optimiser's step;
     the previous model if nobody trained or the average is not finite."""
     if not trained:
         return global_state
     rows = torch.tensor([k for _, k in trained])
-    weights = [aggregation_weight(settings.aggregation, c.plan, server_round, c.local.data.num_examples) for c, _ in trained]
+    weights = [
+        aggregation_weight(settings.aggregation, c.plan, server_round, c.local.data.num_examples) for c, _ in trained
+    ]
     total = sum(weights)
     factors = torch.tensor([w / total for w in weights], dtype=torch.float32)
-    average = {key: torch.tensordot(factors, stacked[rows], dims=1) for key, stacked in zip(global_state, results.weights, strict=True)}
+    average = {
+        key: torch.tensordot(factors, stacked[rows], dims=1)
+        for key, stacked in zip(global_state, results.weights, strict=True)
+    }
     if not all(bool(torch.isfinite(v).all()) for v in average.values()):  # as the strategy: keep the model
         return global_state
     if optimizer is None:
@@ -396,7 +540,9 @@ def _aggregate(global_state: dict[str, torch.Tensor], trained: list[tuple[Client
     return stepped.to_torch_state_dict()
 
 
-def _evaluate_federated(pool: WorkerPool, global_state: dict[str, torch.Tensor], indices: list[int], recorder: RunRecorder) -> None:
+def _evaluate_federated(
+    pool: WorkerPool, global_state: dict[str, torch.Tensor], indices: list[int], recorder: RunRecorder
+) -> None:
     """The sampled clients' test metrics, weighted by their test rows (as FedAvg aggregates them)."""
     if not indices:
         return

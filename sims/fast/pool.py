@@ -22,7 +22,13 @@ from sims.fast.worker import LocalWorker, RoundRequest, RoundResult, WorkerClien
 class WorkerPool:
     """`workers` workers over `clients`; with one worker and no GPU share, no Ray at all."""
 
-    def __init__(self, clients: list[WorkerClient], model: tuple[str, int, int], workers: int = 1, gpus_per_worker: float = 0.0) -> None:
+    def __init__(
+        self,
+        clients: list[WorkerClient],
+        model: tuple[str, int, int],
+        workers: int = 1,
+        gpus_per_worker: float = 0.0,
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: need at least one")
         self.owner: dict[int, int] = {c.index: k % workers for k, c in enumerate(clients)}
@@ -35,10 +41,16 @@ class WorkerPool:
         import ray
 
         if not ray.is_initialized():
-            with warnings.catch_warnings():  # Ray's tip on how a future version will treat num_gpus=0: CPU workers here use the CPU by name
+            with (
+                warnings.catch_warnings()
+            ):  # Ray's tip on how a future version will treat num_gpus=0: CPU workers here use the CPU by name
                 warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
-                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                         address=os.environ.get("RAY_ADDRESS"))  # fmt: skip
+                ray.init(
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    address=os.environ.get("RAY_ADDRESS"),
+                )
         cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)) // workers)
         actor = ray_worker(num_cpus=cpus, num_gpus=gpus_per_worker)
         device = "cuda" if gpus_per_worker > 0 else "cpu"
@@ -57,7 +69,13 @@ class WorkerPool:
             shares[self.owner[index]][index] = plan
         ray.get([w.add_plans.remote(share) for w, share in zip(self.workers, shares, strict=True)])
 
-    def train(self, global_state: dict[str, torch.Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
+    def train(
+        self,
+        global_state: dict[str, torch.Tensor],
+        server_round: int,
+        requests: list[RoundRequest],
+        diagnostics: bool,
+    ) -> RoundResult:
         """Every request's new weights, merged in request order."""
         shares: list[list[RoundRequest]] = [[] for _ in self.workers]
         for request in requests:
@@ -67,7 +85,12 @@ class WorkerPool:
         import ray
 
         state = ray.put(global_state)
-        parts = ray.get([w.train.remote(state, server_round, share, diagnostics) for w, share in zip(self.workers, shares, strict=True)])
+        parts = ray.get(
+            [
+                w.train.remote(state, server_round, share, diagnostics)
+                for w, share in zip(self.workers, shares, strict=True)
+            ]
+        )
         return _merge(parts, [r.index for r in requests])
 
     def evaluate(self, global_state: dict[str, torch.Tensor], indices: list[int]) -> list[tuple[int, float, int]]:
@@ -80,7 +103,11 @@ class WorkerPool:
 
         state = ray.put(global_state)
         parts = ray.get([w.evaluate.remote(state, share) for w, share in zip(self.workers, shares, strict=True)])
-        found = {index: row for share, part in zip(shares, parts, strict=True) for index, row in zip(share, part, strict=True)}
+        found = {
+            index: row
+            for share, part in zip(shares, parts, strict=True)
+            for index, row in zip(share, part, strict=True)
+        }
         return [found[index] for index in indices]
 
     def close(self) -> None:

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedprivacy.training.clipping import NORM_DTYPE, Float64Scratch, PerExampleClipper, Slack, clip_weights, linear_norms
+from fedprivacy.training.clipping import (
+    NORM_DTYPE,
+    Float64Scratch,
+    PerExampleClipper,
+    Slack,
+    clip_weights,
+    linear_norms,
+)
 from fedprivacy.training.step import noise_scale
 
 _FLOAT64 = Float64Scratch()  # the float64 copies for the norms, reused step after step (one stack at a time)
@@ -106,7 +113,9 @@ def _backward(weights: list[Tensor], inputs: list[Tensor], d_logits: Tensor) -> 
     return grads
 
 
-def clipped_sums(weights: list[Tensor], step: StepInputs, clip_examples: bool = True) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+def clipped_sums(
+    weights: list[Tensor], step: StepInputs, clip_examples: bool = True
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
     """Per client: Σᵢ clip_C(gᵢ) in parameter order (weight, bias per layer), with examples whose
     gradient norm is not finite dropped; also (non-finite count, loss sum, clipped count).
     `clip_examples=False` sums the raw gradients: only for measuring what clipping costs."""
@@ -127,7 +136,10 @@ def clipped_sums(weights: list[Tensor], step: StepInputs, clip_examples: bool = 
         keep = finite.unsqueeze(-1)
         inputs = [torch.where(keep, a, 0.0) for a in inputs]
         deltas = [torch.where(keep, d, 0.0) for d in deltas]
-        sq, slack = torch.where(finite, sq, 0.0), Slack(torch.where(finite, slack.mass, 0.0), slack.coefficient, slack.constant)
+        sq, slack = (
+            torch.where(finite, sq, 0.0),
+            Slack(torch.where(finite, slack.mass, 0.0), slack.coefficient, slack.constant),
+        )
     clip = step.clip.to(NORM_DTYPE).unsqueeze(-1)
     # C / max(‖gᵢ‖, C), in float64, cast so that the cast never raises it (see clip_weights)
     w = clip_weights(sq, slack, clip, logits.dtype) if clip_examples else torch.ones_like(losses)

@@ -73,8 +73,16 @@ def _padded(arrays: list[np.ndarray], dtype: torch.dtype) -> tuple[Tensor, Tenso
 class LocalWorker:
     """Trains and evaluates its clients' rounds on one device."""
 
-    def __init__(self, clients: list[WorkerClient], model: str, num_features: int, num_classes: int,
-                 device: str = "cpu", threads: int | None = None, private: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        clients: list[WorkerClient],
+        model: str,
+        num_features: int,
+        num_classes: int,
+        device: str = "cpu",
+        threads: int | None = None,
+        private: bool = True,
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
@@ -101,7 +109,13 @@ class LocalWorker:
         """Learn the plans of clients about to train; their σ_t and η_t are read once per plan."""
         self.plans.update(plans)
         for index, plan in plans.items():
-            key = (plan.steps, plan.noise_segments, plan.learning_rate, plan.lr_schedule, tuple(sorted(plan.lr_params.items())))
+            key = (
+                plan.steps,
+                plan.noise_segments,
+                plan.learning_rate,
+                plan.lr_schedule,
+                tuple(sorted(plan.lr_params.items())),
+            )
             if key not in self._schedule_of:
                 self._schedule_of[key] = (
                     np.array([plan.noise_multiplier(t) for t in range(plan.steps)]),
@@ -110,14 +124,26 @@ class LocalWorker:
             self.schedules[index] = self._schedule_of[key]
 
     # ----- training -----
-    def train(self, global_state: dict[str, Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
+    def train(
+        self,
+        global_state: dict[str, Tensor],
+        server_round: int,
+        requests: list[RoundRequest],
+        diagnostics: bool,
+    ) -> RoundResult:
         if not requests:
             return RoundResult([], [], [], [])
         if self.shape is None:
             return self._train_one_by_one(global_state, server_round, requests, diagnostics)
         return self._train_stacked(global_state, server_round, requests, diagnostics)
 
-    def _train_one_by_one(self, global_state: dict[str, Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
+    def _train_one_by_one(
+        self,
+        global_state: dict[str, Tensor],
+        server_round: int,
+        requests: list[RoundRequest],
+        diagnostics: bool,
+    ) -> RoundResult:
         results, states, notes = [], [], []
         for request in requests:
             k, plan = self.position[request.index], self.plans[request.index]
@@ -126,16 +152,34 @@ class LocalWorker:
             n = int(self.train_n[k])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", SeededRunWarning)
-                trainer = DPTrainer(model, plan, self.train_x[k, :n], self.train_y[k, :n], seed=self.clients[k].seed,
-                                    state={**(request.state or {}), "step": plan.first_step_of_round(server_round)})  # fmt: skip
+                trainer = DPTrainer(
+                    model,
+                    plan,
+                    self.train_x[k, :n],
+                    self.train_y[k, :n],
+                    seed=self.clients[k].seed,
+                    state={**(request.state or {}), "step": plan.first_step_of_round(server_round)},
+                )
             report = trainer.run_round(server_round)
             results.append([v.detach() for v in model.state_dict().values()])
             states.append(trainer.state_dict())
-            notes.append(training_diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples) if diagnostics else {})
+            notes.append(
+                training_diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples)
+                if diagnostics
+                else {}
+            )
         weights = [torch.stack(parts) for parts in zip(*results, strict=True)]
-        return RoundResult([r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda")
+        return RoundResult(
+            [r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda"
+        )
 
-    def _train_stacked(self, global_state: dict[str, Tensor], server_round: int, requests: list[RoundRequest], diagnostics: bool) -> RoundResult:
+    def _train_stacked(
+        self,
+        global_state: dict[str, Tensor],
+        server_round: int,
+        requests: list[RoundRequest],
+        diagnostics: bool,
+    ) -> RoundResult:
         positions = torch.tensor([self.position[r.index] for r in requests], device=self.device)
         plans = [self.plans[r.index] for r in requests]
         firsts = [p.first_step_of_round(server_round) for p in plans]
@@ -154,32 +198,57 @@ class LocalWorker:
         expected = torch.tensor([p.sampling_rate * p.n for p in plans], device=self.device)
         steps = torch.tensor(counts, device=self.device)
         sigma, rate = sigma.to(self.device), rate.to(self.device)
-        weights = [global_state[key].to(self.device).expand(len(requests), *global_state[key].shape).clone() for key in self.keys]
+        weights = [
+            global_state[key].to(self.device).expand(len(requests), *global_state[key].shape).clone()
+            for key in self.keys
+        ]
         totals = {"nonfinite": 0, "loss": 0, "clipped": 0, "examples": 0}
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
             step = stack.StepInputs(*inputs, normals[:, s], sigma[:, s], clip, expected, steps > s)
-            report = stack.dp_step(weights, step, lambda released, s=s: adaptive.rate(released, step.active, rate[:, s]),
-                                   self.repair, private=self.private)  # fmt: skip
-            totals = {key: totals[key] + value for key, value in zip(totals, (report.nonfinite, report.loss_sum, report.clipped, report.examples))}
+            report = stack.dp_step(
+                weights,
+                step,
+                lambda released, s=s, step=step: adaptive.rate(released, step.active, rate[:, s]),
+                self.repair,
+                private=self.private,
+            )
+            totals = {
+                key: totals[key] + value
+                for key, value in zip(totals, (report.nonfinite, report.loss_sum, report.clipped, report.examples))
+            }
         notes = [{} for _ in requests]
         if diagnostics:
             examples = totals["examples"].clamp(min=1)
-            notes = [training_diagnostics(float(loss), float(clipped), int(bad)) for loss, clipped, bad in
-                     zip((totals["loss"] / examples).tolist(), (totals["clipped"] / examples).tolist(), totals["nonfinite"].tolist())]  # fmt: skip
+            notes = [
+                training_diagnostics(float(loss), float(clipped), int(bad))
+                for loss, clipped, bad in zip(
+                    (totals["loss"] / examples).tolist(),
+                    (totals["clipped"] / examples).tolist(),
+                    totals["nonfinite"].tolist(),
+                )
+            ]
         states = adaptive.states([{"step": f + c} for f, c in zip(firsts, counts, strict=True)])
-        return RoundResult([r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda")
+        return RoundResult(
+            [r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda"
+        )
 
-    def _draws(self, requests: list[RoundRequest], plans: list[Plan], firsts: list[int], counts: list[int], n: Tensor) -> tuple[Tensor, Tensor]:
+    def _draws(
+        self, requests: list[RoundRequest], plans: list[Plan], firsts: list[int], counts: list[int], n: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Every client's Poisson masks [K, steps, rows] and normals [K, steps, P] for the round."""
         parameters = sum(int(np.prod(v.shape)) for v in self.template.state_dict().values())
-        batch = [DrawRequest(self.randomness[self.position[r.index]], first, count, int(rows), plan.sampling_rate)
-                 for r, plan, first, count, rows in zip(requests, plans, firsts, counts, n.tolist(), strict=True)]  # fmt: skip
+        batch = [
+            DrawRequest(self.randomness[self.position[r.index]], first, count, int(rows), plan.sampling_rate)
+            for r, plan, first, count, rows in zip(requests, plans, firsts, counts, n.tolist(), strict=True)
+        ]
         keep_rows, noise_rows = draw_batch(batch, parameters)
         rows = self.train_x.shape[1]
         if min(counts) == max(counts) and keep_rows.shape[1] == rows:  # rows already in [client, step] order
             shape = (len(requests), counts[0])
-            return keep_rows.reshape(*shape, rows).to(self.device), noise_rows.reshape(*shape, parameters).to(self.device)
+            return keep_rows.reshape(*shape, rows).to(self.device), noise_rows.reshape(*shape, parameters).to(
+                self.device
+            )
         owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
         step = torch.from_numpy(np.concatenate([np.arange(c) for c in counts]))
         keep = torch.zeros(len(requests), max(counts), rows, dtype=torch.bool)

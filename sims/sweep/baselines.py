@@ -2,8 +2,9 @@
 non-privacy setting, stored under `<out>/baseline/<name>/` (baseline.json, rounds.csv).
 
 Cells that differ only in keys the baseline does not read (fedprivacy.sweepfiles.BASELINE_IGNORED_KEYS:
-ε, δ, rule, clip norm, noise seed, aggregation, the server optimiser) share one baseline. The baseline takes its local schedule (each client's q and
-T, and their split over rounds) from a private plan, which depends on ε; it takes it from the
+ε, δ, rule, clip norm, noise seed, aggregation, the server optimiser) share one baseline. The
+baseline takes its local schedule (each client's q and T, and their split over rounds) from a
+private plan, which depends on ε; it takes it from the
 first cell of its group in grid order, and baseline.json names that cell (`schedule_from`).
 Like the cells, a baseline is written to a hidden folder and renamed into place when done, and a
 rerun skips the baselines already there with the same run config.
@@ -22,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from fedprivacy.errors import error_summary
-from fedprivacy.sweepfiles import BASELINE_JSON, BASELINE_IGNORED_KEYS, STAGING_PREFIX, read_json, write_json
+from fedprivacy.sweepfiles import BASELINE_IGNORED_KEYS, BASELINE_JSON, STAGING_PREFIX, read_json, write_json
 from sims.baseline import nonprivate_baseline
 from sims.sweep.grid import Cell, cell_name
 
@@ -46,7 +47,9 @@ def baseline_jobs(cells: list[Cell], learning_rate: float | None = None) -> list
         key = json.dumps({**setting, "clients": cell.num_clients}, sort_keys=True)
         if key not in jobs:
             params = {k: v for k, v in cell.params.items() if k not in BASELINE_IGNORED_KEYS}
-            run_config = cell.run_config if learning_rate is None else {**cell.run_config, "learning-rate": learning_rate}
+            run_config = (
+                cell.run_config if learning_rate is None else {**cell.run_config, "learning-rate": learning_rate}
+            )
             jobs[key] = BaselineJob(cell_name(params), params, cell, run_config)
     return list(jobs.values())
 
@@ -65,13 +68,25 @@ def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     started = time.perf_counter()
-    record: dict[str, Any] = {"name": job.name, "params": job.params, "schedule_from": job.cell.name, "run_config": job.run_config}
+    record: dict[str, Any] = {
+        "name": job.name,
+        "params": job.params,
+        "schedule_from": job.cell.name,
+        "run_config": job.run_config,
+    }
     try:
         result = nonprivate_baseline(job.run_config, job.cell.num_clients, name=job.name)
         pd.DataFrame(result.rounds).to_csv(staging / "rounds.csv", index=False)
-        record.update(status="completed", error=None, final_accuracy=result.final_accuracy, best_accuracy=result.best[1])
+        record.update(
+            status="completed", error=None, final_accuracy=result.final_accuracy, best_accuracy=result.best[1]
+        )
     except Exception as exc:  # a failed baseline is reported beside the cells, not a crashed sweep
-        record.update(status="failed", error=error_summary(f"{type(exc).__name__}: {exc}"), final_accuracy=None, best_accuracy=None)
+        record.update(
+            status="failed",
+            error=error_summary(f"{type(exc).__name__}: {exc}"),
+            final_accuracy=None,
+            best_accuracy=None,
+        )
     record["wall_s"] = round(time.perf_counter() - started, 2)
     write_json(staging / BASELINE_JSON, record)
     target = baseline_dir / job.name

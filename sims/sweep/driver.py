@@ -69,22 +69,35 @@ def check_resumable(out: Path, cells: list[Cell]) -> None:
     found = sorted(path.name for path in (out / CELLS).iterdir() if path.is_dir()) if (out / CELLS).is_dir() else []
     foreign = [name for name in found if name not in names]
     if foreign:
-        raise InputError("out", str(out), f"holds cell {foreign[0]}, which this scenario does not have (another scenario's "
-                                          "results): resume with the same scenario or use another --out")  # fmt: skip
+        raise InputError(
+            "out",
+            str(out),
+            f"holds cell {foreign[0]}, which this scenario does not have (another scenario's "
+            "results): resume with the same scenario or use another --out",
+        )
     for cell in cells:
         record = cell_record(out, cell.name)
         if record is None or record["run_config"] == cell.run_config:
             continue
         old = record["run_config"]
         key = next(k for k in sorted({*old, *cell.run_config}) if old.get(k) != cell.run_config.get(k))
-        raise InputError("out", str(out), f"its cell {cell.name} ran with {key}={old.get(key)!r}, this scenario has "
-                                          f"{cell.run_config.get(key)!r}: resume with the same scenario or use another --out")  # fmt: skip
+        raise InputError(
+            "out",
+            str(out),
+            f"its cell {cell.name} ran with {key}={old.get(key)!r}, this scenario has "
+            f"{cell.run_config.get(key)!r}: resume with the same scenario or use another --out",
+        )
 
 
 def sweep_row(out: Path, cell: Cell) -> dict[str, Any]:
     """The cell's grid values, then its status and headline numbers (from its folder, when it has one)."""
     record = cell_record(out, cell.name)
-    row: dict[str, Any] = {**cell.params, **dict.fromkeys(RESULT_COLUMNS), "status": "pending", "cell": f"{CELLS}/{cell.name}"}
+    row: dict[str, Any] = {
+        **cell.params,
+        **dict.fromkeys(RESULT_COLUMNS),
+        "status": "pending",
+        "cell": f"{CELLS}/{cell.name}",
+    }
     if record is not None:
         if record["run_folder"] is not None:
             row.update(cell_results(out / CELLS / cell.name / record["run_folder"]))
@@ -117,9 +130,17 @@ def run_cell(engine: Engine, engine_name: str, cell: Cell, out: Path, progress: 
         error = f"the run left {len(runs)} results folders, expected one"
     elif error is None and read_json(runs[0] / "summary.json").get("status") != "completed":
         error = read_json(runs[0] / "summary.json").get("error") or "the run did not complete"
-    record = {"name": cell.name, "params": cell.params, "run_config": cell.run_config, "num_clients": cell.num_clients,
-              "engine": engine_name, "status": "completed" if error is None else "failed", "error": error, "wall_s": wall,
-              "run_folder": str(runs[0].relative_to(folder)) if len(runs) == 1 else None}  # fmt: skip
+    record = {
+        "name": cell.name,
+        "params": cell.params,
+        "run_config": cell.run_config,
+        "num_clients": cell.num_clients,
+        "engine": engine_name,
+        "status": "completed" if error is None else "failed",
+        "error": error,
+        "wall_s": wall,
+        "run_folder": str(runs[0].relative_to(folder)) if len(runs) == 1 else None,
+    }
     write_json(folder / CELL_JSON, record)
     return record
 
@@ -127,8 +148,10 @@ def run_cell(engine: Engine, engine_name: str, cell: Cell, out: Path, progress: 
 def _cell_line(record: dict[str, Any], row: dict[str, Any]) -> str:
     if record["status"] != "completed":
         return f"[red]{record['name']}: failed[/red] ({record['wall_s']:.0f} s): {record['error']}"
-    return (f"{record['name']}: final accuracy {row['final_accuracy']:.4f}, max ε spent {row['epsilon_spent_max']:.4f} "
-            f"({record['wall_s']:.0f} s)")  # fmt: skip
+    return (
+        f"{record['name']}: final accuracy {row['final_accuracy']:.4f}, max ε spent {row['epsilon_spent_max']:.4f} "
+        f"({record['wall_s']:.0f} s)"
+    )
 
 
 class EngineUnavailable(RuntimeError):
@@ -140,17 +163,30 @@ def _run_baselines(jobs: list[BaselineJob], baseline_dir: Path, progress: SweepP
         progress.start(f"baseline {job.name}", int(job.cell.run_config["num-server-rounds"]))
         record = run_baseline(job, baseline_dir)
         progress.end(counts_as_cell=False)
-        outcome = f"final accuracy {record['final_accuracy']:.4f}" if record["error"] is None else f"[red]failed[/red]: {record['error']}"
+        outcome = (
+            f"final accuracy {record['final_accuracy']:.4f}"
+            if record["error"] is None
+            else f"[red]failed[/red]: {record['error']}"
+        )
         progress.log(f"baseline {job.name}: {outcome}")
 
 
-def _run_cells(spec: SweepSpec, cells: list[Cell], pending: list[Cell], out: Path, engine: Engine, progress: SweepProgress) -> None:
+def _run_cells(
+    spec: SweepSpec,
+    cells: list[Cell],
+    pending: list[Cell],
+    out: Path,
+    engine: Engine,
+    progress: SweepProgress,
+) -> None:
     """The pending cells between the engine's setup and teardown (which runs on any exit, Ctrl-C too)."""
     try:
         try:
             engine.setup()
         except Exception as exc:
-            raise EngineUnavailable(f"engine {spec.engine} could not start: {error_summary(f'{type(exc).__name__}: {exc}')}") from exc
+            raise EngineUnavailable(
+                f"engine {spec.engine} could not start: {error_summary(f'{type(exc).__name__}: {exc}')}"
+            ) from exc
         for cell in pending:
             progress.start(cell.name, int(cell.run_config["num-server-rounds"]))
             record = run_cell(engine, spec.engine, cell, out, progress)
@@ -161,7 +197,14 @@ def _run_cells(spec: SweepSpec, cells: list[Cell], pending: list[Cell], out: Pat
         engine.teardown()
 
 
-def run_sweep(spec: SweepSpec, cells: list[Cell], out: Path, *, engine: Engine | None = None, console: Console | None = None) -> SweepOutcome:
+def run_sweep(
+    spec: SweepSpec,
+    cells: list[Cell],
+    out: Path,
+    *,
+    engine: Engine | None = None,
+    console: Console | None = None,
+) -> SweepOutcome:
     """Run the baselines and every unfinished cell; return sweep.csv's rows and the baselines."""
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +217,9 @@ def run_sweep(spec: SweepSpec, cells: list[Cell], out: Path, *, engine: Engine |
     write_sweep_csv(out, spec, cells)
     with SweepProgress(len(cells), len(cells) - len(pending), console) as progress:
         if spec.seeded_noise:
-            progress.log("seeded noise: every cell's DP noise is reproducible from its seed (for experiments, never production)")
+            progress.log(
+                "seeded noise: every cell's DP noise is reproducible from its seed (for experiments, never production)"
+            )
         if len(pending) < len(cells):
             progress.log(f"resuming {out}: {len(cells) - len(pending)} of {len(cells)} cells already finished")
         _run_baselines(jobs, out / BASELINE, progress)

@@ -16,9 +16,14 @@ from sims.sweep.spec import check_run_key
 
 # flag name -> run-config key
 RUN_FLAGS = {
-    "dataset": "dataset", "data-path": "data-path", "partition-by": "partition-by", "partitioning": "partitioning",
-    "model": "model", "rounds": "num-server-rounds", "fraction-train": "fraction-train",
-}  # fmt: skip
+    "dataset": "dataset",
+    "data-path": "data-path",
+    "partition-by": "partition-by",
+    "partitioning": "partitioning",
+    "model": "model",
+    "rounds": "num-server-rounds",
+    "fraction-train": "fraction-train",
+}
 GRID_FLAGS = {"epsilons": "epsilon", "rules": "rule", "seeds": "seed"}
 
 
@@ -70,11 +75,17 @@ def scenario_from_flags(
     resources: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The raw tables (as a scenario file would give them) that the flags declare."""
-    run = {RUN_FLAGS[flag]: from_text(flag, RUN_FLAGS[flag], text) for flag, text in run_flags.items() if text is not None}
+    run = {
+        RUN_FLAGS[flag]: from_text(flag, RUN_FLAGS[flag], text) for flag, text in run_flags.items() if text is not None
+    }
     for item in sets:
         key, text = _key_value("set", item)
         run[key] = from_text(f"set {key}", key, text)
-    grid = {GRID_FLAGS[flag]: values_from_text(flag, GRID_FLAGS[flag], text) for flag, text in grid_flags.items() if text is not None}
+    grid = {
+        GRID_FLAGS[flag]: values_from_text(flag, GRID_FLAGS[flag], text)
+        for flag, text in grid_flags.items()
+        if text is not None
+    }
     for item in grids:
         key, text = _key_value("grid", item)
         grid[key] = values_from_text(f"grid {key}", key, text)

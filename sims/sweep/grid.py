@@ -53,7 +53,7 @@ def value_text(value: Any) -> str:
 def cell_name(params: dict[str, Any]) -> str:
     """`key=value_key=value…`, shortened with a digest when it would be an unwieldy folder name."""
     name = "_".join(f"{key}={value_text(value)}" for key, value in params.items()) or "default"
-    return name if len(name) <= MAX_NAME else f"{name[:MAX_NAME - 9]}-{_digest(name)}"
+    return name if len(name) <= MAX_NAME else f"{name[: MAX_NAME - 9]}-{_digest(name)}"
 
 
 def _settings(config: dict[str, Any]) -> RunSettings:
@@ -65,8 +65,12 @@ def _client_count(spec: SweepSpec, settings: RunSettings, counted: dict[str, int
     if spec.clients is not None:
         return spec.clients
     if not settings.partition_by:
-        raise InputError("sweep.clients", None, f"needs a number of clients: partitioning {settings.partitioning!r} without "
-                                                "partition-by has no natural clients")  # fmt: skip
+        raise InputError(
+            "sweep.clients",
+            None,
+            f"needs a number of clients: partitioning {settings.partitioning!r} without "
+            "partition-by has no natural clients",
+        )
     data = repr((settings.dataset, settings.data_path, settings.partition_by, settings.partitioning))
     if data not in counted:
         counted[data] = len(load_clients(**partition_kwargs(settings, None)))

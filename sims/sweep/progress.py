@@ -56,13 +56,20 @@ class SweepProgress:
 
     def __init__(self, total_cells: int, finished_cells: int, console: Console | None = None) -> None:
         self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-        )  # fmt: skip
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[detail]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+        )
         self.finished = finished_cells
         self.total = total_cells
         self.rounds = 1
-        self.cells: TaskID = self.progress.add_task("cells", total=total_cells, completed=finished_cells, detail=self._count())
+        self.cells: TaskID = self.progress.add_task(
+            "cells", total=total_cells, completed=finished_cells, detail=self._count()
+        )
         self.current: TaskID = self.progress.add_task("", total=1, detail="", visible=False)
 
     def _count(self) -> str:
@@ -80,7 +87,14 @@ class SweepProgress:
 
     def start(self, label: str, rounds: int) -> None:
         self.rounds = max(rounds, 1)
-        self.progress.update(self.current, description=label, total=rounds, completed=0, detail=f"round 0/{rounds}", visible=True)
+        self.progress.update(
+            self.current,
+            description=label,
+            total=rounds,
+            completed=0,
+            detail=f"round 0/{rounds}",
+            visible=True,
+        )
 
     def round(self, done: int) -> None:
         """Called from the engine's round watcher: the current cell has finished `done` rounds."""

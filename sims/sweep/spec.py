@@ -70,10 +70,16 @@ class SweepSpec:
     def to_dict(self) -> dict[str, Any]:
         """The scenario as plain data (sweep.json), grid values as lists."""
         return {
-            "name": self.name, "engine": self.engine, "clients": self.clients, "baseline": self.baseline,
-            "baseline_learning_rate": self.baseline_learning_rate, "seeded_noise": self.seeded_noise, "resources": vars(self.resources), "run": self.run,
+            "name": self.name,
+            "engine": self.engine,
+            "clients": self.clients,
+            "baseline": self.baseline,
+            "baseline_learning_rate": self.baseline_learning_rate,
+            "seeded_noise": self.seeded_noise,
+            "resources": vars(self.resources),
+            "run": self.run,
             "grid": {key: list(values) for key, values in self.grid.items()},
-        }  # fmt: skip
+        }
 
 
 def read_scenario(path: Path) -> dict[str, Any]:
@@ -106,9 +112,17 @@ def typed_value(field_name: str, key: str, value: Any) -> Any:
 def check_run_key(field_name: str, key: str, value: Any) -> None:
     """`key` must be a run-config key that a scenario may set."""
     if key in SET_BY_THE_SWEEP:
-        raise InputError(field_name, value, "is set by the sweep (each cell writes under <out>/cells/<cell>/ with its own ledger); leave it out")
+        raise InputError(
+            field_name,
+            value,
+            "is set by the sweep (each cell writes under <out>/cells/<cell>/ with its own ledger); leave it out",
+        )
     if key not in DEFAULTS:
-        raise InputError(field_name, value, f"not a run-config key; known keys: {', '.join(k for k in DEFAULTS if k not in SET_BY_THE_SWEEP)}")
+        raise InputError(
+            field_name,
+            value,
+            f"not a run-config key; known keys: {', '.join(k for k in DEFAULTS if k not in SET_BY_THE_SWEEP)}",
+        )
 
 
 def _path(value: str, base_dir: Path) -> str:
@@ -135,7 +149,11 @@ def _table(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
 def _grid(raw: Mapping[str, Any], run: Mapping[str, Any], base_dir: Path) -> dict[str, tuple[Any, ...]]:
     table = _table(raw, "grid")
     if not table:
-        raise InputError("grid", table, "needs at least one run-config key with a list of values, e.g. epsilon = [0.5, 1, 2]")
+        raise InputError(
+            "grid",
+            table,
+            "needs at least one run-config key with a list of values, e.g. epsilon = [0.5, 1, 2]",
+        )
     grid = {}
     for key, values in table.items():
         name = f"grid.{key}"
@@ -166,23 +184,37 @@ def _resources(raw: Mapping[str, Any]) -> Resources:
     _known(table, "resources", RESOURCE_KEYS)
     cpus = table.get("client-cpus", 1)
     if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1:
-        raise InputError("resources.client-cpus", cpus, "must be a whole number of CPUs >= 1 (Flower takes no fractions)")
+        raise InputError(
+            "resources.client-cpus", cpus, "must be a whole number of CPUs >= 1 (Flower takes no fractions)"
+        )
     gpus = table.get("client-gpus", 0.0)
     if isinstance(gpus, bool) or not isinstance(gpus, int | float) or not 0 <= gpus <= 1:
-        raise InputError("resources.client-gpus", gpus, "must be a fraction of a GPU in [0, 1], e.g. 0.25 for four clients per GPU")
+        raise InputError(
+            "resources.client-gpus",
+            gpus,
+            "must be a fraction of a GPU in [0, 1], e.g. 0.25 for four clients per GPU",
+        )
     workers = table.get("workers", 1)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InputError("resources.workers", workers, "must be a whole number of fast-engine workers >= 1")
     worker_gpus = table.get("worker-gpus", 0.0)
     if isinstance(worker_gpus, bool) or not isinstance(worker_gpus, int | float) or not 0 <= worker_gpus <= 1:
-        raise InputError("resources.worker-gpus", worker_gpus, "must be a fraction of a GPU in [0, 1], e.g. 0.5 for two workers per GPU")
+        raise InputError(
+            "resources.worker-gpus",
+            worker_gpus,
+            "must be a fraction of a GPU in [0, 1], e.g. 0.5 for two workers per GPU",
+        )
     return Resources(client_cpus=cpus, client_gpus=float(gpus), workers=workers, worker_gpus=float(worker_gpus))
 
 
 def _known(table: Mapping[str, Any], prefix: str, keys: tuple[str, ...]) -> None:
     unknown = [key for key in table if key not in keys]
     if unknown:
-        raise InputError(f"{prefix}.{unknown[0]}", table[unknown[0]], f"not a [{prefix}] key; known keys: {', '.join(keys)}")
+        raise InputError(
+            f"{prefix}.{unknown[0]}",
+            table[unknown[0]],
+            f"not a [{prefix}] key; known keys: {', '.join(keys)}",
+        )
 
 
 def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> SweepSpec:
@@ -200,29 +232,47 @@ def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Sw
         raise InputError("sweep.engine", engine, f"must be one of: {', '.join(engine_names())}")
     clients = sweep.get("clients")
     if clients is not None and (isinstance(clients, bool) or not isinstance(clients, int) or clients < 1):
-        raise InputError("sweep.clients", clients, "must be an integer >= 1 (omit it for one client per natural partition)")
+        raise InputError(
+            "sweep.clients", clients, "must be an integer >= 1 (omit it for one client per natural partition)"
+        )
     name = sweep.get("name", default_name)
     if not isinstance(name, str) or not name.strip():
         raise InputError("sweep.name", name, "must be a non-empty string")
     seeded_noise = _flag(sweep, "sweep", "seeded-noise", False)
     if seeded_noise and "noise-seed" in {*run, *grid}:
-        raise InputError("sweep.seeded-noise", True, "sets every cell's noise-seed to its seed: drop noise-seed from [run] and [grid]")
+        raise InputError(
+            "sweep.seeded-noise",
+            True,
+            "sets every cell's noise-seed to its seed: drop noise-seed from [run] and [grid]",
+        )
     return SweepSpec(
-        name=name.strip(), run=run, grid=grid, engine=engine, clients=clients,
-        baseline=_flag(sweep, "sweep", "baseline", True), seeded_noise=seeded_noise, resources=_resources(raw),
+        name=name.strip(),
+        run=run,
+        grid=grid,
+        engine=engine,
+        clients=clients,
+        baseline=_flag(sweep, "sweep", "baseline", True),
+        seeded_noise=seeded_noise,
+        resources=_resources(raw),
         baseline_learning_rate=_baseline_learning_rate(sweep),
-    )  # fmt: skip
+    )
 
 
 def _one_source_per_budget(run: Mapping[str, Any], grid: Mapping[str, tuple[Any, ...]]) -> None:
     """A per-client list (`epsilons`, `deltas`) sets every client's value, so a common `epsilon` or
     `delta` beside it would be ignored: the cells would be labelled by a value none of them ran."""
     for lists, common in (("epsilons", "epsilon"), ("deltas", "delta")):
-        if any(value != "" for value in (run.get(lists, ""), *grid.get(lists, ()))) and (common in run or common in grid):
+        if any(value != "" for value in (run.get(lists, ""), *grid.get(lists, ()))) and (
+            common in run or common in grid
+        ):
             table = "grid" if common in grid else "run"
             value = list(grid[common]) if common in grid else run[common]
-            raise InputError(f"{table}.{common}", value, f"{lists} is also given and sets every client's {common}, so this "
-                             f"would be ignored: give one or the other")  # fmt: skip
+            raise InputError(
+                f"{table}.{common}",
+                value,
+                f"{lists} is also given and sets every client's {common}, so this "
+                f"would be ignored: give one or the other",
+            )
 
 
 def _baseline_learning_rate(sweep: Mapping[str, Any]) -> float | None:
@@ -230,7 +280,11 @@ def _baseline_learning_rate(sweep: Mapping[str, Any]) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InputError("sweep.baseline-learning-rate", value, "must be a number > 0 (omit it to use the cells' learning-rate)")
+        raise InputError(
+            "sweep.baseline-learning-rate",
+            value,
+            "must be a number > 0 (omit it to use the cells' learning-rate)",
+        )
     return float(value)
 
 

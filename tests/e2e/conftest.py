@@ -64,13 +64,23 @@ class Flower:
     free_port = staticmethod(free_port)
 
     def env(self, **extra: str) -> dict[str, str]:
-        return {**os.environ, **OFFLINE_ENV, "FLWR_HOME": str(self.home), "PATH": f"{BIN}:{os.environ['PATH']}", **extra}
+        return {
+            **os.environ,
+            **OFFLINE_ENV,
+            "FLWR_HOME": str(self.home),
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+            **extra,
+        }
 
     def start(self, name: str, args: list[str], home: Path | None = None) -> subprocess.Popen:
         log = (self.home / f"{name}.log").open("w")
         env = self.env(FLWR_HOME=str(home or self.home))
         process = subprocess.Popen(
-            [str(BIN / args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            [str(BIN / args[0]), *args[1:]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         self.processes.append(process)
         return process
@@ -98,7 +108,11 @@ class Flower:
     def cli(self, *args: str, timeout: float = 120) -> dict:
         result = subprocess.run(
             [str(BIN / "flwr"), *args, "--format", "json"],
-            cwd=PROJECT, env=self.env(), capture_output=True, text=True, timeout=timeout,
+            cwd=PROJECT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         try:
             return json.loads(result.stdout)
@@ -125,8 +139,12 @@ class Flower:
 
     def run_log(self, run_id: str) -> str:
         result = subprocess.run(
-            [str(BIN / "flwr"), "log", run_id, "--show"], cwd=PROJECT, env=self.env(),
-            capture_output=True, text=True, timeout=60,
+            [str(BIN / "flwr"), "log", run_id, "--show"],
+            cwd=PROJECT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         return result.stdout + result.stderr
 

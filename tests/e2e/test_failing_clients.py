@@ -8,7 +8,6 @@ switch faults on.
 from __future__ import annotations
 
 import pytest
-
 from faultkit import Faults, check_run
 from test_flower_processes import only_folder, start_simulation_superlink
 from testapps import wrapped_app
@@ -25,15 +24,24 @@ def test_flwr_run_completes_while_thirty_percent_of_clients_fail(flower, tmp_pat
     schedule = faults.schedule(ROUNDS, [str(i) for i in range(CLIENTS)])
     assert len(set(schedule.values())) == 7 and [r for (r, _), k in schedule.items() if k == "hang"] == [ROUNDS]
     settings = {"rate": faults.rate, "seed": faults.seed, "hang_s": faults.hang_s, "log": str(faults.log)}
-    app = wrapped_app(tmp_path / "app", "faultkit", 'faultkit.faulty(real, faultkit.Faults.from_file(HERE / "faults.json"))',
-                      "faults.json", settings)
+    app = wrapped_app(
+        tmp_path / "app",
+        "faultkit",
+        'faultkit.faulty(real, faultkit.Faults.from_file(HERE / "faults.json"))',
+        "faults.json",
+        settings,
+    )
     start_simulation_superlink(flower)
     results = tmp_path / "results"
     reply = flower.cli(
-        "run", str(app), "e2e",
-        "--run-config", f"results-dir='{results}' num-server-rounds={ROUNDS} round-timeout={TIMEOUT}",
-        "--federation-config", f"num-supernodes={CLIENTS} client-resources-num-cpus=1",
-    )  # fmt: skip
+        "run",
+        str(app),
+        "e2e",
+        "--run-config",
+        f"results-dir='{results}' num-server-rounds={ROUNDS} round-timeout={TIMEOUT}",
+        "--federation-config",
+        f"num-supernodes={CLIENTS} client-resources-num-cpus=1",
+    )
     assert reply.get("success"), reply
     run = flower.wait_finished(str(reply["run-id"]), timeout=240)
     log = flower.run_log(str(reply["run-id"]))

@@ -35,8 +35,20 @@ def clients_csv(folder: Path) -> dict[str, dict[str, str]]:
 def start_simulation_superlink(flower) -> None:
     """A simulation SuperLink (Ray runs the clients) on a free port, with the CLI connection `e2e`."""
     port = flower.free_port()
-    flower.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--host", "127.0.0.1",
-                               "--port", str(port), "--database", ":flwr-in-memory:"])  # fmt: skip
+    flower.start(
+        "superlink",
+        [
+            "flower-superlink",
+            "--insecure",
+            "--simulation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database",
+            ":flwr-in-memory:",
+        ],
+    )
     flower.wait_healthy(port)
     flower.connect("e2e", port)
 
@@ -92,7 +104,10 @@ def pums_nodes(tmp_path: Path, budgets: dict[int, float]) -> list[str]:
         path = tmp_path / f"puma{puma}.csv"
         table[table.puma == puma].sample(400, random_state=0).to_csv(path, index=False)
         ledger = tmp_path / f"ledger-{puma}.sqlite"
-        configs.append(f"client-id='puma-{puma}' data-path='{path}' epsilon={epsilon} delta=1e-5 public-size=400 ledger-path='{ledger}'")
+        configs.append(
+            f"client-id='puma-{puma}' data-path='{path}' epsilon={epsilon} delta=1e-5 public-size=400 "
+            f"ledger-path='{ledger}'"
+        )
     return configs
 
 
@@ -101,26 +116,65 @@ def start_superlink(flower, tls: dict[str, Path] | None = None, *extra: str) -> 
     connection `deployment` pointing at it; returns its port."""
     port = flower.free_port()
     link_security = (
-        ["--ssl-ca-certfile", str(tls["ca"]), "--ssl-certfile", str(tls["cert"]), "--ssl-keyfile", str(tls["key"])]
-        if tls else ["--insecure"]
-    )  # fmt: skip
-    flower.start("superlink", ["flower-superlink", *link_security, "--host", "127.0.0.1", "--port", str(port),
-                               "--database", ":flwr-in-memory:", *extra])  # fmt: skip
+        [
+            "--ssl-ca-certfile",
+            str(tls["ca"]),
+            "--ssl-certfile",
+            str(tls["cert"]),
+            "--ssl-keyfile",
+            str(tls["key"]),
+        ]
+        if tls
+        else ["--insecure"]
+    )
+    flower.start(
+        "superlink",
+        [
+            "flower-superlink",
+            *link_security,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database",
+            ":flwr-in-memory:",
+            *extra,
+        ],
+    )
     context = ssl.create_default_context(cafile=str(tls["ca"])) if tls else None
     flower.wait_healthy(port, scheme="https" if tls else "http", context=context)
     flower.connect("deployment", port, root_certificates=tls["ca"] if tls else None)
     return port
 
 
-def start_supernode(flower, name: str, port: int, node_config: str, tls: dict[str, Path] | None = None,
-                    private_key: Path | None = None):  # fmt: skip
+def start_supernode(
+    flower,
+    name: str,
+    port: int,
+    node_config: str,
+    tls: dict[str, Path] | None = None,
+    private_key: Path | None = None,
+):
     """One SuperNode with its own FLWR_HOME and Runtime API port (and its auth key, if given)."""
     home = flower.home / name
     home.mkdir()
     security = ["--root-certificates", str(tls["ca"])] if tls else ["--insecure"]
     auth = ["--auth-supernode-private-key", str(private_key)] if private_key else []
-    return flower.start(name, ["flower-supernode", *security, *auth, "--superlink", f"127.0.0.1:{port}",
-                               "--port", str(flower.free_port()), "--node-config", node_config], home=home)  # fmt: skip
+    return flower.start(
+        name,
+        [
+            "flower-supernode",
+            *security,
+            *auth,
+            "--superlink",
+            f"127.0.0.1:{port}",
+            "--port",
+            str(flower.free_port()),
+            "--node-config",
+            node_config,
+        ],
+        home=home,
+    )
 
 
 def start_deployment(flower, node_configs: list[str], tls: dict[str, Path] | None = None) -> int:
@@ -136,7 +190,9 @@ def test_deployment_runs_and_a_second_run_finds_the_ledger(flower, tmp_path):
     spend all of it) starts from the ledgers and stops each client before it would overspend."""
     start_deployment(flower, pums_nodes(tmp_path, {1101: 1.0, 1102: 1.0}))
     common = "dataset='pums' min-clients=2"
-    first = flower.submit("deployment", f"{common} num-server-rounds=1 rule='proactive' results-dir='{tmp_path / 'r1'}'")
+    first = flower.submit(
+        "deployment", f"{common} num-server-rounds=1 rule='proactive' results-dir='{tmp_path / 'r1'}'"
+    )
     run = flower.wait_finished(first, timeout=180)
     assert run["status"] == "finished:completed", flower.run_log(first)
     run1 = clients_csv(only_folder(tmp_path / "r1"))
@@ -145,7 +201,8 @@ def test_deployment_runs_and_a_second_run_finds_the_ledger(flower, tmp_path):
     assert "federated (the server has no data)" in flower.run_log(first)
 
     second = flower.submit(
-        "deployment", f"{common} num-server-rounds=2 fraction-evaluate=0 rule='calibrated' results-dir='{tmp_path / 'r2'}'"
+        "deployment",
+        f"{common} num-server-rounds=2 fraction-evaluate=0 rule='calibrated' results-dir='{tmp_path / 'r2'}'",
     )
     run = flower.wait_finished(second, timeout=180)
     log = flower.run_log(second)
@@ -165,27 +222,41 @@ def make_certificates(folder: Path) -> dict[str, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key, server_key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedprivacy test CA")])
     ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     server = (
-        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name).public_key(server_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     paths = {"ca": folder / "ca.crt", "cert": folder / "server.pem", "key": folder / "server.key"}
     paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
     paths["key"].write_bytes(
-        server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        server_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     return paths
 
@@ -198,7 +269,10 @@ def test_deployment_over_tls(flower, tmp_path):
     run = flower.wait_finished(run_id, timeout=180)
     assert run["status"] == "finished:completed", flower.run_log(run_id)
     rows = clients_csv(only_folder(tmp_path / "r"))
-    assert {r["client_id"]: float(r["epsilon_budget"]) for r in rows.values()} == {"puma-1103": 1.0, "puma-1104": 2.0}
+    assert {r["client_id"]: float(r["epsilon_budget"]) for r in rows.values()} == {
+        "puma-1103": 1.0,
+        "puma-1104": 2.0,
+    }
 
 
 def make_supernode_key(path: Path) -> Path:

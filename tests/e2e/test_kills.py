@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from fedprivacy.ledger import Ledger
 from killpoints import arm, marker
 from test_flower_processes import only_folder, pums_nodes, start_superlink, start_supernode
 from testapps import wrapped_app
+
+from fedprivacy.ledger import Ledger
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +69,10 @@ def check_ledger(path: Path, released_steps: int, budget: float) -> dict:
         return {"steps": 0, "rounds": []}
     with sqlite3.connect(path) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        repeats = db.execute("SELECT MAX(n) FROM (SELECT COUNT(DISTINCT recorded_at) AS n FROM spends "
-                             "GROUP BY account_key, run_id, server_round)").fetchone()[0]
+        repeats = db.execute(
+            "SELECT MAX(n) FROM (SELECT COUNT(DISTINCT recorded_at) AS n FROM spends "
+            "GROUP BY account_key, run_id, server_round)"
+        ).fetchone()[0]
         rounds = [r for (r,) in db.execute("SELECT DISTINCT server_round FROM spends ORDER BY server_round")]
     assert repeats in (None, 1), f"{path}: a (run, round) spent twice"
     accounts = Ledger(path).accounts()  # the project's own reader opens it
@@ -90,11 +92,18 @@ def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(
     victims = {f"puma-{puma}": (config, tmp_path / f"ledger-{puma}.sqlite") for puma, config in zip(PUMAS, configs)}
     processes = {name: start_supernode(flower, f"{name}-0", port, config) for name, (config, _) in victims.items()}
     start_supernode(flower, "steady", port, configs[-1])
-    app = wrapped_app(tmp_path / "app", "killpoints", "killpoints.killable(real)", "killpoints.json", {"dir": str(control)})
+    app = wrapped_app(
+        tmp_path / "app", "killpoints", "killpoints.killable(real)", "killpoints.json", {"dir": str(control)}
+    )
     results = tmp_path / "results"
-    reply = flower.cli("run", str(app), "deployment", "--run-config",
-                       f"dataset='pums' rule='calibrated' min-clients=5 num-server-rounds={ROUNDS} round-timeout={TIMEOUT} "
-                       f"fraction-evaluate=0 results-dir='{results}'")  # fmt: skip
+    reply = flower.cli(
+        "run",
+        str(app),
+        "deployment",
+        "--run-config",
+        f"dataset='pums' rule='calibrated' min-clients=5 num-server-rounds={ROUNDS} round-timeout={TIMEOUT} "
+        f"fraction-evaluate=0 results-dir='{results}'",
+    )
     assert reply.get("success"), reply
     run_id = str(reply["run-id"])
 
@@ -120,9 +129,17 @@ def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(
                 mine = [r["steps"] for r in released(control) if r["client"] == name]
                 state = check_ledger(ledger, max(mine, default=0), 1.0)
                 kill_round = json.loads(reached.read_text())["round"]
-                kills.append({"kill": len(kills) + 1, "client": name, "point": points[name], "round": kill_round,
-                              "ledger_steps": state["steps"], "released_steps": max(mine, default=0),
-                              "round_spent": kill_round in state["rounds"]})
+                kills.append(
+                    {
+                        "kill": len(kills) + 1,
+                        "client": name,
+                        "point": points[name],
+                        "round": kill_round,
+                        "ledger_steps": state["steps"],
+                        "released_steps": max(mine, default=0),
+                        "round_spent": kill_round in state["rounds"],
+                    }
+                )
                 processes[name] = start_supernode(flower, f"{name}-{batch + 1}", port, config)
                 pending.discard(name)
             time.sleep(0.05)
@@ -170,8 +187,11 @@ def test_a_killed_superlink_leaves_ledgers_and_finished_rounds_and_a_new_run_con
     common = "dataset='pums' min-clients=2 fraction-evaluate=0 round-timeout=60"
     flower.submit("deployment", f"{common} num-server-rounds=8 results-dir='{tmp_path / 'r1'}'")
     deadline = time.monotonic() + 240
-    while not ((tmp_path / "r1").is_dir() and any((tmp_path / "r1").glob("*/rounds.csv"))
-               and len(read_rows(next((tmp_path / "r1").glob("*/rounds.csv")))) >= 2):
+    while not (
+        (tmp_path / "r1").is_dir()
+        and any((tmp_path / "r1").glob("*/rounds.csv"))
+        and len(read_rows(next((tmp_path / "r1").glob("*/rounds.csv")))) >= 2
+    ):
         assert time.monotonic() < deadline, "two rounds never finished"
         time.sleep(0.2)
     kill_group(superlink)
@@ -186,8 +206,19 @@ def test_a_killed_superlink_leaves_ledgers_and_finished_rounds_and_a_new_run_con
         assert set(finished) <= set(state["rounds"])
     assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in tmp_path.glob("superlink.db*"))
 
-    flower.start("superlink-restarted", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                                         "--database", str(database)])  # fmt: skip
+    flower.start(
+        "superlink-restarted",
+        [
+            "flower-superlink",
+            "--insecure",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database",
+            str(database),
+        ],
+    )
     flower.wait_healthy(port)
     time.sleep(10)  # a client that was training when the server died finishes that round, then idles
     before = {}

@@ -43,9 +43,15 @@ class MeasuredGrid(InProcessGrid):
         started = time.perf_counter()
         replies = super().send_and_receive(messages, timeout=timeout)
         if messages and messages[0].metadata.message_type == "train":
-            self.samples.append({"round": len(self.samples) + 1, "clients": len(messages), "rss_mib": round(rss_mib(), 1),
-                                 "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                                 "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
+            self.samples.append(
+                {
+                    "round": len(self.samples) + 1,
+                    "clients": len(messages),
+                    "rss_mib": round(rss_mib(), 1),
+                    "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                    "seconds": round(time.perf_counter() - started, 2),
+                }
+            )
         return replies
 
 
@@ -53,8 +59,16 @@ class MeasuredGrid(InProcessGrid):
 def test_two_hundred_clients_for_twenty_rounds_stay_within_budget_and_memory(tmp_path):
     if not PUMS.is_file():
         pytest.skip(f"PUMS file missing: {PUMS}")
-    config = {**app_defaults(), "dataset": "pums", "data-path": str(PUMS), "partitioning": "iid", "num-server-rounds": ROUNDS,
-              "min-clients": CLIENTS, "fraction-evaluate": 0.0, "results-dir": str(tmp_path / "results")}  # fmt: skip
+    config = {
+        **app_defaults(),
+        "dataset": "pums",
+        "data-path": str(PUMS),
+        "partitioning": "iid",
+        "num-server-rounds": ROUNDS,
+        "min-clients": CLIENTS,
+        "fraction-evaluate": 0.0,
+        "results-dir": str(tmp_path / "results"),
+    }
     grid = MeasuredGrid.simulation(client_app, CLIENTS, config)
     grid.samples = []
     started = time.perf_counter()

@@ -11,9 +11,9 @@ import json
 import sqlite3
 
 import pytest
+from test_flower_processes import only_folder, pums_nodes, start_superlink, start_supernode
 
 from fedprivacy.privacy.plan import Plan
-from test_flower_processes import only_folder, pums_nodes, start_superlink, start_supernode
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3
@@ -25,8 +25,10 @@ def test_two_supernodes_on_one_ledger_and_data_spend_each_round_once(flower, tmp
     port = start_superlink(flower)
     for name in ("twin-a", "twin-b"):
         start_supernode(flower, name, port, config)
-    run_id = flower.submit("deployment", f"dataset='pums' min-clients=2 fraction-evaluate=0 num-server-rounds={ROUNDS} "
-                                         f"results-dir='{tmp_path / 'r'}'")  # fmt: skip
+    run_id = flower.submit(
+        "deployment",
+        f"dataset='pums' min-clients=2 fraction-evaluate=0 num-server-rounds={ROUNDS} results-dir='{tmp_path / 'r'}'",
+    )
     run = flower.wait_finished(run_id, timeout=240)
     assert run["status"] == "finished:completed", flower.run_log(run_id)
 
@@ -39,8 +41,11 @@ def test_two_supernodes_on_one_ledger_and_data_spend_each_round_once(flower, tmp
     assert len(refused) == ROUNDS and all("already trained" in r["reason"] for r in refused), replies
 
     with sqlite3.connect(tmp_path / "ledger-1101.sqlite") as db:
-        spends = db.execute("SELECT server_round, COUNT(DISTINCT recorded_at), SUM(steps) FROM spends "
-                            "WHERE run_id = ? GROUP BY server_round ORDER BY server_round", (run_id,)).fetchall()
+        spends = db.execute(
+            "SELECT server_round, COUNT(DISTINCT recorded_at), SUM(steps) FROM spends "
+            "WHERE run_id = ? GROUP BY server_round ORDER BY server_round",
+            (run_id,),
+        ).fetchall()
         (plan_json,) = db.execute("SELECT plan_json FROM plans WHERE run_id = ?", (run_id,)).fetchone()
     plan = Plan.from_dict(json.loads(plan_json))
     assert spends == [(r, 1, plan.steps_in_round(r)) for r in range(1, ROUNDS + 1)]  # none lost, none doubled

@@ -30,9 +30,25 @@ def sweep_process(out: Path, log: Path) -> subprocess.Popen:
     """`fedprivacy sweep scenarios/tiny.toml --engine flower` with a clean Flower environment (the
     engine sets the offline variables and FLWR_HOME itself)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLWR_")}
-    return subprocess.Popen([sys.executable, "-m", "fedprivacy", "sweep", str(TINY), "--out", str(out), "--engine", "flower", "--no-baseline"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=_ctrl_c_as_in_a_terminal)  # fmt: skip
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fedprivacy",
+            "sweep",
+            str(TINY),
+            "--out",
+            str(out),
+            "--engine",
+            "flower",
+            "--no-baseline",
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
+    )
 
 
 def _ctrl_c_as_in_a_terminal() -> None:

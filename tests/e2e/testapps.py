@@ -25,7 +25,9 @@ def wrapped_app(folder: Path, kit: str, wrapper: str, settings_name: str, settin
     folder.mkdir()
     pyproject = (PROJECT / "pyproject.toml").read_text()
     assert 'clientapp = "clients.app:app"' in pyproject
-    (folder / "pyproject.toml").write_text(pyproject.replace('clientapp = "clients.app:app"', 'clientapp = "wrapped_app:app"'))
+    (folder / "pyproject.toml").write_text(
+        pyproject.replace('clientapp = "clients.app:app"', 'clientapp = "wrapped_app:app"')
+    )
     (folder / "wrapped_app.py").write_text(
         '"""Test-only ClientApp: the real one, wrapped (see tests/e2e/testapps.py)."""\n'
         "from pathlib import Path\n\n"
