@@ -193,7 +193,7 @@ def simulation_client(settings: RunSettings, partition_id: int, num_partitions: 
         client_id=data.client_id,
         account=simulated_account(dataset_id, data.client_id),
         data=data,
-        epsilon=settings.budget(partition_id, num_partitions),
+        epsilon=settings.client_epsilon(partition_id, num_partitions),
         delta=settings.client_delta(partition_id, num_partitions),
         ledger_path=ledger_path,
         dataset_id=dataset_id,

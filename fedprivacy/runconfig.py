@@ -181,7 +181,7 @@ class RunSettings:
     server_momentum: float
     server_tau: float
 
-    def budget(self, index: int, num_clients: int) -> float:
+    def client_epsilon(self, index: int, num_clients: int) -> float:
         """Client `index`'s ε: its entry of `epsilons` when given, else the common `epsilon`."""
         return _client_value("epsilons", self.epsilons, self.epsilon, index, num_clients)
 
@@ -194,7 +194,7 @@ class RunSettings:
         min-clients: refused before it starts, not client by client once it runs (`field` names
         where the number came from)."""
         for index in range(num_clients):
-            self.budget(index, num_clients)
+            self.client_epsilon(index, num_clients)
             self.client_delta(index, num_clients)
         if num_clients < self.min_clients:
             raise InputError(

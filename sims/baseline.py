@@ -63,7 +63,7 @@ def _plans(settings: RunSettings, clients: list[ClientData]) -> list[Plan]:
         plan_from_settings(
             settings,
             c.num_examples,
-            settings.budget(i, len(clients)),
+            settings.client_epsilon(i, len(clients)),
             settings.client_delta(i, len(clients)),
             c.client_id,
             compare=False,

@@ -133,9 +133,9 @@ def test_bad_run_config_names_the_key(key, value, message):
 
 def test_budgets_must_match_the_clients():
     settings = parse_run_config({"epsilons": "0.5,1,2", "deltas": "1e-5,1e-6,1e-7"})
-    assert settings.budget(2, 3) == 2.0 and settings.client_delta(1, 3) == 1e-6
+    assert settings.client_epsilon(2, 3) == 2.0 and settings.client_delta(1, 3) == 1e-6
     with pytest.raises(InputError, match="one value per client: 2 clients, 3 values"):
-        settings.budget(0, 2)
+        settings.client_epsilon(0, 2)
     with pytest.raises(InputError, match="deltas=.*one value per client"):
         settings.client_delta(0, 2)
     assert parse_run_config({}).client_delta(1, 3) == 1e-5  # the common delta when deltas is empty
