@@ -76,11 +76,11 @@ def test_a_client_never_trains_the_same_round_of_a_run_twice(in_process, run_con
 def test_a_reply_states_the_ledger_as_its_own_record_left_it(in_process, run_config, tmp_path, monkeypatch):
     """The ε and steps a client reports come from the transaction that recorded its round: a
     spend another writer makes on the account right after that commit is in neither."""
-    from fedprivacy import ledger as ledger_module
+    from fedprivacy.ledger import writes
     from fedprivacy.privacy.accountants import NoiseEvent
 
     ledger = tmp_path / "ledger.sqlite"
-    write, injected = ledger_module._write_and_commit, []
+    write, injected = writes.write_and_commit, []
 
     def another_writer_spends_after_the_commit(db, rows):
         last = write(db, rows)
@@ -89,7 +89,7 @@ def test_a_reply_states_the_ledger_as_its_own_record_left_it(in_process, run_con
             Ledger(ledger).record(injected[0], "another-run", 1, [NoiseEvent(5.0, 0.01, 5)])
         return last
 
-    monkeypatch.setattr(ledger_module, "_write_and_commit", another_writer_spends_after_the_commit)
+    monkeypatch.setattr(writes, "write_and_commit", another_writer_spends_after_the_commit)
     message, context = train_message(in_process, run_config, 1, ledger)
     reply = client_app(message, context).content["metrics"]
     assert injected and reply["budget-exhausted"] == 0

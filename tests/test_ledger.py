@@ -13,7 +13,6 @@ import pytest
 from forking import child_exit_code, fork_running
 from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
-from fedprivacy import ledger as ledger_module
 from fedprivacy.errors import InputError
 from fedprivacy.ledger import (
     SCHEMA_VERSION,
@@ -23,8 +22,10 @@ from fedprivacy.ledger import (
     Ledger,
     PartitioningMismatch,
     RoundRepeated,
+    composition,
     noise_schedule,
     round_events,
+    writes,
 )
 from fedprivacy.privacy import accountants
 from fedprivacy.privacy.accountants import NoiseEvent
@@ -229,7 +230,7 @@ def test_ctrl_c_while_a_round_commits_waits_for_the_writer(tmp_path, monkeypatch
     writer = Ledger(path)
     writer.open_account("a", 5.0, DELTA)
     committed = threading.Event()
-    commit = ledger_module._write_and_commit
+    commit = writes.write_and_commit
 
     def slow_commit(db, rows):  # injected: a commit that takes a second
         time.sleep(1.0)
@@ -237,7 +238,7 @@ def test_ctrl_c_while_a_round_commits_waits_for_the_writer(tmp_path, monkeypatch
         committed.set()
         return last
 
-    monkeypatch.setattr(ledger_module, "_write_and_commit", slow_commit)
+    monkeypatch.setattr(writes, "write_and_commit", slow_commit)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a suite run in the background ignores SIGINT
     try:
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -451,9 +452,7 @@ def test_rounds_composed_ahead_decide_exactly_as_rounds_composed_when_asked(tmp_
     # folds: a with b, c, d (refused in round 3: three rounds), e, f; five rounds each but d's
     assert ahead.compose_ahead(plans, first_round=1) == 5 * 4 + 3
     composed = []
-    monkeypatch.setattr(
-        ledger_module, "composed_epsilon", lambda *args: composed.append(args) or pytest.fail("composed")
-    )
+    monkeypatch.setattr(composition, "composed_epsilon", lambda *args: composed.append(args) or pytest.fail("composed"))
     assert _play_rounds(ahead, plans, 6) == expected
     assert composed == []
 
@@ -463,7 +462,7 @@ def test_composing_ahead_stops_before_the_shared_histories_would_be_forgotten(tm
     and the work with them); the rounds compose the rest themselves, to the same decisions."""
     plain = Ledger(tmp_path / "plain.sqlite")
     expected = _play_rounds(plain, _ahead_accounts(plain), 5)
-    monkeypatch.setattr(ledger_module._SharedHistories, "LIMIT", 40)
+    monkeypatch.setattr(composition.SharedHistories, "LIMIT", 40)
     ahead = Ledger(tmp_path / "ahead.sqlite")
     plans = _ahead_accounts(ahead)
     computed = ahead.compose_ahead(plans, first_round=1)

@@ -42,6 +42,17 @@ class Condition:
     kind: str = "required"
 
 
+def round_steps(steps: int, rounds: int, round_number: int) -> range:
+    """The steps (0-based) of federated round `round_number` (1-based) when `steps` are split over
+    `rounds` as evenly as possible, the first `steps % rounds` rounds one step longer; empty outside
+    1..`rounds`. A function of the schedule alone: the ledger caches a round's events per schedule."""
+    base, extra = divmod(steps, rounds)
+    done = min(max(round_number - 1, 0), rounds)
+    first = base * done + min(done, extra)
+    count = base + (1 if round_number <= extra else 0) if 1 <= round_number <= rounds else 0
+    return range(first, first + count)
+
+
 @dataclass(frozen=True)
 class Plan:
     """A client's certified DP-SGD plan (Poisson sampling; the neighbour relation in `neighbours`)."""
@@ -99,16 +110,11 @@ class Plan:
 
     def steps_in_round(self, round_number: int) -> int:
         """Steps of federated round `round_number` (1-based): T split as evenly as possible."""
-        if not 1 <= round_number <= self.rounds:
-            return 0
-        base, extra = divmod(self.steps, self.rounds)
-        return base + (1 if round_number <= extra else 0)
+        return len(round_steps(self.steps, self.rounds, round_number))
 
     def first_step_of_round(self, round_number: int) -> int:
-        """Steps of the rounds before `round_number` (the first `extra` rounds have one more)."""
-        done = min(max(round_number - 1, 0), self.rounds)
-        base, extra = divmod(self.steps, self.rounds)
-        return base * done + min(done, extra)
+        """Steps of the rounds before `round_number` (`round_steps`: the first T mod R rounds have one more)."""
+        return round_steps(self.steps, self.rounds, round_number).start
 
     def learning_rate_at(self, step: int) -> float:
         """η_t of the deterministic schedules (adagrad_norm adapts in the trainer instead)."""

@@ -24,7 +24,7 @@ from fedprivacy.privacy import accountants, adp, classical, limits
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import LR_SCHEDULES, Condition, Plan
 from fedprivacy.privacy.proactive import proactive_sigma, proactive_steps, smallest_epochs
-from fedprivacy.privacy.rules import Budget, NoiseRule, Schedule, find_rule
+from fedprivacy.privacy.rules import NoiseRule, PlanningTarget, Schedule, find_rule
 
 ADP_DEFAULT_LR_PARAMS = {"a": 20.0, "c": 1.0}  # η_t = η/sqrt(20 + t), the paper's CIFAR-10 schedule
 
@@ -180,8 +180,8 @@ def plan_client(
     plans) or replace-one (N may be the real size; dp-accounting's replace-one PLD certifies it)."""
     if neighbours not in accountants.NEIGHBOURS:
         raise InputError("adjacency", neighbours, f"must be one of: {', '.join(accountants.NEIGHBOURS)}")
-    budget = Budget(limits.records("n", n), limits.epsilon("epsilon", epsilon), 0.0)
-    budget = Budget(budget.n, budget.epsilon, below_one_over_n(delta, budget.n), neighbours)
+    budget = PlanningTarget(limits.records("n", n), limits.epsilon("epsilon", epsilon), 0.0)
+    budget = PlanningTarget(budget.n, budget.epsilon, below_one_over_n(delta, budget.n), neighbours)
     clip_norm = limits.clip_norm("clip-norm", clip_norm)
     rounds = limits.rounds("rounds", rounds)
     learning_rate = errors.positive("learning-rate", learning_rate)

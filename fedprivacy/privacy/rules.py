@@ -1,9 +1,10 @@
 """The noise rules, each a small object found by name (`RULES`), which the planner composes.
 
-A rule decides three things for a client whose budget, N and schedule (q, T, the α schedule) are
-known: the per-step noise multipliers, the validity conditions of the analysis it relies on, and
-the ε that looser analyses give for the same plan. Certification, refusal and the comparison with
-other rules are the planner's (`fedprivacy.privacy.planner`), the same for every rule.
+A rule decides three things for a client whose target (`PlanningTarget`: N, ε, δ) and schedule
+(q, T, the α schedule) are known: the per-step noise multipliers, the validity conditions of the
+analysis it relies on, and the ε that looser analyses give for the same plan. Certification,
+refusal and the comparison with other rules are the planner's (`fedprivacy.privacy.planner`), the
+same for every rule.
 
 - `proactive` (van Dijk et al. 2024): σ = sqrt(2(ε + ln(1/δ))/ε), independent of T, with the
   published conditions on T, k and N reported by name;
@@ -12,7 +13,10 @@ other rules are the planner's (`fedprivacy.privacy.planner`), the same for every
   default), s calibrated by PLD step by step; Theorem 4.1's condition on T, and Lemma 2.2's ε.
 
 To add a rule, implement `NoiseRule` and add it to `RULES`: the run config, the CLI's choices and
-the planner find it there.
+the planner find it there. The rule comparison beside a plan is not: to show the new rule's σ
+there, add it to `planner.compare_rules` (and to `planner.with_rule_comparison` for replace-one
+plans), whose names the planning sheet's figure matches against the plan's rule. The tests that
+run every rule list the rules by name.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ Segments = tuple[tuple[float, int], ...]
 
 
 @dataclass(frozen=True)
-class Budget:
-    """What a client plans for: its N records, its (ε, δ), and the neighbour relation ε holds for."""
+class PlanningTarget:
+    """What a client plans for: its N records, its (ε, δ), and the neighbour relation ε holds for.
+    A target, not a budget: the ledger's `Budget` is the (ε, δ) pinned for an account, and spent."""
 
     n: int
     epsilon: float
@@ -58,13 +63,13 @@ class NoiseRule(Protocol):
     def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
         """(learning-rate schedule, α schedule) when the caller names none."""
 
-    def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
+    def noise(self, target: PlanningTarget, schedule: Schedule) -> tuple[float, Segments]:
         """(σ, or the scale s of σ_t = s·α_t; the per-step noise multipliers as (σ, count) runs)."""
 
-    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
+    def conditions(self, target: PlanningTarget, schedule: Schedule) -> tuple[Condition, ...]:
         """The validity conditions of the analysis behind the rule, evaluated for this plan."""
 
-    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
+    def looser_bounds(self, sigma: float, target: PlanningTarget, schedule: Schedule) -> dict[str, float | None]:
         """The ε that classical analyses give for this same plan."""
 
 
@@ -77,38 +82,38 @@ class _ConstantNoise:
     def default_schedules(self, lr_schedule: str | None) -> tuple[str, str]:
         return lr_schedule or "constant", "constant"
 
-    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
-        if budget.neighbours != accountants.ADD_REMOVE:
+    def looser_bounds(self, sigma: float, target: PlanningTarget, schedule: Schedule) -> dict[str, float | None]:
+        if target.neighbours != accountants.ADD_REMOVE:
             return {}  # the classical amplification bounds here are stated for add/remove
         return {
-            "naive": classical.naive_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
-            "strong": classical.strong_epsilon(sigma, budget.delta, schedule.rate, schedule.steps),
+            "naive": classical.naive_epsilon(sigma, target.delta, schedule.rate, schedule.steps),
+            "strong": classical.strong_epsilon(sigma, target.delta, schedule.rate, schedule.steps),
         }
 
 
 class Proactive(_ConstantNoise):
     name = "proactive"
 
-    def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
-        sigma = proactive_sigma(budget.epsilon, budget.delta)
+    def noise(self, target: PlanningTarget, schedule: Schedule) -> tuple[float, Segments]:
+        sigma = proactive_sigma(target.epsilon, target.delta)
         return sigma, ((sigma, schedule.steps),)
 
-    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
+    def conditions(self, target: PlanningTarget, schedule: Schedule) -> tuple[Condition, ...]:
         return proactive_conditions(
-            budget.n, budget.epsilon, budget.delta, schedule.rate * schedule.steps, schedule.steps
+            target.n, target.epsilon, target.delta, schedule.rate * schedule.steps, schedule.steps
         )
 
 
 class Calibrated(_ConstantNoise):
     name = "calibrated"
 
-    def noise(self, budget: Budget, schedule: Schedule) -> tuple[float, Segments]:
+    def noise(self, target: PlanningTarget, schedule: Schedule) -> tuple[float, Segments]:
         sigma = accountants.calibrate_pld(
-            budget.epsilon, budget.delta, schedule.rate, schedule.relative, budget.neighbours
+            target.epsilon, target.delta, schedule.rate, schedule.relative, target.neighbours
         )
         return sigma, tuple((sigma * alpha, count) for alpha, count in schedule.relative)
 
-    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
+    def conditions(self, target: PlanningTarget, schedule: Schedule) -> tuple[Condition, ...]:
         return ()  # the PLD certificate is the whole argument
 
 
@@ -122,13 +127,13 @@ class Adp(Calibrated):
         lr_schedule = lr_schedule or "inverse_sqrt"
         return lr_schedule, ("power" if lr_schedule == "adagrad_norm" else "inverse_sqrt_lr")
 
-    def conditions(self, budget: Budget, schedule: Schedule) -> tuple[Condition, ...]:
-        return adp.theorem41_conditions(budget.epsilon, budget.delta, schedule.rate, schedule.alphas)
+    def conditions(self, target: PlanningTarget, schedule: Schedule) -> tuple[Condition, ...]:
+        return adp.theorem41_conditions(target.epsilon, target.delta, schedule.rate, schedule.alphas)
 
-    def looser_bounds(self, sigma: float, budget: Budget, schedule: Schedule) -> dict[str, float | None]:
-        if budget.neighbours != accountants.ADD_REMOVE:
+    def looser_bounds(self, sigma: float, target: PlanningTarget, schedule: Schedule) -> dict[str, float | None]:
+        if target.neighbours != accountants.ADD_REMOVE:
             return {}
-        lemma = adp.lemma22_epsilon(sigma, budget.delta, schedule.rate, schedule.relative)  # None where ε_t ≤ 1 fails
+        lemma = adp.lemma22_epsilon(sigma, target.delta, schedule.rate, schedule.relative)  # None where ε_t ≤ 1 fails
         return {"extended_advanced_composition": lemma if math.isfinite(lemma) else None}
 
 
