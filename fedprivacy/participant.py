@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_client
 from fedprivacy.data.types import ClientData, Dataset
@@ -118,7 +119,7 @@ def partition_kwargs(settings: RunSettings, num_clients: int) -> dict[str, Any]:
 
 def data_file_missing(settings: RunSettings) -> bool:
     """A file-based data set whose run-config data-path is not a file on this machine."""
-    return settings.dataset in ("pums", "csv") and (settings.data_path is None or not settings.data_path.is_file())
+    return settings.dataset in FILE_DATASETS and (settings.data_path is None or not settings.data_path.is_file())
 
 
 def require_data_file(settings: RunSettings) -> None:
@@ -151,7 +152,7 @@ def file_digest(path: Path) -> str:
 
 def dataset_identity(settings: RunSettings) -> str:
     """What the records are: a file's content, or a built-in data set's arrays."""
-    if settings.dataset in ("pums", "csv") and settings.data_path is not None:
+    if settings.dataset in FILE_DATASETS and settings.data_path is not None:
         return f"file:{file_digest(settings.data_path)}"
     return f"{settings.dataset}:{_arrays_digest(load_dataset(settings.dataset, None, **_data_options(settings)))}"
 

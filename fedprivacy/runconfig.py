@@ -1,8 +1,10 @@
 """The run configuration of the Flower apps, validated where it enters.
 
-`DEFAULTS` is the single list of run-config keys; `[tool.flwr.app.config]` in pyproject.toml
-repeats it (a test keeps the two equal) because Flower only accepts `--run-config` overrides
-for keys declared there, and `run_simulation` hands the apps an empty run config.
+Each run-config key is declared once, in fedprivacy/runconfig_keys.py (`RUN_KEYS`: default,
+check, help); `DEFAULTS`, `RunSettings` and `parse_run_config` follow it (a test keeps the fields
+equal to the keys). `[tool.flwr.app.config]` in pyproject.toml repeats the defaults (a test keeps
+the two equal) because Flower only accepts `--run-config` overrides for keys declared there, and
+`run_simulation` hands the apps an empty run config.
 
 Paths. Flower runs the apps from its own installed copy of the project, in a working directory
 of its choosing, so a relative path would silently point somewhere else. Every path here is
@@ -19,105 +21,17 @@ the run config of the researcher who runs it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedprivacy.aggregation import AGGREGATIONS
+from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
-from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
-from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
-from fedprivacy.models import MODELS
+from fedprivacy.errors import InputError, integer_at_least, open_unit
 from fedprivacy.privacy import limits
-from fedprivacy.privacy.plan import LR_SCHEDULES
-from fedprivacy.privacy.rules import RULE_NAMES, find_rule
-
-DATASETS = ("digits", "pums", "csv", "synthetic")
-PARTITIONINGS = ("auto", *SCHEMES)  # auto: natural when partition-by names a column, else iid
-SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
-
-DEFAULTS: dict[str, bool | int | float | str] = {
-    "num-server-rounds": 3,
-    "dataset": "digits",
-    "data-path": "",
-    "synthetic-examples": 2000,
-    "synthetic-features": 10,
-    "pums-age": "linear",
-    "label-column": "",
-    "partitioning": "auto",
-    "partition-by": "",
-    "dirichlet-alpha": 0.5,
-    "size-skew": "linear",
-    "test-fraction": 0.2,
-    "model": "logreg",
-    "epsilon": 1.0,
-    "epsilons": "",
-    "delta": 1e-5,
-    "deltas": "",
-    "rule": "proactive",
-    "clip-norm": 1.0,
-    "learning-rate": 1.0,
-    "lr-schedule": "",
-    "lr-offset": 20.0,
-    "lr-decay": 1.0,
-    "epochs": 0.0,
-    "seed": 0,
-    "noise-seed": -1,
-    "fraction-train": 1.0,
-    "fraction-evaluate": 1.0,
-    "min-clients": 2,
-    "results-dir": "~/fedprivacy-results",
-    "ledger-path": "",
-    "round-timeout": 600.0,
-    "diagnostics": False,
-    "aggregation": "examples",
-    "server-optimizer": "none",
-    "server-learning-rate": 1.0,
-    "server-momentum": 0.0,
-    "server-tau": 1e-3,
-}
-
-PATH_RULE = (
-    "must be an absolute path (~ and $VARS are expanded): Flower runs the apps from its own "
-    "copy of the project in another working directory, so a relative path is refused"
-)
-
-
-def resolve_path(field: str, value: Any) -> Path | None:
-    """The one way paths are read: '' means unset; ~ and $VARS expand; the result must be absolute."""
-    if not isinstance(value, str):
-        raise InputError(field, value, "must be a string path")
-    if value.strip() == "":
-        return None
-    path = Path(os.path.expandvars(os.path.expanduser(value.strip())))
-    if not path.is_absolute():
-        raise InputError(field, value, PATH_RULE)
-    return path
-
-
-def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise InputError(field, value, f"must be one of: {', '.join(allowed)}")
-    return str(value)
-
-
-def _fraction(field: str, value: Any) -> float:
-    if value == 0 and not isinstance(value, bool):
-        return 0.0
-    return unit_rate(field, value)
-
-
-def per_client_values(field: str, value: Any, check: Callable[[str, Any], float], example: str) -> tuple[float, ...]:
-    """'0.5,1,2' (a string: run configs hold no lists) → one value per client, each checked; '' → ().
-
-    The one parser of per-client lists: the run config's `epsilons`/`deltas` and the CLI's `--epsilons`.
-    """
-    if not isinstance(value, str):
-        raise InputError(field, value, f"must be a comma-separated string such as '{example}'")
-    if value.strip() == "":
-        return ()
-    return tuple(check(field, part.strip()) for part in value.split(","))
+from fedprivacy.privacy.rules import find_rule
+from fedprivacy.runconfig_keys import DEFAULTS, RUN_KEYS, choice, resolve_path
 
 
 def one_per_client(field: str, values: tuple[float, ...], num_clients: int) -> tuple[float, ...]:
@@ -133,16 +47,12 @@ def one_per_client(field: str, values: tuple[float, ...], num_clients: int) -> t
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The validated run config (key `a-b` becomes field `a_b`).
+    """The validated run config: one field per declaration of `RUN_KEYS`, in its order (key `a-b`
+    becomes field `a_b`; each key's meaning is its declaration's help, rendered in docs/flower.md).
+    Fields hold what the key's check returns: paths resolved, per-client lists as tuples,
+    `epochs=0` as None (the planner chooses k)."""
 
-    `partitioning='auto'` is `natural` when `partition-by` names a column, else `iid`;
-    `noise-seed=-1` draws DP noise from OS entropy (a seed makes noise reproducible: experiments only);
-    `epochs=0` lets the planner choose k;
-    `diagnostics=true` (simulations only) makes clients also return their raw training loss and
-    clip fraction, which are NOT private: the results then say so.
-    """
-
-    num_server_rounds: int
+    # data
     dataset: str
     data_path: Path | None
     synthetic_examples: int
@@ -154,32 +64,38 @@ class RunSettings:
     dirichlet_alpha: float
     size_skew: str
     test_fraction: float
+    # model and training
     model: str
-    epsilon: float
-    epsilons: tuple[float, ...]
-    delta: float
-    deltas: tuple[float, ...]
-    rule: str
     clip_norm: float
     learning_rate: float
     lr_schedule: str  # '' = the rule's default (constant; inverse_sqrt for adp)
     lr_offset: float
     lr_decay: float
     epochs: float | None
-    seed: int
-    noise_seed: int
+    # privacy
+    epsilon: float
+    epsilons: tuple[float, ...]
+    delta: float
+    deltas: tuple[float, ...]
+    rule: str
+    # rounds and aggregation
+    num_server_rounds: int
     fraction_train: float
     fraction_evaluate: float
     min_clients: int
-    results_dir: Path
-    ledger_path: Path | None
     round_timeout: float
-    diagnostics: bool
     aggregation: str
     server_optimizer: str
     server_learning_rate: float
     server_momentum: float
     server_tau: float
+    # randomness
+    seed: int
+    noise_seed: int
+    # output
+    results_dir: Path
+    ledger_path: Path | None
+    diagnostics: bool
 
     def client_epsilon(self, index: int, num_clients: int) -> float:
         """Client `index`'s ε: its entry of `epsilons` when given, else the common `epsilon`."""
@@ -212,97 +128,26 @@ def _client_value(field: str, values: tuple[float, ...], common: float, index: i
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
-    """Validate a Flower run config (missing keys take `DEFAULTS`; unknown keys are refused)."""
+    """Validate a Flower run config (missing keys take `DEFAULTS`; unknown keys are refused): each
+    key by its own check, then the checks that involve several keys."""
     unknown = sorted(set(run_config) - set(DEFAULTS))
     if unknown:
         raise InputError(unknown[0], run_config[unknown[0]], f"not a run-config key; known keys: {', '.join(DEFAULTS)}")
     rc = {**DEFAULTS, **run_config}
-    dataset = _choice("dataset", rc["dataset"], DATASETS)
-    data_path = resolve_path("data-path", rc["data-path"])
-    epochs = None if rc["epochs"] == 0 else limits.epochs("epochs", rc["epochs"])
-    results_dir = resolve_path("results-dir", rc["results-dir"])
-    if results_dir is None:
-        raise InputError("results-dir", rc["results-dir"], "must name a folder (an absolute path)")
-    for key in ("label-column", "partition-by"):
-        if not isinstance(rc[key], str):
-            raise InputError(key, rc[key], "must be a string (a column name, or '' for none)")
-    settings = RunSettings(
-        num_server_rounds=limits.rounds("num-server-rounds", rc["num-server-rounds"]),
-        dataset=dataset,
-        data_path=data_path,
-        synthetic_examples=integer_at_least("synthetic-examples", rc["synthetic-examples"], 2),
-        synthetic_features=integer_at_least("synthetic-features", rc["synthetic-features"], 1),
-        pums_age=_choice("pums-age", rc["pums-age"], PUMS_AGE_ENCODINGS),
-        label_column=rc["label-column"],
-        partitioning=_choice("partitioning", rc["partitioning"], PARTITIONINGS),
-        partition_by=rc["partition-by"],
-        dirichlet_alpha=positive("dirichlet-alpha", rc["dirichlet-alpha"]),
-        size_skew=_choice("size-skew", rc["size-skew"], SIZE_SKEWS),
-        test_fraction=_test_fraction(rc["test-fraction"]),
-        model=_choice("model", rc["model"], tuple(MODELS)),
-        epsilon=limits.epsilon("epsilon", rc["epsilon"]),
-        epsilons=per_client_values("epsilons", rc["epsilons"], limits.epsilon, "0.5,1,2"),
-        delta=open_unit("delta", rc["delta"]),
-        deltas=per_client_values("deltas", rc["deltas"], open_unit, "1e-5,1e-6"),
-        rule=_choice("rule", rc["rule"], RULE_NAMES),
-        clip_norm=limits.clip_norm("clip-norm", rc["clip-norm"]),
-        learning_rate=positive("learning-rate", rc["learning-rate"]),
-        lr_schedule=_choice("lr-schedule", rc["lr-schedule"], ("", *LR_SCHEDULES)),
-        lr_offset=positive("lr-offset", rc["lr-offset"]),
-        lr_decay=_non_negative("lr-decay", rc["lr-decay"]),
-        epochs=epochs,
-        seed=integer_at_least("seed", rc["seed"], 0),
-        noise_seed=integer_at_least("noise-seed", rc["noise-seed"], -1),
-        fraction_train=unit_rate("fraction-train", rc["fraction-train"]),
-        fraction_evaluate=_fraction("fraction-evaluate", rc["fraction-evaluate"]),
-        min_clients=integer_at_least("min-clients", rc["min-clients"], 1),
-        results_dir=results_dir,
-        ledger_path=resolve_path("ledger-path", rc["ledger-path"]),
-        round_timeout=positive("round-timeout", rc["round-timeout"]),
-        diagnostics=_flag("diagnostics", rc["diagnostics"]),
-        aggregation=_choice("aggregation", rc["aggregation"], AGGREGATIONS),
-        server_optimizer=_choice("server-optimizer", rc["server-optimizer"], SERVER_OPTIMIZERS),
-        server_learning_rate=positive("server-learning-rate", rc["server-learning-rate"]),
-        server_momentum=_momentum(rc["server-momentum"]),
-        server_tau=positive("server-tau", rc["server-tau"]),
-    )
-    _inverse_sqrt_keys_need_their_schedule(settings)
+    settings = RunSettings(**{key.field: key.parse(key.name, rc[key.name]) for key in RUN_KEYS})
+    _check_across_keys(settings)
     return settings
 
 
-def _inverse_sqrt_keys_need_their_schedule(settings: RunSettings) -> None:
-    """lr-offset and lr-decay shape only the inverse_sqrt schedule: set under another, refuse them
-    rather than run a schedule the user did not ask for."""
+def _check_across_keys(settings: RunSettings) -> None:
+    """The checks no single key can make: lr-offset and lr-decay shape only the inverse_sqrt
+    schedule, so a value other than their default under another schedule is refused rather than
+    run a schedule the user did not ask for (a default value cannot be told from an unset one:
+    Flower hands the apps every key of pyproject.toml)."""
     schedule = settings.lr_schedule or find_rule(settings.rule).default_schedules(None)[0]
     for key, value in (("lr-offset", settings.lr_offset), ("lr-decay", settings.lr_decay)):
         if schedule != "inverse_sqrt" and value != DEFAULTS[key]:
             raise InputError(key, value, f"shapes only lr-schedule='inverse_sqrt'; this run's schedule is {schedule!r}")
-
-
-def _non_negative(field: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
-        raise InputError(field, value, "must be a finite number ≥ 0")
-    return float(value)
-
-
-def _momentum(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
-        raise InputError("server-momentum", value, "must be a number in [0, 1) (FedAvgM's momentum; 0: none)")
-    return float(value)
-
-
-def _flag(field: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InputError(field, value, "must be true or false")
-    return value
-
-
-def _test_fraction(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
-        raise InputError(
-            "test-fraction", value, "must be a number in (0, 1): each client evaluates on its own test split"
-        )
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -343,7 +188,6 @@ NODE_KEYS = (
     "pums-age",
 )
 NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta", "public-size")
-NODE_DATASETS = ("pums", "csv")
 _NO_SPLIT = (
     "a deployed client trains on every row of its file and never evaluates: a held-out split would make "
     "which rows it trains on depend on the whole file; remove it"
@@ -377,7 +221,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     data_path = resolve_path("data-path", node_config["data-path"])
     if data_path is None:
         raise InputError("data-path", node_config["data-path"], "must name the client's data file")
-    dataset = _choice("dataset", node_config.get("dataset", "pums"), NODE_DATASETS)
+    dataset = choice("dataset", node_config.get("dataset", "pums"), FILE_DATASETS)
     label, features, num_classes = _node_columns(node_config, dataset)
     return NodeSettings(
         client_id=client_id.strip(),
@@ -390,7 +234,7 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
         label_column=label,
         feature_columns=features,
         num_classes=num_classes,
-        pums_age=_choice("pums-age", node_config.get("pums-age", "linear"), PUMS_AGE_ENCODINGS),
+        pums_age=choice("pums-age", node_config.get("pums-age", "linear"), PUMS_AGE_ENCODINGS),
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_clients, partition_rows
 from fedprivacy.data.splits import split_indices
@@ -28,7 +29,7 @@ def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
     config = {**DEFAULTS, **run_config}
     settings = parse_run_config(config)
     kwargs = partition_kwargs(settings, natural_client_count(config))
-    if settings.dataset not in ("pums", "csv") or kwargs["scheme"] != "natural" or settings.data_path is None:
+    if settings.dataset not in FILE_DATASETS or kwargs["scheme"] != "natural" or settings.data_path is None:
         raise ValueError("a validation file needs a pums or csv data set with natural partitions (partition-by)")
     options = {
         k: v
@@ -73,7 +74,7 @@ def main() -> None:
         description="Write the clients' training rows (never a test row) to a CSV for tuning."
     )
     parser.add_argument("--data", type=Path, required=True, help="the full data file (pums or csv layout)")
-    parser.add_argument("--dataset", default="pums", choices=("pums", "csv"))
+    parser.add_argument("--dataset", default="pums", choices=FILE_DATASETS)
     parser.add_argument("--partition-by", required=True, help="the client column (natural partitions)")
     parser.add_argument("--label-column", default="", help="csv only")
     parser.add_argument("--seed", type=int, default=0, help="the run config's seed (it decides the train/test split)")

@@ -105,8 +105,11 @@ def test_pyproject_declares_the_app_and_no_federations(in_process):
         flwr_table = tomllib.load(handle)["tool"]["flwr"]
     assert "federations" not in flwr_table
     assert flwr_table["app"]["components"] == {"serverapp": "server.app:app", "clientapp": "clients.app:app"}
-    assert in_process.defaults() == DEFAULTS
-    parse_run_config(in_process.defaults())  # the defaults work with no overrides
+    declared = in_process.defaults()
+    assert declared == DEFAULTS  # fedprivacy/runconfig_keys.py declares the keys; pyproject repeats them for Flower
+    assert list(declared) == list(DEFAULTS)  # in the same order: the two read alike
+    assert {key: type(v) for key, v in declared.items()} == {key: type(v) for key, v in DEFAULTS.items()}
+    parse_run_config(declared)  # the defaults work with no overrides
 
 
 @pytest.mark.parametrize(

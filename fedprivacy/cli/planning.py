@@ -165,7 +165,8 @@ def sheets(
     from fedprivacy.data.tables import partition_sizes, read_table
     from fedprivacy.privacy import limits
     from fedprivacy.privacy.planner import plan_client
-    from fedprivacy.runconfig import one_per_client, per_client_values
+    from fedprivacy.runconfig import one_per_client
+    from fedprivacy.runconfig_keys import per_client_values
 
     console = Console(stderr=True)
 

@@ -14,15 +14,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fedprivacy.catalog import DATASETS, MODEL_NAMES
 from fedprivacy.cli.common import choices, guarded, value
 from fedprivacy.errors import InputError
-from fedprivacy.models import MODELS
-from fedprivacy.runconfig import DATASETS, PARTITIONINGS
+from fedprivacy.runconfig_keys import PARTITIONINGS
 
 app = typer.Typer()
 Dataset = choices("Dataset", DATASETS)
 Partitioning = choices("Partitioning", PARTITIONINGS)
-Model = choices("Model", tuple(MODELS))
+Model = choices("Model", MODEL_NAMES)
 
 
 SCENARIO_HELP = "scenario file (TOML, see scenarios/); or build the grid with the flags below"

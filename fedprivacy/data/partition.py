@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.splits import check_test_fraction, split_client
 from fedprivacy.data.tables import partition_sizes
@@ -186,7 +187,7 @@ def partition(
 
 def _load(name: str, path: str | Path | None, by: str | None, options: dict[str, Any]) -> Dataset:
     """The dataset, with `by` as the client column of the file-based sources."""
-    if by is not None and name in ("pums", "csv"):
+    if by is not None and name in FILE_DATASETS:
         options = {**options, "client_column": by}
     return load_dataset(name, path, **options)
 

@@ -1,0 +1,321 @@
+"""Every run-config key, declared once: its default (and so its type), its check, its help, its group.
+
+`DEFAULTS`, `parse_run_config` (fedprivacy/runconfig.py) and the table of docs/flower.md
+(fedprivacy/runconfig_docs.py) are derived from `RUN_KEYS`, so a key cannot be parsed one way and
+documented another. pyproject.toml's `[tool.flwr.app.config]` repeats the defaults, because Flower
+only accepts `--run-config` overrides of keys declared there; tests keep it equal.
+
+Each `parse(field, value)` returns the value `RunSettings` holds, or raises `InputError` naming the
+key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedprivacy.aggregation import AGGREGATIONS
+from fedprivacy.catalog import DATASETS, MODEL_NAMES
+from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
+from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
+from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
+from fedprivacy.privacy import limits
+from fedprivacy.privacy.plan import LR_SCHEDULES
+from fedprivacy.privacy.rules import RULE_NAMES
+
+PARTITIONINGS = ("auto", *SCHEMES)  # auto: natural when partition-by names a column, else iid
+SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
+GROUPS = ("data", "model and training", "privacy", "rounds and aggregation", "randomness", "output")
+
+PATH_RULE = (
+    "must be an absolute path (~ and $VARS are expanded): Flower runs the apps from its own "
+    "copy of the project in another working directory, so a relative path is refused"
+)
+
+
+def resolve_path(field: str, value: Any) -> Path | None:
+    """The one way paths are read: '' means unset; ~ and $VARS expand; the result must be absolute."""
+    if not isinstance(value, str):
+        raise InputError(field, value, "must be a string path")
+    if value.strip() == "":
+        return None
+    path = Path(os.path.expandvars(os.path.expanduser(value.strip())))
+    if not path.is_absolute():
+        raise InputError(field, value, PATH_RULE)
+    return path
+
+
+def choice(field: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """`value` when it is one of `allowed`."""
+    if value not in allowed:
+        raise InputError(field, value, f"must be one of: {', '.join(allowed)}")
+    return str(value)
+
+
+def per_client_values(field: str, value: Any, check: Callable[[str, Any], float], example: str) -> tuple[float, ...]:
+    """'0.5,1,2' (a string: run configs hold no lists) → one value per client, each checked; '' → ().
+
+    The one parser of per-client lists: the run config's `epsilons`/`deltas` and the CLI's `--epsilons`.
+    """
+    if not isinstance(value, str):
+        raise InputError(field, value, f"must be a comma-separated string such as '{example}'")
+    if value.strip() == "":
+        return ()
+    return tuple(check(field, part.strip()) for part in value.split(","))
+
+
+def _one_of(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:
+    return functools.partial(choice, allowed=allowed)
+
+
+def _at_least(minimum: int) -> Callable[[str, Any], int]:
+    return functools.partial(integer_at_least, minimum=minimum)
+
+
+def _per_client(check: Callable[[str, Any], float], example: str) -> Callable[[str, Any], tuple[float, ...]]:
+    return functools.partial(per_client_values, check=check, example=example)
+
+
+def _folder(field: str, value: Any) -> Path:
+    """A path that must be set: where the run's results go."""
+    path = resolve_path(field, value)
+    if path is None:
+        raise InputError(field, value, "must name a folder (an absolute path)")
+    return path
+
+
+def _column(field: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InputError(field, value, "must be a string (a column name, or '' for none)")
+    return value
+
+
+def _test_fraction(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise InputError(field, value, "must be a number in (0, 1): each client evaluates on its own test split")
+    return float(value)
+
+
+def _fraction_or_off(field: str, value: Any) -> float:
+    """A rate in (0, 1], or 0 for none (federated evaluation off)."""
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    return unit_rate(field, value)
+
+
+def _epochs_or_planner(field: str, value: Any) -> float | None:
+    """Epochs k, or None (0 in the run config) for the planner to choose."""
+    return None if value == 0 else limits.epochs(field, value)
+
+
+def _non_negative(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+        raise InputError(field, value, "must be a finite number ≥ 0")
+    return float(value)
+
+
+def _momentum(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise InputError(field, value, "must be a number in [0, 1) (FedAvgM's momentum; 0: none)")
+    return float(value)
+
+
+def _flag(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(field, value, "must be true or false")
+    return value
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """One run-config key: `default` also fixes the type pyproject.toml declares it with."""
+
+    name: str
+    default: bool | int | float | str
+    parse: Callable[[str, Any], Any]
+    help: str
+    group: str
+
+    def __post_init__(self) -> None:
+        if self.group not in GROUPS:
+            raise ValueError(f"run-config key {self.name}: group={self.group!r} must be one of: {', '.join(GROUPS)}")
+
+    @property
+    def field(self) -> str:
+        """Its `RunSettings` field: key `a-b` becomes field `a_b`."""
+        return self.name.replace("-", "_")
+
+
+RUN_KEYS = (
+    # data
+    RunKey(
+        "dataset",
+        "digits",
+        _one_of(DATASETS),
+        "`digits` (embedded), `pums`, `csv` or `synthetic` (simulations; a deployed node reads its file "
+        "as its node config says)",
+        "data",
+    ),
+    RunKey("data-path", "", resolve_path, "the data file, an absolute path (`~` and `$VARS` expand)", "data"),
+    RunKey(
+        "synthetic-examples",
+        2000,
+        _at_least(2),
+        "`synthetic` only: its rows (x ~ N(0, I), logistic labels; scale tests with no download)",
+        "data",
+    ),
+    RunKey("synthetic-features", 10, _at_least(1), "`synthetic` only: its features", "data"),
+    RunKey(
+        "pums-age",
+        "linear",
+        _one_of(PUMS_AGE_ENCODINGS),
+        "`pums` only: `linear` (one feature, age/100) or `bands` (one 0/1 feature per age band: <25, 25–34, "
+        "35–44, 45–54, 55–61, 62–66, 67–74, ≥75; fixed in advance, not fitted to the data)",
+        "data",
+    ),
+    RunKey(
+        "label-column",
+        "",
+        _column,
+        "the label's column, for `csv` (simulations only: a deployed node's node config names its columns)",
+        "data",
+    ),
+    RunKey(
+        "partitioning",
+        "auto",
+        _one_of(PARTITIONINGS),
+        "`auto` (natural if `partition-by` is set, else iid), `iid`, `dirichlet`, `natural` or `size`",
+        "data",
+    ),
+    RunKey("partition-by", "", _column, "the client column of natural partitions, e.g. `puma`", "data"),
+    RunKey("dirichlet-alpha", 0.5, positive, "label skew of `dirichlet` (smaller: more skewed)", "data"),
+    RunKey(
+        "size-skew",
+        "linear",
+        _one_of(SIZE_SKEWS),
+        "`linear`, `square` or `exponential`, for `partitioning='size'`",
+        "data",
+    ),
+    RunKey(
+        "test-fraction",
+        0.2,
+        _test_fraction,
+        "each simulated client's held-out test split, in (0, 1) (a deployed client holds none out)",
+        "data",
+    ),
+    # model and training
+    RunKey("model", "logreg", _one_of(MODEL_NAMES), "`logreg`, `mlp` or `cnn`", "model and training"),
+    RunKey("clip-norm", 1.0, limits.clip_norm, "the per-example clipping norm C", "model and training"),
+    RunKey("learning-rate", 1.0, positive, "the step size η", "model and training"),
+    RunKey(
+        "lr-schedule",
+        "",
+        _one_of(("", *LR_SCHEDULES)),
+        '`""` (the rule\'s own: `constant`, `inverse_sqrt` for `adp`), `constant`, `inverse_sqrt` '
+        "(η_t = η/sqrt(a + c·t) at each client's step t) or `adagrad_norm`",
+        "model and training",
+    ),
+    RunKey(
+        "lr-offset",
+        20.0,
+        positive,
+        "a of `inverse_sqrt` (20 and 1: Wu et al.'s CIFAR-10 schedule); a value other than the default is "
+        "refused under any other schedule",
+        "model and training",
+    ),
+    RunKey(
+        "lr-decay",
+        1.0,
+        _non_negative,
+        "c of `inverse_sqrt`; a value other than the default is refused under any other schedule",
+        "model and training",
+    ),
+    RunKey("epochs", 0.0, _epochs_or_planner, "epochs k = qT; 0 lets the planner choose", "model and training"),
+    # privacy
+    RunKey("epsilon", 1.0, limits.epsilon, "every client's ε, unless `epsilons` is set", "privacy"),
+    RunKey(
+        "epsilons",
+        "",
+        _per_client(limits.epsilon, "0.5,1,2"),
+        "one ε per client, e.g. `'0.5,1,1,2,2,4,8'`",
+        "privacy",
+    ),
+    RunKey("delta", 1e-5, open_unit, "every client's δ, unless `deltas` is set", "privacy"),
+    RunKey("deltas", "", _per_client(open_unit, "1e-5,1e-6"), "one δ per client, e.g. `'1e-5,1e-6'`", "privacy"),
+    RunKey(
+        "rule",
+        "proactive",
+        _one_of(RULE_NAMES),
+        "`proactive`, `calibrated` or `adp` ([privacy.md](privacy.md#rules))",
+        "privacy",
+    ),
+    # rounds and aggregation
+    RunKey("num-server-rounds", 3, limits.rounds, "federated rounds", "rounds and aggregation"),
+    RunKey("fraction-train", 1.0, unit_rate, "fraction of clients trained per round", "rounds and aggregation"),
+    RunKey(
+        "fraction-evaluate",
+        1.0,
+        _fraction_or_off,
+        "fraction of clients in federated evaluation; 0 turns it off",
+        "rounds and aggregation",
+    ),
+    RunKey("min-clients", 2, _at_least(1), "clients the server waits for before a round", "rounds and aggregation"),
+    RunKey(
+        "round-timeout", 600.0, positive, "seconds the server waits for a round's replies", "rounds and aggregation"
+    ),
+    RunKey(
+        "aggregation",
+        "examples",
+        _one_of(AGGREGATIONS),
+        "`examples` (FedAvg) or `inverse-noise` (weights ∝ 1/variance of each update's noise, from its plan)",
+        "rounds and aggregation",
+    ),
+    RunKey(
+        "server-optimizer",
+        "none",
+        _one_of(SERVER_OPTIMIZERS),
+        "`none`, `fedavgm` or `fedadam`: Flower's own, applied to the privacy-aware average",
+        "rounds and aggregation",
+    ),
+    RunKey(
+        "server-learning-rate",
+        1.0,
+        positive,
+        "FedAvgM's server learning rate, FedAdam's η",
+        "rounds and aggregation",
+    ),
+    RunKey("server-momentum", 0.0, _momentum, "FedAvgM's momentum, in [0, 1)", "rounds and aggregation"),
+    RunKey("server-tau", 1e-3, positive, "FedAdam's adaptivity τ", "rounds and aggregation"),
+    # randomness
+    RunKey("seed", 0, _at_least(0), "partitions, client sampling, initial model", "randomness"),
+    RunKey(
+        "noise-seed",
+        -1,
+        _at_least(-1),
+        "−1: DP noise from OS entropy; ≥ 0: a reproducible simulation, refused by deployed clients and by a "
+        "ledger that another run already spent from",
+        "randomness",
+    ),
+    # output
+    RunKey("results-dir", "~/fedprivacy-results", _folder, "where the run's folder goes", "output"),
+    RunKey(
+        "ledger-path",
+        "",
+        resolve_path,
+        "the simulation's ledger; empty: `ledger.sqlite` in the run's folder",
+        "output",
+    ),
+    RunKey(
+        "diagnostics",
+        False,
+        _flag,
+        "simulations only: clients also return raw loss and clip fraction (**not private**), in `rounds.csv`",
+        "output",
+    ),
+)
+
+DEFAULTS: dict[str, bool | int | float | str] = {key.name: key.default for key in RUN_KEYS}
