@@ -106,7 +106,7 @@ def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, re
 def _flower(config: dict[str, Any], clients: int) -> float:
     """A real `flwr run` through the sweep's flower engine (its own SuperLink, judged by run
     status); wall time of the run, SuperLink start-up excluded."""
-    from sims.engines.flower import create
+    from sims.sweep.engines.flower import create
     from sims.sweep.grid import Cell
     from sims.sweep.spec import Resources
 

@@ -204,6 +204,7 @@ def test_a_run_in_which_every_client_fails_ends_as_the_apps_run_does(in_process,
         ({"epsilons": "1,2,3"}, 4, "epsilons"),  # one ε per client: 4 clients, 3 values
         ({"min-clients": 3}, 2, "num_clients"),  # the apps' server would wait for a third client for ever
         ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),
+        ({"private": False}, 2, "private"),  # no run config turns privacy off: only run_fast(private=False)
     ],
 )
 def test_a_run_the_apps_could_not_run_is_refused_before_anything_is_written(
@@ -250,16 +251,16 @@ def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(
     line, no round callback, no federated evaluation (the new model sent to the workers), no model."""
     import sqlite3
 
-    from fedprivacy import ledger as ledger_module
+    from fedprivacy.ledger import writes
 
-    write, aggregated, evaluated = ledger_module._write_and_commit, [], []
+    write, aggregated, evaluated = writes.write_and_commit, [], []
 
     def failing_in_round_2(db, rows):
         if rows and rows[0][1] == 2:  # the row's server_round
             raise sqlite3.OperationalError("disk I/O error")
         return write(db, rows)
 
-    monkeypatch.setattr(ledger_module, "_write_and_commit", failing_in_round_2)
+    monkeypatch.setattr(writes, "write_and_commit", failing_in_round_2)
     aggregate, evaluate = fast_engine._aggregate, fast_engine._evaluate_federated
     monkeypatch.setattr(fast_engine, "_aggregate", lambda *args: aggregated.append(args[3]) or aggregate(*args))
     monkeypatch.setattr(fast_engine, "_evaluate_federated", lambda *args: evaluated.append(args[2]) or evaluate(*args))
@@ -296,12 +297,12 @@ def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(
     are first sampled (`Ledger.compose_ahead`) and the later rounds' decisions compose nothing;
     with clients sampled at random their histories are not their plans' prefixes, and nothing is
     composed ahead."""
-    from fedprivacy import ledger as ledger_module
+    from fedprivacy.ledger import composition
 
-    compose = ledger_module.composed_epsilon
+    compose = composition.composed_epsilon
     rounds_done, composed_in_round = [], []
     monkeypatch.setattr(
-        ledger_module,
+        composition,
         "composed_epsilon",
         lambda *args: composed_in_round.append(len(rounds_done) + 1) or compose(*args),
     )
@@ -340,7 +341,7 @@ def test_the_noise_scale_is_sigma_times_c_in_float64_rounded_up_once(in_process,
     assert scale >= sigma * clip and scale - sigma * clip <= 2**-23 * sigma * clip
     two_roundings = float(torch.tensor(sigma, dtype=torch.float32) * torch.tensor(clip, dtype=torch.float32))
     assert two_roundings < sigma * clip  # what the check below tells apart
-    release, seen = stack.release, []
+    release, seen = stack.release_stacked, []
 
     def spy(sums, step, add_noise=True):
         unit = dataclasses.replace(step, expected_batch=torch.ones_like(step.expected_batch))
@@ -348,7 +349,7 @@ def test_the_noise_scale_is_sigma_times_c_in_float64_rounded_up_once(in_process,
         seen.append((torch.cat([n.flatten(1) for n in noise], dim=1), step.normals.clone(), step.active.clone()))
         return release(sums, step, add_noise)
 
-    monkeypatch.setattr(stack, "release", spy)
+    monkeypatch.setattr(stack, "release_stacked", spy)
     config = {
         **in_process.defaults(),
         "rule": "proactive",
@@ -364,3 +365,76 @@ def test_the_noise_scale_is_sigma_times_c_in_float64_rounded_up_once(in_process,
     for noise, normals, active in seen:
         assert noise.dtype == torch.float32
         assert torch.equal(noise[active], torch.tensor(scale, dtype=torch.float32) * normals[active])
+
+
+def test_a_run_with_the_mechanism_off_trains_the_same_rounds_and_spends_no_named_ledger(in_process, tmp_path):
+    """`run_fast(private=False)` (the non-private baseline) samples the same clients and runs
+    each the same steps as the private run, keeps its would-be spends in a ledger of its own (never
+    the one the run config names: a client's real budget) and says it is not private."""
+    named = tmp_path / "client-ledger.sqlite"
+    config = {**in_process.defaults(), "fraction-train": 0.5, "num-server-rounds": 3, "ledger-path": str(named)}
+
+    def run(private: bool) -> Path:
+        folder, _ = run_fast(
+            {**config, "results-dir": str(tmp_path / str(private))}, 4, private=private, say=lambda _: None
+        )
+        for name in ("config.json", "summary.json"):  # a private run's have no such key, as the apps'
+            assert json.loads((folder / name).read_text()).get("private", "absent") == ("absent" if private else False)
+        return folder
+
+    off = run(False)
+    assert not named.exists() and (off / "ledger.sqlite").is_file()
+    on = run(True)
+    assert named.is_file()
+    trained = ["round", "clients_sampled", "clients_trained"]
+    pd.testing.assert_frame_equal(csv(off, "rounds.csv")[trained], csv(on, "rounds.csv")[trained])
+    assert csv(on, "rounds.csv").clients_trained.tolist() == [2, 2, 2]  # half the clients, sampled each round
+    steps = ["client_id", "steps_planned", "steps_this_run", "rounds_trained"]
+    pd.testing.assert_frame_equal(csv(off, "clients.csv")[steps], csv(on, "clients.csv")[steps])
+
+
+@pytest.mark.parametrize("model", ["logreg", "cnn"])  # the batched stack, and client by client (DPTrainer)
+def test_a_step_with_the_mechanism_off_is_the_plain_gradient_sum_over_q_n(model):
+    """With `private=False` a step is η·Σ∇loss_i over the sampled rows, unclipped and without noise,
+    divided by the plan's q·N (here every row of 30 is sampled, over q·N = 40), as autograd gives
+    it; the plan's tiny C and large σ would change it beyond recognition were they used."""
+    from fedprivacy.models import build_model
+    from fedprivacy.privacy.plan import Plan
+    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+
+    plan = Plan(
+        client_id="c0",
+        rule="calibrated",
+        n=40,
+        epsilon=1.0,
+        delta=1e-5,
+        clip_norm=1e-3,
+        sigma=1e3,
+        sampling_rate=1.0,
+        steps=1,
+        rounds=1,
+        noise_segments=((1e3, 1),),
+        epsilon_pld=0.9,
+        epsilon_rdp=1.0,
+        learning_rate=0.5,
+    )
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.rand(30, 64, generator=generator), torch.randint(0, 10, (30,), generator=generator)
+    torch.manual_seed(0)
+    reference = build_model(model, 64, 10)
+    start = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    torch.nn.functional.cross_entropy(reference(x), y, reduction="sum").backward()
+    expected = {name: start[name] - plan.learning_rate * p.grad / 40 for name, p in reference.named_parameters()}
+
+    def one_round(private: bool) -> dict[str, torch.Tensor]:
+        client = WorkerClient(0, x.numpy(), y.numpy(), x[:1].numpy(), y[:1].numpy(), "1")
+        worker = LocalWorker([client], model, 64, 10, private=private)
+        worker.add_plans({0: plan})
+        result = worker.train(start, 1, [RoundRequest(0, None)], diagnostics=False)
+        return {key: weights[0] for key, weights in zip(start, result.weights, strict=True)}
+
+    off, on = one_round(False), one_round(True)
+    assert off.keys() == expected.keys()
+    for key, want in expected.items():
+        torch.testing.assert_close(off[key], want, rtol=1e-4, atol=1e-6)
+    assert not all(torch.allclose(on[key], want, rtol=1e-2, atol=1e-3) for key, want in expected.items())

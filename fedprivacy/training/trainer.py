@@ -4,6 +4,10 @@ It reads σ_t, q, C and T from the `Plan` and never recomputes them (ADP-SGD's �
 σ_t). Every step Poisson-samples each local record with probability q, so batches vary in size
 and an empty batch is still a step: it spends privacy and adds noise like any other. The step
 counter and the AdaGrad-norm accumulator are the whole state needed to resume.
+
+`private=False` runs the same steps with the mechanism off (σ = 0, nothing clipped): the
+non-private baseline's local training (`sims.baseline`). It is a Python argument only: no run
+config, and so no ClientApp, can ask for it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from fedprivacy.training.rng import StepDraws, StepRandomness
 from fedprivacy.training.schedule import StepSize
 from fedprivacy.training.step import dp_step
 
+# The clip norm of a step with the mechanism off: above every gradient norm (a squared norm of
+# float32 gradients stays below 1e200 in float64, see clipping.py), so every clip weight is exactly
+# 1, and σ·C with σ = 0 is exactly 0 (C = inf would make it NaN); its square is still a float.
+UNCLIPPED = 1e150
+
 
 class PlanExhausted(RuntimeError):
     """A request for steps beyond the plan's T (they would spend privacy nobody certified)."""
@@ -39,7 +48,6 @@ class TrainReport:
     mean_loss: float  # mean cross-entropy of sampled examples, before each step's update; nan if none
     clip_fraction: float  # sampled examples whose gradient norm exceeded C; nan if none
     nonfinite_examples: int  # sampled examples dropped for a non-finite gradient (contributed zero)
-    noisy_steps: int  # steps that added Gaussian noise (all of them; reported for the ledger)
     sigma_mean: float  # mean noise multiplier σ_t over the slice
     noise_std_on_mean: float  # mean σ_t·C/(qN): noise std per coordinate of the averaged gradient
     last_learning_rate: float
@@ -73,10 +81,12 @@ class DPTrainer:
         *,
         seed: int | bytes | None = None,
         state: dict[str, Any] | None = None,
+        private: bool = True,
     ) -> None:
         check_finite(model)
         self.model = model
         self.plan = plan
+        self.private = private
         self.clipper = PerExampleClipper(model)
         self.device = self.clipper.parameters[0].device
         dtype = self.clipper.parameters[0].dtype
@@ -151,7 +161,7 @@ class DPTrainer:
                 f"{self.plan.steps} steps ({self.steps_left} left)"
             )
         plan = self.plan
-        q, clip = plan.sampling_rate, plan.clip_norm
+        q, clip = plan.sampling_rate, plan.clip_norm if self.private else UNCLIPPED
         expected = q * plan.n
         first = self.step
         loss_sum = torch.zeros((), device=self.device)
@@ -168,7 +178,7 @@ class DPTrainer:
         self.model.train()
         draws: StepDraws | None = None
         for _ in range(count):
-            sigma = plan.noise_multiplier(self.step)
+            sigma = plan.noise_multiplier(self.step) if self.private else 0.0
             if draws is None or self.step >= draws.first_step + len(draws.noise):
                 draws = self._draws(first + count - self.step)
             index = draws.sample(self.step)
@@ -201,7 +211,6 @@ class DPTrainer:
             mean_loss=float(loss_sum) / examples if examples else math.nan,
             clip_fraction=int(clipped) / examples if examples else math.nan,
             nonfinite_examples=nonfinite,
-            noisy_steps=count,
             sigma_mean=sigma_mean,
             noise_std_on_mean=sigma_mean * clip / expected,
             last_learning_rate=lr_used,

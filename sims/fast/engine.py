@@ -12,6 +12,12 @@ the server aggregates their updates and evaluates the new model, in memory), and
 DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after every
 round equals the apps' to float tolerance and every client's ε is identical
 (tests/test_fast_engine.py).
+
+`run_fast(..., private=False)` is the same run with clipping and noise off: the non-private
+baseline (`sims.baseline`). It is a Python argument, never a run-config key, so no run config can
+turn privacy off; such a run keeps its ledger in its own folder (it never spends from a ledger
+the run config names) and its config.json and summary.json say `"private": false` (a private
+run's folder has no such key, as the apps').
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,7 +76,7 @@ from fedprivacy.training.rng import SeededRunWarning
 from server.evaluation import server_test_set
 from server.optimizers import ServerOptimizer
 from sims.fast.pool import WorkerPool
-from sims.fast.worker import RoundRequest, RoundResult, WorkerClient
+from sims.fast.worker import RoundRequest, WorkerClient, WorkerRoundResult
 
 RoundCallback = Callable[[dict[str, Any]], None]
 T = TypeVar("T")
@@ -145,9 +151,13 @@ def run_fast(
     run_id: int = 1,
     on_round: RoundCallback | None = None,
     say: Callable[[str], None] = print,
+    private: bool = True,
 ) -> tuple[Path, Timings]:
-    """Run `run_config` on `num_clients` simulated clients; returns (results folder, timings)."""
+    """Run `run_config` on `num_clients` simulated clients; returns (results folder, timings).
+    `private=False`: the same run with clipping and noise off (see the module docstring)."""
     settings = parse_run_config({**DEFAULTS, **run_config})
+    if not private:  # its spends are not real: never charge them to a client's own ledger
+        settings = replace(settings, ledger_path=None)
     settings.check_clients(num_clients, field="num_clients")
     require_data_file(settings)
     folder = new_run_folder(settings.results_dir, run_id)
@@ -156,6 +166,7 @@ def run_fast(
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
     extra = {
         "run_id": run_id,
+        **_marked(private),
         "ledger": str(ledger_path),
         "engine": "fast",
         "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
@@ -170,7 +181,7 @@ def run_fast(
                 run_id,
                 recorder,
                 ledger,
-                WorkerPoolSpec(workers, gpus_per_worker),
+                WorkerPoolSpec(workers, gpus_per_worker, private),
                 timings,
                 on_round,
                 say,
@@ -183,6 +194,12 @@ def run_fast(
         raise
     say(done_line(recorder.write_summary({**extra, "accounting_s": round(timings.accounting_s, 3)})))
     return folder, timings
+
+
+def _marked(private: bool) -> dict[str, bool]:
+    """What config.json and summary.json add: `"private": false` for a run with the mechanism off;
+    nothing for a private run, whose folder is then the apps' own format."""
+    return {} if private else {"private": False}
 
 
 @contextmanager
@@ -203,6 +220,7 @@ def _fewer_collections(young: int = 100_000) -> Iterator[None]:
 class WorkerPoolSpec:
     workers: int
     gpus_per_worker: float
+    private: bool
 
 
 def _run_rounds(
@@ -228,6 +246,7 @@ def _run_rounds(
             run_id,
             run_config,
             {
+                **_marked(spec.private),
                 "results_folder": str(recorder.folder),
                 "ledger": str(ledger.path),
                 "clients": num_clients,
@@ -258,6 +277,7 @@ def _run_rounds(
         (settings.model, int(test.features[0].size), test.num_classes),
         spec.workers,
         spec.gpus_per_worker,
+        private=spec.private,
     )
     state = Participation()
     optimizer = ServerOptimizer.from_settings(settings)
@@ -330,7 +350,7 @@ def _train_round(
     recorder: RunRecorder,
     state: Participation,
     timings: Timings,
-    then: Callable[[list[tuple[Client, int]], RoundResult], T],
+    then: Callable[[list[tuple[Client, int]], WorkerRoundResult], T],
     say: Callable[[str], None],
 ) -> tuple[dict[int, dict[str, Any]], T]:
     """The ClientApp's steps for the round's sampled clients, batched: accounts, plans, the
@@ -461,7 +481,7 @@ def _replies(
     ready: list[Client],
     spent: list[float],
     steps: list[int],
-    results: RoundResult,
+    results: WorkerRoundResult,
     settings: RunSettings,
     replies: dict[int, dict[str, Any]],
 ) -> None:
@@ -502,7 +522,7 @@ def _aggregate_and_evaluate(
     model: torch.nn.Module,
     test: Any,
     trained: list[tuple[Client, int]],
-    results: RoundResult,
+    results: WorkerRoundResult,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
     """The round's new global model and its central (loss, accuracy)."""
     new_state = _aggregate(global_state, trained, results, server_round, settings, optimizer)
@@ -512,7 +532,7 @@ def _aggregate_and_evaluate(
 def _aggregate(
     global_state: dict[str, torch.Tensor],
     trained: list[tuple[Client, int]],
-    results: RoundResult,
+    results: WorkerRoundResult,
     server_round: int,
     settings: RunSettings,
     optimizer: ServerOptimizer | None,

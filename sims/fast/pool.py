@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from fedprivacy.privacy.plan import Plan
-from sims.fast.worker import LocalWorker, RoundRequest, RoundResult, WorkerClient, ray_worker
+from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient, WorkerRoundResult, ray_worker
 
 
 class WorkerPool:
-    """`workers` workers over `clients`; with one worker and no GPU share, no Ray at all."""
+    """`workers` workers over `clients`; with one worker and no GPU share, no Ray at all.
+    `private=False` turns clipping and noise off in every worker (see `LocalWorker`)."""
 
     def __init__(
         self,
@@ -28,6 +29,8 @@ class WorkerPool:
         model: tuple[str, int, int],
         workers: int = 1,
         gpus_per_worker: float = 0.0,
+        *,
+        private: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: need at least one")
@@ -36,7 +39,7 @@ class WorkerPool:
         self.remote = workers > 1 or gpus_per_worker > 0
         if not self.remote:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.workers: list[Any] = [LocalWorker(shares[0], *model, device=device)]
+            self.workers: list[Any] = [LocalWorker(shares[0], *model, device=device, private=private)]
             return
         import ray
 
@@ -54,7 +57,9 @@ class WorkerPool:
         cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)) // workers)
         actor = ray_worker(num_cpus=cpus, num_gpus=gpus_per_worker)
         device = "cuda" if gpus_per_worker > 0 else "cpu"
-        self.workers = [actor.remote(share, *model, device=device, threads=int(cpus)) for share in shares]
+        self.workers = [
+            actor.remote(share, *model, device=device, threads=int(cpus), private=private) for share in shares
+        ]
 
     def add_plans(self, plans: dict[int, Plan]) -> None:
         if not plans:
@@ -75,7 +80,7 @@ class WorkerPool:
         server_round: int,
         requests: list[RoundRequest],
         diagnostics: bool,
-    ) -> RoundResult:
+    ) -> WorkerRoundResult:
         """Every request's new weights, merged in request order."""
         shares: list[list[RoundRequest]] = [[] for _ in self.workers]
         for request in requests:
@@ -118,15 +123,15 @@ class WorkerPool:
                 ray.kill(worker)
 
 
-def _merge(parts: list[RoundResult], order: list[int]) -> RoundResult:
+def _merge(parts: list[WorkerRoundResult], order: list[int]) -> WorkerRoundResult:
     """The workers' results as one, rows in `order`."""
     where = {index: (p, k) for p, part in enumerate(parts) for k, index in enumerate(part.indices)}
     rows = [where[index] for index in order]
     non_empty = [part for part in parts if part.indices]
     if not non_empty:
-        return RoundResult([], [], [], [])
+        return WorkerRoundResult([], [], [], [])
     weights = [torch.stack([parts[p].weights[w][k] for p, k in rows]) for w in range(len(non_empty[0].weights))]
-    return RoundResult(
+    return WorkerRoundResult(
         order,
         weights,
         [parts[p].states[k] for p, k in rows],

@@ -6,15 +6,14 @@ noise from each client's own stream (`draw_batch`, the same bytes `DPTrainer` re
 gradients by book-keeping (Bu et al.: the layer inputs A and output gradients D; for a Linear layer
 ‖gᵢ‖² = ‖dᵢ‖²(‖aᵢ‖² + 1) and the clipped sum is (w⊙D)ᵀA), the norms and clip weights in float64 by
 the trainer's own functions (`linear_norms`, `clip_weights`: no norm can underflow to 0 and let an
-example in unclipped), clipping at each client's C, noise
-σ_t·C on the sum (σ_t·C kept in float64 until it multiplies the standard normals, the product
-then cast to the parameters' dtype: `release`), division by the expected batch qN, and each
-client's learning rate. Clients
+example in unclipped), clipping at each client's C, noise σ_t·C on the sum (σ_t·C kept in float64
+until it multiplies the standard normals, the product then cast to the parameters' dtype:
+`release_stacked`), division by the expected batch qN, and each client's learning rate. Clients
 whose rounds have fewer steps are masked out of the steps they do not take.
 
-Batching by padding was chosen by measurement (sims/fast/README section of docs/simulator.md):
-each step gathers every client's sampled rows into a [clients, largest batch, features] tensor;
-the padding rows carry zero output gradient, so they contribute nothing.
+Batching by padding was chosen by measurement against per-client loops (docs/simulator.md, "The
+fast engine"): each step gathers every client's sampled rows into a [clients, largest batch,
+features] tensor; the padding rows carry zero output gradient, so they contribute nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from fedprivacy.training.clipping import (
     linear_norms,
 )
 from fedprivacy.training.step import noise_scale
+from fedprivacy.training.trainer import UNCLIPPED
 
 _FLOAT64 = Float64Scratch()  # the float64 copies for the norms, reused step after step (one stack at a time)
 
@@ -156,7 +156,7 @@ def clipped_sums(
     )
 
 
-def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> list[Tensor]:
+def release_stacked(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> list[Tensor]:
     """(Σ clipped + σC·N(0, I)) / (qN) per client, the noise split in parameter order.
 
     The noise scale σ_t·C is the trainer's (`fedprivacy.training.step.noise_scale`): formed in
@@ -171,7 +171,7 @@ def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> lis
     ]
 
 
-def dp_step(
+def stacked_dp_step(
     weights: list[Tensor],
     step: StepInputs,
     learning_rate: Callable[[list[Tensor]], Tensor],
@@ -181,14 +181,15 @@ def dp_step(
     """One DP-SGD step for every client, in place on `weights` (inactive clients keep theirs).
 
     `learning_rate` maps the released gradients to each client's η (AdaGrad-norm reads them).
-    `private=False` skips clipping and noise: the same step without the mechanism, for measuring
-    what the mechanism costs (benchmarks/sim_throughput.py); no run ever trains that way.
+    `private=False` skips clipping and noise: the same step without the mechanism, for the
+    non-private baseline (`run_fast(private=False)`) and for measuring what the mechanism costs
+    (benchmarks/sim_throughput.py); no run config can ask for it.
     """
     sums, nonfinite, loss_sum, clipped = clipped_sums(weights, step, clip_examples=private)
     finite = torch.isfinite(torch.stack([s.flatten(1).sum(1) for s in sums]).sum(0))  # NaN and ±inf reach the total
     if repair is not None and not bool(finite.all()):
-        repair(weights, step, sums, ~finite)
-    released = release(sums, step, add_noise=private)
+        repair(weights, step, sums, ~finite, clip=private)
+    released = release_stacked(sums, step, add_noise=private)
     rate = (learning_rate(released) * step.active).view(-1, 1)
     for w, g in zip(weights, released, strict=True):
         w.sub_(rate.view(-1, *(1,) * (w.dim() - 1)) * g)
@@ -198,18 +199,22 @@ def dp_step(
 class SingleClientRepair:
     """The rare client whose batched sums overflowed although every norm was finite: its sums are
     redone by the trainer's own clipper (which goes example by example), so it drops exactly the
-    examples the trainer would."""
+    examples the trainer would (with `clip=False`, clipping at the trainer's `UNCLIPPED`, as its
+    non-private steps do)."""
 
     def __init__(self, template: nn.Module) -> None:
         self.model = template
         self.clipper = PerExampleClipper(template)
 
-    def __call__(self, weights: list[Tensor], step: StepInputs, sums: list[Tensor], broken: Tensor) -> None:
+    def __call__(
+        self, weights: list[Tensor], step: StepInputs, sums: list[Tensor], broken: Tensor, clip: bool = True
+    ) -> None:
         for k in torch.nonzero(broken).flatten().tolist():
             with torch.no_grad():
                 for parameter, stacked in zip(self.clipper.parameters, weights, strict=True):
                     parameter.copy_(stacked[k])
             rows = step.valid[k]
-            batch = self.clipper.clipped_sum(step.features[k][rows], step.labels[k][rows], float(step.clip[k]))
+            bound = float(step.clip[k]) if clip else UNCLIPPED
+            batch = self.clipper.clipped_sum(step.features[k][rows], step.labels[k][rows], bound)
             for s, g in zip(sums, batch.grad_sums, strict=True):
                 s[k] = g

@@ -49,7 +49,7 @@ class RoundRequest:
 
 
 @dataclass
-class RoundResult:
+class WorkerRoundResult:
     """New weights of the clients that trained (stacked, in state-dict key order) and their state."""
 
     indices: list[int]
@@ -86,7 +86,7 @@ class LocalWorker:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
-        self.private = private  # False only when a benchmark measures the mechanism's cost
+        self.private = private  # False: clipping and noise off (the non-private baseline, a benchmark)
         self.model_args = (model, num_features, num_classes)
         self.template = build_model(*self.model_args).to(self.device)
         self.shape = stack.StackShape.of(self.template)
@@ -130,9 +130,9 @@ class LocalWorker:
         server_round: int,
         requests: list[RoundRequest],
         diagnostics: bool,
-    ) -> RoundResult:
+    ) -> WorkerRoundResult:
         if not requests:
-            return RoundResult([], [], [], [])
+            return WorkerRoundResult([], [], [], [])
         if self.shape is None:
             return self._train_one_by_one(global_state, server_round, requests, diagnostics)
         return self._train_stacked(global_state, server_round, requests, diagnostics)
@@ -143,7 +143,7 @@ class LocalWorker:
         server_round: int,
         requests: list[RoundRequest],
         diagnostics: bool,
-    ) -> RoundResult:
+    ) -> WorkerRoundResult:
         results, states, notes = [], [], []
         for request in requests:
             k, plan = self.position[request.index], self.plans[request.index]
@@ -159,6 +159,7 @@ class LocalWorker:
                     self.train_y[k, :n],
                     seed=self.clients[k].seed,
                     state={**(request.state or {}), "step": plan.first_step_of_round(server_round)},
+                    private=self.private,
                 )
             report = trainer.run_round(server_round)
             results.append([v.detach() for v in model.state_dict().values()])
@@ -169,7 +170,7 @@ class LocalWorker:
                 else {}
             )
         weights = [torch.stack(parts) for parts in zip(*results, strict=True)]
-        return RoundResult(
+        return WorkerRoundResult(
             [r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda"
         )
 
@@ -179,7 +180,7 @@ class LocalWorker:
         server_round: int,
         requests: list[RoundRequest],
         diagnostics: bool,
-    ) -> RoundResult:
+    ) -> WorkerRoundResult:
         positions = torch.tensor([self.position[r.index] for r in requests], device=self.device)
         plans = [self.plans[r.index] for r in requests]
         firsts = [p.first_step_of_round(server_round) for p in plans]
@@ -191,7 +192,7 @@ class LocalWorker:
         for k, (request, first, count) in enumerate(zip(requests, firsts, counts, strict=True)):
             sigmas, rates = self.schedules[request.index]
             sigma[k, :count], rate[k, :count] = sigmas[first : first + count], rates[first : first + count]
-        # σ_t stays float64, as the plan has it, until stack.release multiplies σ_t·C into the normals
+        # σ_t stays float64, as the plan has it, until stack.release_stacked multiplies σ_t·C into the normals
         sigma, rate = torch.from_numpy(sigma), torch.from_numpy(rate).float()
         adaptive = AdaptiveRates(plans, [r.state for r in requests], self.device)
         clip = torch.tensor([p.clip_norm for p in plans], dtype=torch.float64, device=self.device)
@@ -206,7 +207,7 @@ class LocalWorker:
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
             step = stack.StepInputs(*inputs, normals[:, s], sigma[:, s], clip, expected, steps > s)
-            report = stack.dp_step(
+            report = stack.stacked_dp_step(
                 weights,
                 step,
                 lambda released, s=s, step=step: adaptive.rate(released, step.active, rate[:, s]),
@@ -229,7 +230,7 @@ class LocalWorker:
                 )
             ]
         states = adaptive.states([{"step": f + c} for f, c in zip(firsts, counts, strict=True)])
-        return RoundResult(
+        return WorkerRoundResult(
             [r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda"
         )
 

@@ -40,7 +40,8 @@ class BaselineJob:
 
 def baseline_jobs(cells: list[Cell], learning_rate: float | None = None) -> list[BaselineJob]:
     """One job per distinct non-privacy setting, in the order its first cell appears; with
-    `learning_rate`, every baseline's plain SGD takes that η instead of its cells'."""
+    `learning_rate`, every baseline takes that η instead of its cells' (one chosen for clipped, noisy
+    steps can be far too large without them)."""
     jobs: dict[str, BaselineJob] = {}
     for cell in cells:
         setting = {key: value for key, value in cell.run_config.items() if key not in BASELINE_IGNORED_KEYS}
