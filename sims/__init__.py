@@ -7,9 +7,9 @@
 - `sims.baseline`: the non-private FedAvg baseline on the same partitions, model and schedule.
 - `sims.validation`: a validation file carved from the clients' training rows (never the test set).
 - `sims.audit`: the empirical privacy audit (noise spread and a canary's ε lower bound).
-- `sims.sweep`: grids of runs from a scenario file or flags (`fedprivacy sweep`), resumable.
-- `sims.engines`: what runs a sweep's cells, one module per engine (`inprocess`, `flower`, `fast`).
-- `sims.processes`: ending the processes the flower engine starts.
+- `sims.sweep`: grids of runs from a scenario file or flags (`fedprivacy sweep`), resumable; its
+  `engines` run a cell on each engine, one module per `--engine` value (`inprocess`, `flower`, `fast`).
+- `sims.processes`: a free port for the flower engine's SuperLink, and ending what it starts.
 """
 
 import fedprivacy  # noqa: F401  # first: its OpenMP setting must be in place before PyTorch loads

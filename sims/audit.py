@@ -76,9 +76,6 @@ def weakened(plan: Plan, factor: float) -> Plan:
     return dataclasses.replace(plan, noise_segments=tuple((s / factor, c) for s, c in plan.noise_segments))
 
 
-NEIGHBOURS = ("add-remove", "replace-one")
-
-
 def audit_data(n: int, canary: bool, neighbours: str = "add-remove") -> tuple[torch.Tensor, torch.Tensor]:
     """n − 1 ordinary records (zero features) and, last, the canary or, without it, one more
     ordinary record (add/remove: the mechanism cannot tell an absent record from a zero one) or
@@ -172,9 +169,6 @@ def _fast_releases(
     worker.add_plans(dict.fromkeys(range(trials), plan))
     result = worker.train(start, 1, [RoundRequest(i, None) for i in range(trials)], diagnostics=False)
     return torch.cat([w.flatten(1) for w in result.weights], dim=1)
-
-
-ENGINES = ("trainer", "fast")
 
 
 def canary_scores(

@@ -8,30 +8,20 @@ Tests (tests/conftest.py) and simulation scenarios (sims/runner.py) both drive t
 one internal it needs is isolated in `act_as_serverapp`. An exception in a handler becomes an
 error reply, as Flower does, so the ServerApp sees failing clients the way it would in a real
 run. Nodes are called one after the other in this process, so a run uses one core (plus torch's
-threads). Real nodes run side by
-side, so each call gets the whole `timeout` of `send_and_receive` to itself: a call that takes
-longer gives no reply, as a hung node gives none to Flower's grid (it finishes in the background).
+threads). Real nodes run side by side, so each call gets the whole `timeout` of `send_and_receive`
+to itself: a call that takes longer gives no reply, as a hung node gives none to Flower's grid (it
+finishes in the background).
 """
 
 from __future__ import annotations
 
 import threading
-import tomllib
 import uuid
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, Metadata, RecordDict
 from flwr.serverapp import Grid
-
-PROJECT = Path(__file__).resolve().parents[1]
-
-
-def app_defaults() -> dict[str, Any]:
-    """`[tool.flwr.app.config]` of pyproject.toml: what `flwr run .` starts from."""
-    with (PROJECT / "pyproject.toml").open("rb") as handle:
-        return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
 
 
 class InProcessGrid(Grid):
@@ -58,7 +48,6 @@ class InProcessGrid(Grid):
             for node_id, cfg in enumerate(node_configs, start=101)
         }
         self.replies: dict[str, Message] = {}
-        self.calls: list[tuple[int, str]] = []
         self._run = None
 
     @classmethod
@@ -67,10 +56,6 @@ class InProcessGrid(Grid):
     ) -> InProcessGrid:
         configs = [{"partition-id": i, "num-partitions": num_nodes} for i in range(num_nodes)]
         return cls(client_app, configs, run_config, run_id)
-
-    def restart_node(self, node_id: int) -> None:
-        """What a SuperNode restart loses: its in-memory `context.state`."""
-        self.contexts[node_id].state = RecordDict()
 
     def set_run(self, run_id: int) -> None:
         self._run = run_id
@@ -147,7 +132,6 @@ class InProcessGrid(Grid):
         for message in messages:
             message_id = uuid.uuid4().hex
             message = self._delivered(message, message_id)
-            self.calls.append((message.metadata.dst_node_id, message.metadata.message_type))
             reply = self._call_within(message, timeout)
             if reply is not None:  # a reply's source is the message's destination
                 self.replies[message_id] = reply
@@ -164,7 +148,7 @@ class InProcessGrid(Grid):
 def act_as_serverapp(run_id: int) -> None:
     """Let this process build instruction messages, as Flower's runtimes let a ServerApp.
 
-    The one Flower internal the in-process engine uses: since flwr 1.38, `Message(...)` reads the
+    The one Flower internal the in-process grid uses: since flwr 1.38, `Message(...)` reads the
     sender's identity from `flwr.supercore.task_identity.TaskIdentity`, which only the runtimes set
     (tests/test_sims.py fails loudly if a Flower upgrade moves it).
     """

@@ -15,18 +15,19 @@ from typing import Any
 
 import pytest
 import torch
+from harness import RecordingGrid, app_defaults
 
-from sims.inprocess import InProcessGrid, app_defaults, run_server
+from sims.inprocess import run_server
 
 
 @pytest.fixture
 def in_process() -> Any:
-    """The harness: `in_process.Grid` (InProcessGrid), `.run_server`, `.defaults()`."""
+    """The harness: `in_process.Grid` (harness.RecordingGrid), `.run_server`, `.defaults()`."""
     return type(
         "InProcessHarness",
         (),
         {
-            "Grid": InProcessGrid,
+            "Grid": RecordingGrid,
             "run_server": staticmethod(run_server),
             "defaults": staticmethod(app_defaults),
         },

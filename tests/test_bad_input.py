@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import app_defaults
 
 from fedprivacy import cli
 from fedprivacy.cli import ledger as ledger_cli
@@ -24,7 +25,7 @@ from fedprivacy.data.loaders import load_dataset
 from fedprivacy.errors import InputError
 from fedprivacy.runconfig import parse_node_config, parse_run_config
 from server.app import app as server_app
-from sims.inprocess import InProcessGrid, app_defaults, run_server
+from sims.inprocess import InProcessGrid, run_server
 
 PUMS_HEADER = "puma,sex,age,educ,employed"
 ROW = "1101,1,40,12,1"

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from harness import load_scenario
 
 from fedprivacy import cli
 from fedprivacy.sweepfiles import RESULT_COLUMNS
-from sims.engines.inprocess import InProcessEngine
 from sims.runner import read_results
 from sims.sweep.driver import run_sweep
+from sims.sweep.engines.inprocess import InProcessCellRunner
 from sims.sweep.flags import scenario_from_flags
 from sims.sweep.grid import cell_name, cells
-from sims.sweep.spec import load_scenario, validate
+from sims.sweep.spec import validate
 
 PROJECT = Path(__file__).resolve().parents[1]
 TINY = PROJECT / "scenarios" / "tiny.toml"
@@ -90,7 +91,7 @@ def test_the_tiny_scenario_runs_every_cell_in_process_and_sweep_csv_agrees_with_
 
 
 def test_the_fast_engine_gives_the_in_process_numbers_for_the_tiny_scenario(tiny_sweep, tmp_path, capsys, monkeypatch):
-    """`--engine fast` slots in as a module of sims/engines: same cells, same results to float tolerance."""
+    """`--engine fast` slots in as a module of sims/sweep/engines: same cells, same results to float tolerance."""
     code, _, err = run_cli(
         capsys,
         monkeypatch,
@@ -373,7 +374,7 @@ def test_resource_flags_apply_to_a_scenario_file():
     assert spec.grid == load_scenario(TINY).grid and spec.run == load_scenario(TINY).run
 
 
-class FailingEngine(InProcessEngine):
+class FailingEngine(InProcessCellRunner):
     """The in-process engine with a fault injected into the named cells."""
 
     def __init__(self, *failing: str) -> None:
@@ -388,7 +389,7 @@ class FailingEngine(InProcessEngine):
 
 def test_a_sweep_whose_every_cell_failed_still_gets_a_report_of_why(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep"
-    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: FailingEngine(*TINY_CELLS))
+    monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: FailingEngine(*TINY_CELLS))
     code, _, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
     assert code == 1 and list(pd.read_csv(out / "sweep.csv")["status"]) == ["failed", "failed"]
     code, printed, _ = run_cli(capsys, monkeypatch, "report", str(out))
@@ -401,7 +402,7 @@ def test_a_sweep_whose_every_cell_failed_still_gets_a_report_of_why(tmp_path, ca
 
 def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_path, capsys, monkeypatch):
     out = tmp_path / "sweep"
-    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: FailingEngine(TINY_CELLS[1]))
+    monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: FailingEngine(TINY_CELLS[1]))
     code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
     assert code == 1 and f"failed: cells/{TINY_CELLS[1]}: RuntimeError: injected fault" in err
     table = pd.read_csv(out / "sweep.csv")
@@ -409,7 +410,7 @@ def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_pa
     assert table["error"][1] == "RuntimeError: injected fault" and pd.isna(table["error"][0])  # one line
     first = (out / "cells" / TINY_CELLS[0] / "cell.json").stat().st_mtime_ns
 
-    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: InProcessEngine())
+    monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: InProcessCellRunner())
     code, _, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
     assert code == 0
     assert list(pd.read_csv(out / "sweep.csv")["status"]) == ["completed", "completed"]
@@ -417,7 +418,7 @@ def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_pa
     assert not (out / "baseline").exists()
 
 
-class EngineThatCannotStart(InProcessEngine):
+class EngineThatCannotStart(InProcessCellRunner):
     torn_down = False
 
     def setup(self):
@@ -428,7 +429,7 @@ class EngineThatCannotStart(InProcessEngine):
 
 
 def test_an_engine_that_cannot_start_is_one_line_and_is_torn_down(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("sims.sweep.driver.create_engine", lambda name, resources: EngineThatCannotStart())
+    monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: EngineThatCannotStart())
     code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "out"), "--no-baseline")
     assert (
         code == 1

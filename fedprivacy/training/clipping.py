@@ -75,10 +75,6 @@ class ClippedBatch:
     nonfinite: int = 0  # examples dropped because their gradient norm was not finite
 
     @property
-    def norms(self) -> Tensor:
-        return self.sq_norms.sqrt()
-
-    @property
     def clipped(self) -> Tensor:
         """Number of examples whose gradient norm exceeded C (scalar tensor)."""
         return (self.sq_norms > self.clip_norm**2).sum()

@@ -3,7 +3,8 @@
 - `spec`: the scenario (TOML tables or flags) validated whole into a `SweepSpec`;
 - `flags`: the command's flags as a scenario's tables;
 - `grid`: the cells (every combination of the grid), named and validated before anything runs;
-- `driver`: runs the cells through an engine (sims/engines), resumably, and writes sweep.csv;
+- `engines`: how a cell runs on each engine, one module per `--engine` value;
+- `driver`: runs the cells through an engine's cell runner, resumably, and writes sweep.csv;
 - `baselines`: the non-private baseline once per distinct non-privacy setting;
 - `progress`: the progress bar, and a cell's round read from its rounds.csv.
 

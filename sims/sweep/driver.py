@@ -6,8 +6,8 @@ time, the run folder's name) is written there last, atomically: it is what marks
 A rerun with the same `--out` skips the cells whose cell.json says completed, and empties any
 other cell folder before running it again (what a killed sweep left, or a failed attempt), so a
 broken run never survives beside its redo and no cell is run twice. A cell folder this scenario
-does not have, or finished cells run with other settings, make a rerun refuse to start, so one
-folder never mixes two scenarios.
+does not have, or a cell.json (completed or failed) with other settings, make a rerun refuse to
+start, so one folder never mixes two scenarios.
 
 sweep.csv is rebuilt from the cell folders after every cell, so it always agrees with them:
 one row per cell in grid order, `pending` until the cell has run.
@@ -38,8 +38,8 @@ from fedprivacy.sweepfiles import (
     read_json,
     write_json,
 )
-from sims.engines import Engine, create_engine
 from sims.sweep.baselines import BaselineJob, baseline_jobs, is_finished, run_baseline
+from sims.sweep.engines import CellRunner, create_runner
 from sims.sweep.grid import Cell
 from sims.sweep.progress import SweepProgress
 from sims.sweep.spec import SweepSpec
@@ -113,7 +113,7 @@ def write_sweep_csv(out: Path, spec: SweepSpec, cells: list[Cell]) -> list[dict[
     return rows
 
 
-def run_cell(engine: Engine, engine_name: str, cell: Cell, out: Path, progress: SweepProgress) -> dict[str, Any]:
+def run_cell(runner: CellRunner, engine_name: str, cell: Cell, out: Path, progress: SweepProgress) -> dict[str, Any]:
     """Run one cell in its emptied folder; write cell.json last (a failure too, with its error)."""
     folder = out / CELLS / cell.name
     shutil.rmtree(folder, ignore_errors=True)  # a killed or failed attempt: never a second result
@@ -121,7 +121,7 @@ def run_cell(engine: Engine, engine_name: str, cell: Cell, out: Path, progress: 
     started = time.perf_counter()
     error = None
     try:
-        engine.run_cell(cell, folder, progress.round)
+        runner.run_cell(cell, folder, progress.round)
     except Exception as exc:  # one failed cell is a row with its error, not a crashed sweep
         error = error_summary(f"{type(exc).__name__}: {exc}")
     wall = round(time.perf_counter() - started, 2)
@@ -176,25 +176,25 @@ def _run_cells(
     cells: list[Cell],
     pending: list[Cell],
     out: Path,
-    engine: Engine,
+    runner: CellRunner,
     progress: SweepProgress,
 ) -> None:
-    """The pending cells between the engine's setup and teardown (which runs on any exit, Ctrl-C too)."""
+    """The pending cells between the runner's setup and teardown (which runs on any exit, Ctrl-C too)."""
     try:
         try:
-            engine.setup()
+            runner.setup()
         except Exception as exc:
             raise EngineUnavailable(
                 f"engine {spec.engine} could not start: {error_summary(f'{type(exc).__name__}: {exc}')}"
             ) from exc
         for cell in pending:
             progress.start(cell.name, int(cell.run_config["num-server-rounds"]))
-            record = run_cell(engine, spec.engine, cell, out, progress)
+            record = run_cell(runner, spec.engine, cell, out, progress)
             rows = write_sweep_csv(out, spec, cells)
             progress.end(counts_as_cell=True)
             progress.log(_cell_line(record, rows[cells.index(cell)]))
     finally:
-        engine.teardown()
+        runner.teardown()
 
 
 def run_sweep(
@@ -202,7 +202,6 @@ def run_sweep(
     cells: list[Cell],
     out: Path,
     *,
-    engine: Engine | None = None,
     console: Console | None = None,
 ) -> SweepOutcome:
     """Run the baselines and every unfinished cell; return sweep.csv's rows and the baselines."""
@@ -224,6 +223,6 @@ def run_sweep(
             progress.log(f"resuming {out}: {len(cells) - len(pending)} of {len(cells)} cells already finished")
         _run_baselines(jobs, out / BASELINE, progress)
         if pending:
-            _run_cells(spec, cells, pending, out, engine or create_engine(spec.engine, spec.resources), progress)
+            _run_cells(spec, cells, pending, out, create_runner(spec.engine, spec.resources), progress)
     baselines = [read_json(out / BASELINE / job.name / BASELINE_JSON) for job in jobs]
     return SweepOutcome(write_sweep_csv(out, spec, cells), baselines)

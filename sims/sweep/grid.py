@@ -22,7 +22,7 @@ from sims.sweep.spec import SweepSpec
 
 UNSAFE = re.compile(r"[^A-Za-z0-9.+-]")
 MAX_NAME = 120
-# Any absolute folder for validating a cell (parse_run_config insists on one); engines set the real one.
+# Any absolute folder for validating a cell (parse_run_config insists on one); cell runners set the real one.
 PLACEHOLDER_RESULTS_DIR = "/cell-results"
 
 

@@ -1,7 +1,8 @@
 """Where a sweep is: a cell's finished rounds read from its rounds.csv, and the progress bar.
 
-The ServerApp rewrites `rounds.csv` (atomically) after every round, whichever engine runs it, so
-watching that file tells the round of a cell running in this process or in a Flower simulation.
+The ServerApp rewrites `rounds.csv` (atomically) after every round, so watching that file tells the
+round of a cell whose apps run in this process or in a Flower simulation (the inprocess and flower
+cell runners); the fast engine reports its rounds itself.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class SweepProgress:
         )
 
     def round(self, done: int) -> None:
-        """Called from the engine's round watcher: the current cell has finished `done` rounds."""
+        """The current cell has finished `done` rounds (its cell runner's `on_round`)."""
         self.progress.update(self.current, completed=done, detail=f"round {done}/{self.rounds}")
         self.progress.update(self.cells, completed=self.finished + min(done / self.rounds, 0.99))
 

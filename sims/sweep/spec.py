@@ -2,7 +2,7 @@
 
 A scenario has four tables; only [grid] is required:
 
-    [sweep]      name, engine (a module of sims/engines), clients (simulated clients; omitted:
+    [sweep]      name, engine (a module of sims/sweep/engines), clients (simulated clients; omitted:
                  one per natural partition), baseline (true: also run the non-private baseline),
                  baseline-learning-rate (the baseline's η; default the cells' own, which may suit
                  clipped, noisy steps better than plain SGD),
@@ -33,7 +33,7 @@ from typing import Any
 
 from fedprivacy.errors import InputError
 from fedprivacy.runconfig import DEFAULTS
-from sims.engines import engine_names
+from sims.sweep.engines import engine_names
 
 TABLES = ("sweep", "run", "grid", "resources")
 SWEEP_KEYS = ("name", "engine", "clients", "baseline", "baseline-learning-rate", "seeded-noise")
@@ -286,8 +286,3 @@ def _baseline_learning_rate(sweep: Mapping[str, Any]) -> float | None:
             "must be a number > 0 (omit it to use the cells' learning-rate)",
         )
     return float(value)
-
-
-def load_scenario(path: Path) -> SweepSpec:
-    """Read and validate a scenario file; its name defaults to the file's stem."""
-    return validate(read_scenario(path), base_dir=path.resolve().parent, default_name=path.stem)

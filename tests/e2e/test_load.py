@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import app_defaults
 
 from clients.app import app as client_app
 from server.app import app as server_app
-from sims.inprocess import InProcessGrid, app_defaults, run_server
+from sims.inprocess import InProcessGrid, run_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from harness import load_scenario
 
 from sims.processes import alive
 from sims.sweep.driver import run_sweep
 from sims.sweep.grid import cells
-from sims.sweep.spec import load_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""The default engine: the real ServerApp and ClientApp in this process (sims.runner), no Ray.
+"""`--engine inprocess`, the default: each cell is a `run_scenario` (sims.runner), the real ServerApp
+and ClientApp on the in-process grid (sims.inprocess), no Ray.
 
 Cells run one after the other on this process's cores. Flower's per-round INFO log and the
 per-client warning that noise is seeded are muted while a cell runs: the sweep's progress bar
@@ -19,7 +20,9 @@ from sims.sweep.progress import watching_rounds
 from sims.sweep.spec import Resources
 
 
-class InProcessEngine:
+class InProcessCellRunner:
+    """Runs a sweep cell through the real apps in this process."""
+
     def __init__(self) -> None:
         self._flwr_level = logging.NOTSET
 
@@ -38,6 +41,6 @@ class InProcessEngine:
         logging.getLogger("flwr").setLevel(self._flwr_level)
 
 
-def create(resources: Resources) -> InProcessEngine:
+def create(resources: Resources) -> InProcessCellRunner:
     """Resources are Flower simulation settings: in process there is nothing to apply them to."""
-    return InProcessEngine()
+    return InProcessCellRunner()

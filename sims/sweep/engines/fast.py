@@ -1,8 +1,9 @@
-"""The fast engine: a round's clients trained together (sims.fast), the apps' rules for the rest.
+"""`--engine fast`: each cell is one `run_fast` on the fast engine (sims.fast: a round's clients
+trained together, the apps' rules for the rest).
 
-Each cell is one `run_fast`, with the scenario's `[resources] workers` (1: in the sweep's process;
-more: Ray actors) and `worker-gpus`. The results folder has the apps' format, with `"engine":
-"fast"` in config.json and summary.json.
+The run gets the scenario's `[resources] workers` (1: in the sweep's process; more: Ray actors)
+and `worker-gpus`. The results folder has the apps' format, with `"engine": "fast"` in
+config.json and summary.json.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from sims.sweep.grid import Cell
 from sims.sweep.spec import Resources
 
 
-class FastEngine:
+class FastCellRunner:
+    """Runs a sweep cell on the fast engine."""
+
     def __init__(self, resources: Resources) -> None:
         self.resources = resources
 
@@ -40,5 +43,5 @@ class FastEngine:
         """Nothing outlives a cell."""
 
 
-def create(resources: Resources) -> FastEngine:
-    return FastEngine(resources)
+def create(resources: Resources) -> FastCellRunner:
+    return FastCellRunner(resources)

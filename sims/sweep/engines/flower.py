@@ -1,4 +1,4 @@
-"""The flower engine: every cell is a real `flwr run` on a simulation SuperLink that the sweep starts.
+"""`--engine flower`: every cell is a real `flwr run` on a simulation SuperLink that the sweep starts.
 
 `setup` starts `flower-superlink --simulation` on a free port of 127.0.0.1 with a private
 FLWR_HOME (a temporary folder holding the CLI connection and the SuperLink's log) and Flower kept
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.sweepfiles import read_json
-from sims.inprocess import PROJECT
 from sims.processes import end_tree, free_port
 from sims.sweep.grid import Cell
 from sims.sweep.progress import watching_rounds
@@ -46,6 +45,7 @@ HEALTHY_WITHIN_S = 60.0
 POLL_S = 2.0
 RUN_LOG = "flwr-run.log"
 PENDING_LIMIT_S = 300.0  # a run still `pending` this long will not start (a known SuperLink hang)
+PROJECT = Path(__file__).resolve().parents[3]  # the source folder: `flwr run` builds the app from its pyproject.toml
 
 
 def _tool(name: str) -> str:
@@ -71,7 +71,9 @@ def write_run_config(config: dict[str, Any], path: Path) -> Path:
     return path
 
 
-class FlowerEngine:
+class FlowerCellRunner:
+    """Runs a sweep cell as a `flwr run` on the SuperLink that `setup` starts."""
+
     def __init__(self, resources: Resources) -> None:
         self.resources = resources
         self.home: Path | None = None
@@ -209,5 +211,5 @@ class FlowerEngine:
             self.home = None
 
 
-def create(resources: Resources) -> FlowerEngine:
-    return FlowerEngine(resources)
+def create(resources: Resources) -> FlowerCellRunner:
+    return FlowerCellRunner(resources)

@@ -1,0 +1,53 @@
+"""How tests drive the product, kept out of it because nothing in the product needs them.
+
+- `app_defaults`: the run config `flwr run .` starts from, read from pyproject.toml;
+- `RecordingGrid`: `sims.inprocess.InProcessGrid` that also records whom it sent what, and can
+  restart a node;
+- `load_scenario`: a scenario file validated as `fedprivacy sweep FILE` does with no flags.
+
+Import it by name (`from harness import ...`), as faultkit or independent: pytest puts tests/ on
+the path.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Message, RecordDict
+
+from sims.inprocess import InProcessGrid
+from sims.sweep.spec import SweepSpec, read_scenario, validate
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def app_defaults() -> dict[str, Any]:
+    """`[tool.flwr.app.config]` of pyproject.toml: what `flwr run .` starts from."""
+    with (PROJECT / "pyproject.toml").open("rb") as handle:
+        return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+
+
+class RecordingGrid(InProcessGrid):
+    """An `InProcessGrid` whose `calls` list (node id, message type) of every message it delivered,
+    in order, so a test can count a node's train rounds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[int, str]] = []
+
+    def push_messages(self, messages: Iterable[Message], timeout: float | None = None) -> Iterable[str]:
+        messages = list(messages)
+        self.calls += [(m.metadata.dst_node_id, m.metadata.message_type) for m in messages]
+        return super().push_messages(messages, timeout)
+
+    def restart_node(self, node_id: int) -> None:
+        """What a SuperNode restart loses: its in-memory `context.state`."""
+        self.contexts[node_id].state = RecordDict()
+
+
+def load_scenario(path: Path) -> SweepSpec:
+    """Read and validate a scenario file; its name defaults to the file's stem."""
+    return validate(read_scenario(path), base_dir=path.resolve().parent, default_name=path.stem)
