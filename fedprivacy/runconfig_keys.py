@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.aggregation import AGGREGATIONS
-from fedprivacy.catalog import DATASETS, MODEL_NAMES
+from fedprivacy.catalog import DATASETS, MODEL_NAMES, RULE_NAMES
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
 from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
 from fedprivacy.privacy import limits
 from fedprivacy.privacy.plan import LR_SCHEDULES
-from fedprivacy.privacy.rules import RULE_NAMES
 
 PARTITIONINGS = ("auto", *SCHEMES)  # auto: natural when partition-by names a column, else iid
 SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")

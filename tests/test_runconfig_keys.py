@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fedprivacy.catalog import MODEL_NAMES
+from fedprivacy.catalog import MODEL_NAMES, RULE_NAMES
 from fedprivacy.errors import InputError
 from fedprivacy.models import MODELS
 from fedprivacy.runconfig import RunSettings, parse_run_config
@@ -37,6 +37,12 @@ def test_docs_table_is_the_rendering_of_the_declarations():
 
 def test_the_torch_free_model_names_are_the_registry():
     assert tuple(MODELS) == MODEL_NAMES
+
+
+def test_the_catalog_rule_names_are_the_registry():
+    from fedprivacy.privacy.rules import RULES
+
+    assert tuple(RULES) == RULE_NAMES
 
 
 @pytest.mark.parametrize(
@@ -74,14 +80,17 @@ def test_inverse_sqrt_keys_are_taken_under_their_schedule_or_at_their_defaults(c
     parse_run_config(config)
 
 
-def test_help_starts_without_torch():
+def test_help_starts_without_torch_or_the_accountants():
+    """The help lists names only: neither PyTorch nor dp-accounting (with scipy) should load for it."""
     probe = (
         "import sys\n"
         "from fedprivacy.cli import main\n"
         "sys.argv = ['fedprivacy', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
-        "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n"
+        "heavy = [m for m in ('torch', 'dp_accounting', 'scipy') if m in sys.modules]\n"
+        "print(f'loaded: {heavy}' if heavy else 'none loaded')\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert "sweep" in done.stdout  # the help was printed
-    assert done.stdout.strip().endswith("no torch"), "`fedprivacy --help` imported torch: import it inside the command"
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == "none loaded", f"`fedprivacy --help` {last}: import them inside the command"

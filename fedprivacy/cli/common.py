@@ -13,9 +13,9 @@ from typing import Annotated, TypeVar
 
 import typer
 
+from fedprivacy.catalog import RULE_NAMES
 from fedprivacy.errors import InputError, PlanRefused
 from fedprivacy.privacy.plan import ALPHA_SCHEDULES, LR_SCHEDULES, NEIGHBOUR_RELATIONS
-from fedprivacy.privacy.rules import RULE_NAMES
 
 T = TypeVar("T")
 

@@ -7,24 +7,32 @@ the classical rules of Abadi et al. 2016 and Dwork & Roth are in `classical`, an
 `feasible_plans` is the DP calculator.
 """
 
-from fedprivacy.privacy.accountants import NoiseEvent, pld_epsilon, rdp_epsilon
-from fedprivacy.privacy.calculator import feasible_plans
-from fedprivacy.privacy.plan import Condition, Plan
-from fedprivacy.privacy.planner import compare_rules, plan_client
-from fedprivacy.privacy.proactive import proactive_sigma
-from fedprivacy.privacy.rules import RULE_NAMES, NoiseRule, find_rule
+from __future__ import annotations
 
-__all__ = [
-    "RULE_NAMES",
-    "Condition",
-    "NoiseEvent",
-    "NoiseRule",
-    "Plan",
-    "compare_rules",
-    "feasible_plans",
-    "find_rule",
-    "pld_epsilon",
-    "plan_client",
-    "proactive_sigma",
-    "rdp_epsilon",
-]
+import importlib
+from typing import Any
+
+# name -> the module that defines it. Loaded on first use (PEP 562), so that importing one module
+# of this package (the plan, the limits) does not load dp-accounting and scipy: `fedprivacy --help`
+# and the run config's parser need only names.
+_EXPORTS = {
+    "NoiseEvent": "accountants",
+    "pld_epsilon": "accountants",
+    "rdp_epsilon": "accountants",
+    "feasible_plans": "calculator",
+    "Condition": "plan",
+    "Plan": "plan",
+    "compare_rules": "planner",
+    "plan_client": "planner",
+    "proactive_sigma": "proactive",
+    "RULE_NAMES": "rules",
+    "NoiseRule": "rules",
+    "find_rule": "rules",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
