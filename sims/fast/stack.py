@@ -59,10 +59,6 @@ class StackShape:
             return None
         return cls(tuple((m.in_features, m.out_features) for m in linears))
 
-    @property
-    def parameter_count(self) -> int:
-        return sum(i * o + o for i, o in self.sizes)
-
 
 @dataclass
 class StepInputs:
