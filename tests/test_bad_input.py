@@ -159,6 +159,16 @@ CASES = [
         make=write("semicolon.csv", PUMS_HEADER.replace(",", ";") + "\n" + ROW.replace(",", ";") + "\n"),
     ),
     cli_case(
+        "data",
+        "tab.csv",
+        "sheets",
+        "--data",
+        "{file}",
+        "--partition-by",
+        "puma",
+        make=write("tab.csv", PUMS_HEADER.replace(",", "\t") + "\n" + ROW.replace(",", "\t") + "\n"),
+    ),
+    cli_case(
         "partition-by puma",
         "1101",
         "sheets",
@@ -503,3 +513,16 @@ def test_a_batch_of_exactly_one_record_plans(rule):
     for n in (49, 5736):
         plan = plan_client(n, 1.0, 0.5 / n, rule=rule, expected_batch_size=1, epochs=1, compare=False)
         assert plan.sampling_rate * n == pytest.approx(1.0) and plan.epsilon_pld <= 1.0
+
+
+def test_a_ledger_path_that_cannot_be_created_is_refused_in_one_line(tmp_path):
+    """A file stands where the ledger's folder should be: the ledger names the path and why."""
+    from fedprivacy.ledger import Ledger
+
+    (tmp_path / "taken").write_text("a file, not a folder")
+    path = tmp_path / "taken" / "ledger.sqlite"
+    with pytest.raises(InputError) as refused:
+        Ledger(path)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"ledger-path={str(path)!r}"), message
+    assert "cannot create a ledger there" in message
