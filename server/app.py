@@ -32,7 +32,7 @@ from fedprivacy.results import (
 )
 from fedprivacy.runconfig import RunSettings, parse_run_config
 from server.console import reporting
-from server.evaluation import server_test_set
+from server.evaluation import central_evaluation, server_test_set
 from server.optimizers import ServerOptimizer
 from server.strategy import PrivacyFedAvg
 
@@ -129,15 +129,14 @@ def _federate(
     )
     nodes = strategy.connected_nodes(grid)
     test = server_test_set(settings, len(nodes))
+    recorder.evaluation_rows = None if test is None else len(test.labels)
     if test is None and settings.data_path is not None:
         logger.info(
             "data-path %s is not a file on the server: evaluating through the clients "
             "(as in a deployment, where each SuperNode reads its own file)",
             settings.data_path,
         )
-    evaluation = (
-        "central (union of the clients' test splits)" if test is not None else "federated (the server has no data)"
-    )
+    evaluation = central_evaluation(settings) if test is not None else "federated (the server has no data)"
     if test is None:  # the clients read their own data, so they are (or act as) deployed SuperNodes
         extra["ledger"] = DEPLOYED_LEDGERS
     recorder.write_config(

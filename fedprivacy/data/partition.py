@@ -1,5 +1,10 @@
 """Federated partitions: which rows each client holds, then each client's own train/test split.
 
+For tuning (`validation_fraction` > 0), a client's training rows are split again into fit rows
+and validation rows, and its `ClientData` is (fit, validation): everything downstream (planning
+on N, training, the server's central set, federated evaluation) then works on them unchanged,
+and no test row is handed out.
+
 The row assignment comes from flwr-datasets partitioners run offline on a small in-memory table
 (row position, label, client column); features never leave numpy. Everything is seeded, and the
 assignment is cached per (dataset, scheme, options), so a ClientApp started once per message
@@ -19,7 +24,12 @@ import pandas as pd
 
 from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import load_dataset
-from fedprivacy.data.splits import check_test_fraction, split_client
+from fedprivacy.data.splits import (
+    check_test_fraction,
+    check_validation_fraction,
+    held_out_count,
+    train_and_evaluation_rows,
+)
 from fedprivacy.data.tables import partition_sizes
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import InputError, integer_at_least, positive
@@ -147,18 +157,36 @@ def partition_rows(
     return tuple(parts)
 
 
-def _client(
-    dataset: Dataset, parts: tuple[tuple[str, np.ndarray], ...], position: int, seed: int, fraction: float
-) -> ClientData:
-    """Client `position`'s train/test pair; its split seed depends only on (seed, position)."""
-    client, rows = parts[position]
-    if rows.size < MIN_CLIENT_ROWS:
-        raise InputError(
-            f"client {client}",
-            int(rows.size),
-            f"row(s) in its partition; each client needs at least {MIN_CLIENT_ROWS}",
+def _too_small(rows: int, fraction: float, validation: float) -> str | None:
+    """Why a client of `rows` rows cannot be split, or None: it needs 2 rows, and under a validation
+    split 2 training rows (one to fit, one to validate on)."""
+    if rows < MIN_CLIENT_ROWS:
+        return f"row(s) in its partition; each client needs at least {MIN_CLIENT_ROWS}"
+    training = rows - held_out_count(rows, fraction)
+    if validation > 0 and training < MIN_CLIENT_ROWS:
+        return (
+            f"row(s) in its partition leave {training} training row(s) after its test split; a validation "
+            f"split (validation-fraction={validation:g}) needs at least {MIN_CLIENT_ROWS}"
         )
-    return split_client(client, dataset.subset(rows), fraction, np.random.default_rng([seed, position]))
+    return None
+
+
+def _client(
+    dataset: Dataset,
+    parts: tuple[tuple[str, np.ndarray], ...],
+    position: int,
+    seed: int,
+    fraction: float,
+    validation: float,
+) -> ClientData:
+    """Client `position`'s (train, test) pair, or (fit, validation) when `validation` > 0; its split
+    seeds depend only on (seed, position)."""
+    client, rows = parts[position]
+    reason = _too_small(rows.size, fraction, validation)
+    if reason is not None:
+        raise InputError(f"client {client}", int(rows.size), reason)
+    train, evaluation = train_and_evaluation_rows(dataset.labels[rows], fraction, validation, (seed, position))
+    return ClientData(client_id=client, train=dataset.subset(rows[train]), test=dataset.subset(rows[evaluation]))
 
 
 def partition(
@@ -171,6 +199,8 @@ def partition(
     skew: str = "linear",
     test_fraction: float = 0.2,
     drop_too_small: bool = False,
+    *,
+    validation_fraction: float = 0.0,
 ) -> list[ClientData]:
     """Every client's train/test data; the same seed gives identical clients.
 
@@ -178,11 +208,17 @@ def partition(
     `dirichlet` (label skew, smaller `alpha` = more skew), `size` (size skew: `skew` is
     linear, square or exponential in the client index). `by` matters to `natural` only.
     A client with fewer than 2 rows is an error naming it, or left out with `drop_too_small`.
+    `validation_fraction` > 0: each client is (fit rows, validation rows) of its training rows.
     """
     fraction = check_test_fraction(test_fraction)
+    validation = check_validation_fraction(validation_fraction)
     parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
-    positions = [p for p, (_, rows) in enumerate(parts) if not drop_too_small or rows.size >= MIN_CLIENT_ROWS]
-    return [_client(dataset, parts, position, seed, fraction) for position in positions]
+    positions = [
+        p
+        for p, (_, rows) in enumerate(parts)
+        if not drop_too_small or _too_small(rows.size, fraction, validation) is None
+    ]
+    return [_client(dataset, parts, position, seed, fraction, validation) for position in positions]
 
 
 def _load(name: str, path: str | Path | None, by: str | None, options: dict[str, Any]) -> Dataset:
@@ -203,11 +239,23 @@ def load_clients(
     skew: str = "linear",
     test_fraction: float = 0.2,
     drop_too_small: bool = False,
+    validation_fraction: float = 0.0,
     **options: Any,
 ) -> list[ClientData]:
     """Load a dataset by name (options as in `load_dataset`) and partition it."""
     dataset = _load(name, path, by, options)
-    return partition(dataset, scheme, num_partitions, seed, by, alpha, skew, test_fraction, drop_too_small)
+    return partition(
+        dataset,
+        scheme,
+        num_partitions,
+        seed,
+        by,
+        alpha,
+        skew,
+        test_fraction,
+        drop_too_small,
+        validation_fraction=validation_fraction,
+    )
 
 
 def load_client(
@@ -221,13 +269,15 @@ def load_client(
     alpha: float = 0.5,
     skew: str = "linear",
     test_fraction: float = 0.2,
+    validation_fraction: float = 0.0,
     **options: Any,
 ) -> ClientData:
     """`load_clients(...)[partition_id]`, splitting only that client: what a ClientApp needs."""
     dataset = _load(name, path, by, options)
     fraction = check_test_fraction(test_fraction)
+    validation = check_validation_fraction(validation_fraction)
     parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
     position = integer_at_least("partition-id", partition_id, 0)
     if position >= len(parts):
         raise InputError("partition-id", partition_id, f"must be below the number of clients, {len(parts)}")
-    return _client(dataset, parts, position, seed, fraction)
+    return _client(dataset, parts, position, seed, fraction, validation)
