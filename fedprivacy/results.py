@@ -11,7 +11,8 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
     plans/            every client's planning sheet (md, html, json), one figure per distinct plan, an index
     model.pt          the final global model's state_dict
     progress.png      accuracy and ε spent per round
-    summary.json      status (completed, or failed with its error) and the headline numbers
+    summary.json      status (completed, or failed with its error) and the headline numbers, with
+                      `evaluation_rows`: how many rows the central accuracy was measured on
 
 `RunRecorder` is fed plain dicts by the ServerApp (no flwr here) and rewrites the CSV files after
 every round, so a run that dies midway still leaves readable results.
@@ -191,6 +192,7 @@ class RunRecorder:
     rounds: list[dict[str, Any]] = field(default_factory=list)
     plans: dict[str, Plan] = field(default_factory=dict)
     replies: list[dict[str, Any]] = field(default_factory=list)
+    evaluation_rows: int | None = None  # the central evaluation set's rows (None: federated); a report's binomial s.e.
     _round: dict[str, Any] = field(default_factory=dict)
     _reply_lines: list[str] = field(default_factory=list)  # replies.csv grows by a round's rows: format each once
 
@@ -330,6 +332,7 @@ class RunRecorder:
             "rounds": len(self.rounds),
             "final_accuracy": last.get("accuracy"),
             "final_federated_accuracy": last.get("federated_accuracy"),
+            "evaluation_rows": self.evaluation_rows,
             "clients": len(self.clients),
             "clients_exhausted": sorted(c.client_id for c in self.clients.values() if c.exhausted_round),
             "clients_failed": sorted(c.client_id for c in self.clients.values() if c.status.startswith("failed")),

@@ -4,12 +4,19 @@ Only completed cells are read beyond sweep.csv. Each per-round and per-client ta
 cell's grid values as columns, so that the report can group by any of them. The report plots
 against `x_key`, the grid key on its horizontal axis: ε when the grid varies it, else the first
 varied numeric key other than the seed, else none. Its lines (`series_keys`) are the other grid
-keys but the seed, over which the report takes means and spreads.
+keys but the seed and those linked with the x key, over which the report takes means and spreads.
+`grid` holds every varied key: [grid]'s, then each [linked.<name>] group's (sweep.json's
+"linked"), whose keys step together and so make one axis (`axes`).
+
+`cells` gains `evaluation_rows` from each completed cell's summary.json: how many central rows
+(test, or validation under evaluate-on) its accuracy was measured on, for the binomial standard
+error; NaN for a results folder written before summary.json recorded it, or for a run that
+evaluated through its clients.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -18,21 +25,28 @@ from fedprivacy.errors import InputError
 from fedprivacy.sweepfiles import BASELINE, BASELINE_JSON, CELL_JSON, SWEEP_CSV, SWEEP_JSON, read_json
 
 SEED = "seed"
+SUMMARY_JSON = "summary.json"
 
 
 @dataclass(frozen=True)
 class SweepData:
     name: str
-    grid: dict[str, list]
-    cells: pd.DataFrame  # sweep.csv
+    grid: dict[str, list]  # every varied key and its values: [grid]'s, then the linked groups'
+    cells: pd.DataFrame  # sweep.csv, and evaluation_rows
     rounds: pd.DataFrame  # rounds.csv of every completed cell, with its grid values
     clients: pd.DataFrame  # clients.csv of every completed cell, with its grid values and spent/budget
     baselines: pd.DataFrame  # one row per completed baseline: its grid values, final and best accuracy
     baseline_rounds: pd.DataFrame  # the baselines' rounds.csv, with their grid values
+    linked: dict[str, list[str]] = field(default_factory=dict)  # a linked group's name -> its keys
 
     @property
     def completed(self) -> pd.DataFrame:
         return self.cells[self.cells["status"] == "completed"]
+
+    @property
+    def measured(self) -> pd.DataFrame:
+        """The completed cells that have a final accuracy: those the statistics are taken over."""
+        return self.completed[self.completed["final_accuracy"].notna()]
 
     @property
     def x_key(self) -> str | None:
@@ -45,11 +59,30 @@ class SweepData:
 
     @property
     def series_keys(self) -> list[str]:
-        return [k for k in self.grid if k not in (SEED, self.x_key)]
+        return [k for k in self.grid if k not in (SEED, self.x_key, *self.partners(self.x_key))]
+
+    def partners(self, key: str | None) -> list[str]:
+        """The keys linked with `key` (they take one value per value of it)."""
+        return next(([k for k in keys if k != key] for keys in self.linked.values() if key in keys), [])
+
+    @property
+    def axes(self) -> dict[str, list[str]]:
+        """The grid's axes but the seed's, named: a [grid] key alone, or a linked group's keys together."""
+        grouped = {k for keys in self.linked.values() for k in keys}
+        found = {k: [k] for k in self.grid if k != SEED and k not in grouped}
+        for name, keys in self.linked.items():
+            found[f"{name} ({', '.join(keys)})"] = [k for k in keys if k != SEED]
+        return found
 
 
 def _with_params(table: pd.DataFrame, params: dict, cell: str) -> pd.DataFrame:
     return table.assign(cell=cell, **params)
+
+
+def _evaluation_rows(run: Path) -> float:
+    summary = read_json(run / SUMMARY_JSON) if (run / SUMMARY_JSON).is_file() else {}
+    rows = summary.get("evaluation_rows")
+    return float("nan") if rows is None else float(rows)
 
 
 def load_sweep(folder: Path) -> SweepData:
@@ -60,9 +93,11 @@ def load_sweep(folder: Path) -> SweepData:
     spec = read_json(folder / SWEEP_JSON)
     cells = pd.read_csv(folder / SWEEP_CSV)
     rounds, clients = [], []
-    for name in cells.loc[cells["status"] == "completed", "cell"]:
+    cells["evaluation_rows"] = float("nan")
+    for index, name in cells.loc[cells["status"] == "completed", "cell"].items():
         record = read_json(folder / name / CELL_JSON)
         run = folder / name / record["run_folder"]
+        cells.loc[index, "evaluation_rows"] = _evaluation_rows(run)
         rounds.append(_with_params(pd.read_csv(run / "rounds.csv"), record["params"], name))
         clients.append(_with_params(pd.read_csv(run / "clients.csv"), record["params"], name))
     baselines, baseline_rounds = [], []
@@ -83,12 +118,14 @@ def load_sweep(folder: Path) -> SweepData:
     clients_table = pd.concat(clients, ignore_index=True) if clients else pd.DataFrame()
     if len(clients_table):
         clients_table["budget_used"] = clients_table["epsilon_spent"] / clients_table["epsilon_budget"]
+    linked = spec.get("linked") or {}
     return SweepData(
         name=spec["name"],
-        grid=spec["grid"],
+        grid={**spec["grid"], **{key: values for group in linked.values() for key, values in group.items()}},
         cells=cells,
         rounds=pd.concat(rounds, ignore_index=True) if rounds else pd.DataFrame(),
         clients=clients_table,
         baselines=pd.DataFrame(baselines),
         baseline_rounds=pd.concat(baseline_rounds, ignore_index=True) if baseline_rounds else pd.DataFrame(),
+        linked={name: list(group) for name, group in linked.items()},
     )

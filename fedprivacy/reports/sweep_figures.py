@@ -1,9 +1,12 @@
 """The sweep report's figures, each saved as PNG and SVG.
 
 - accuracy against the x key (ε unless the grid does not vary it), one line per series: the mean
-  final accuracy over seeds with ±1 standard deviation bars, a log axis for ε (and for other keys
-  whose values span a factor of 8 or more), and the non-private baseline as a dashed line (horizontal unless the x key
-  changes the baseline too, e.g. epochs);
+  final accuracy over seeds with its 95% t-interval as bars (none for one seed), a log axis for ε
+  (and for other keys whose values span a factor of 8 or more), and the non-private baseline as a
+  dashed line (horizontal unless the x key changes the baseline too, e.g. epochs);
+- accuracy against ε spent: the same means and bars against the largest ε any client of the cell
+  actually spent (mean over seeds, a horizontal bar from the seeds' least to most where they
+  differ), since a rule that stops short of its budget buys its accuracy with less ε than the grid says;
 - accuracy per round and ε spent per round: one panel per series, one line per x value (means
   over seeds), the baseline's accuracy dashed in black;
 - budget use: spent/budget of every client (columns) in every setting (rows), means over seeds.
@@ -19,8 +22,9 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
+from fedprivacy.reports.statistics import t_interval
 from fedprivacy.reports.sweep_data import SEED, SweepData
 
 FORMATS = ("png", "svg")
@@ -76,38 +80,85 @@ def _matching(table: pd.DataFrame, keys: Sequence[str], values: Sequence[object]
     return table[mask]
 
 
+ACCURACY_LABEL = "final test accuracy (mean, 95% interval over seeds)"
+
+
+def mean_and_half_width(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and its 95% t-interval's half width (NaN for one value: no bar is drawn)."""
+    interval = t_interval(values)
+    return interval.mean, (interval.high - interval.mean) if interval.high is not None else np.nan
+
+
 def accuracy_figure(data: SweepData, out: Path) -> list[Path]:
-    """Final accuracy against the x key per series (mean ± sd over seeds), with the baseline."""
+    """Final accuracy against the x key per series (mean and 95% interval over seeds), with the baseline."""
     x_key, series = data.x_key, data.series_keys
     fig = Figure(figsize=(7, 4.5), layout="tight")
     axis = fig.subplots()
-    completed = data.completed
+    completed = data.measured
     if x_key is None:  # nothing numeric varies: one point per setting
         found = groups(completed, series)
-        means = [rows["final_accuracy"].mean() for _, rows in found]
-        spreads = [rows["final_accuracy"].std() if len(rows) > 1 else 0.0 for _, rows in found]
-        axis.errorbar(range(len(found)), means, yerr=spreads, fmt="o", capsize=4)
+        means, halves = zip(*(mean_and_half_width(rows["final_accuracy"]) for _, rows in found))
+        axis.errorbar(range(len(found)), means, yerr=halves, fmt="o", capsize=4)
         axis.set_xticks(range(len(found)), [label(series, values) for values, _ in found], rotation=20, ha="right")
     else:
         for values, rows in groups(completed, series):
-            stats = rows.groupby(x_key)["final_accuracy"].agg(["mean", "std"]).sort_index()
-            axis.errorbar(
-                stats.index,
-                stats["mean"],
-                yerr=stats["std"].fillna(0),
-                fmt="o-",
-                capsize=4,
-                label=label(series, values),
-            )
+            points = sorted((x, *mean_and_half_width(arm["final_accuracy"])) for x, arm in rows.groupby(x_key))
+            xs, means, halves = zip(*points)
+            axis.errorbar(xs, means, yerr=halves, fmt="o-", capsize=4, label=label(series, values))
         _log_axis(axis, list(completed[x_key]), always=x_key == "epsilon")
         axis.set_xlabel("ε (per client)" if x_key == "epsilon" else x_key)
     _baseline_lines(data, axis)
-    axis.set_ylabel("final test accuracy (mean ± sd over seeds)")
+    axis.set_ylabel(ACCURACY_LABEL)
     axis.set_title(f"{data.name}: accuracy against {'ε' if x_key == 'epsilon' else x_key or 'setting'}")
     axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
+    if axis.get_legend_handles_labels()[0]:  # one setting and no baseline: nothing to name
+        axis.legend(fontsize=8)
     stem = f"accuracy_vs_{x_key}" if x_key else "accuracy_by_setting"
     return save(fig, out, stem)
+
+
+def _plain_log_axis(axis: Axes, values: pd.Series, always: bool) -> None:
+    """A log x axis (as `_log_axis` decides) ticked in plain numbers, for values that are not grid values;
+    the 2…9 ticks between powers of ten are labelled only when the values span less than a decade."""
+    if not len(values) or values.min() <= 0 or not (always or values.max() / values.min() >= LOG_SPAN):
+        return
+    axis.set_xscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    axis.xaxis.set_major_formatter(plain)
+    axis.xaxis.set_minor_formatter(plain if values.max() / values.min() < 10 else NullFormatter())
+
+
+def accuracy_vs_spent_figure(data: SweepData, out: Path) -> list[Path]:
+    """Final accuracy against the largest ε a client spent, per series (points in order of ε spent),
+    the baselines as horizontal dashed lines (a non-private run spends no ε to place it by)."""
+    x_key, series = data.x_key, data.series_keys
+    fig = Figure(figsize=(7, 4.5), layout="tight")
+    axis = fig.subplots()
+    completed = data.measured
+    completed = completed[completed["epsilon_spent_max"].notna()]
+    for values, rows in groups(completed, series):
+        points = []
+        for _, arm in groups(rows, [x_key] if x_key else []):
+            spent = arm["epsilon_spent_max"]
+            points.append((spent.mean(), spent.min(), spent.max(), *mean_and_half_width(arm["final_accuracy"])))
+        points.sort()
+        xs, lows, highs, means, halves = (np.array(column, dtype=float) for column in zip(*points))
+        spread = [xs - lows, highs - xs] if (highs > lows).any() else None
+        axis.errorbar(xs, means, yerr=halves, xerr=spread, fmt="o-", capsize=4, label=label(series, values))
+    _plain_log_axis(axis, completed["epsilon_spent_max"], always=x_key == "epsilon")
+    if not data.baselines.empty:
+        keys = [k for k in data.baselines.columns if k in data.grid and k != SEED]
+        for values, rows in groups(data.baselines, keys):
+            name = "non-private" + (f" ({label(keys, values)})" if keys else "")
+            level = rows["final_accuracy"].mean()
+            axis.axhline(level, color="black", linestyle="--", linewidth=1.2, label=name)
+    axis.set_xlabel("largest ε spent by a client (mean over seeds; bar: least to most)")
+    axis.set_ylabel(ACCURACY_LABEL)
+    axis.set_title(f"{data.name}: accuracy against ε spent")
+    axis.grid(True, alpha=0.3)
+    if axis.get_legend_handles_labels()[0]:  # one setting and no baseline: nothing to name
+        axis.legend(fontsize=8)
+    return save(fig, out, "accuracy_vs_epsilon_spent")
 
 
 def _baseline_lines(data: SweepData, axis: Axes) -> None:
@@ -192,4 +243,5 @@ def write_figures(data: SweepData, out: Path) -> list[Path]:
         *per_round_figure(data, out, "accuracy", "test accuracy", "accuracy_vs_round", with_baseline=True),
         *per_round_figure(data, out, "epsilon_spent_max", "largest ε spent", "epsilon_vs_round", with_baseline=False),
         *budget_use_figure(data, out),
+        *accuracy_vs_spent_figure(data, out),
     ]

@@ -1,0 +1,78 @@
+"""The statistics behind a sweep report's claims: means with t-intervals, paired differences, binomial s.e.
+
+A sweep has few seeds per setting (often 3 to 10), so an interval for a mean over seeds uses
+Student's t with n − 1 degrees of freedom: the normal's 1.96 would be too narrow. Two settings run
+on the same seeds share each seed's partition, initial weights and client sampling; the differences
+taken seed by seed remove that shared part, so a paired interval can resolve a difference that two
+overlapping per-setting intervals cannot. The binomial standard error sqrt(p(1 − p)/m) is the spread
+a single run's accuracy p has from its m test rows alone: differences well inside it are differences
+the test set cannot tell apart, however many rounds or clients the run had.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over n values and its two-sided t-interval; `sd`, `low`, `high` are None when n < 2."""
+
+    n: int
+    mean: float
+    sd: float | None
+    low: float | None
+    high: float | None
+
+    @property
+    def excludes_zero(self) -> bool:
+        """True when there is an interval and 0 lies outside it (an end at exactly 0 counts as inside)."""
+        return self.low is not None and self.high is not None and (self.low > 0 or self.high < 0)
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
+    """mean ± t_{(1+confidence)/2, n−1} · s / √n over `values` (s: the sample s.d., n − 1 in its divisor)."""
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        raise ValueError("an interval needs at least one value")
+    mean = float(x.mean())
+    if x.size < 2:
+        return Interval(1, mean, None, None, None)
+    sd = float(x.std(ddof=1))
+    half = float(stats.t.ppf(0.5 + confidence / 2, x.size - 1)) * sd / math.sqrt(x.size)
+    return Interval(int(x.size), mean, sd, mean - half, mean + half)
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """b − a over the seeds both ran, seed by seed, and the interval of their mean."""
+
+    seeds: tuple[Hashable, ...]
+    interval: Interval
+
+    @property
+    def resolved(self) -> bool:
+        """The interval excludes 0: with fewer than 2 shared seeds there is none, so never resolved."""
+        return self.interval.excludes_zero
+
+
+def paired_difference(a: Mapping[Hashable, float], b: Mapping[Hashable, float]) -> PairedDifference | None:
+    """The per-seed differences b[s] − a[s] over the seeds in both (in a's order); None when none is shared."""
+    seeds = tuple(seed for seed in a if seed in b)
+    if not seeds:
+        return None
+    return PairedDifference(seeds, t_interval([b[seed] - a[seed] for seed in seeds]))
+
+
+def binomial_se(accuracy: float, evaluation_rows: float | None) -> float | None:
+    """sqrt(p(1 − p)/m): the standard error of an accuracy p measured on m test rows; None without m."""
+    if evaluation_rows is None or not evaluation_rows > 0 or accuracy is None or math.isnan(accuracy):
+        return None
+    return math.sqrt(accuracy * (1 - accuracy) / evaluation_rows)

@@ -1,0 +1,146 @@
+"""A sweep's arms and the paired comparisons between them, as the report's tables.
+
+An arm is a setting: a cell's grid values without the seed, whose seeds are its replicates. Each
+arm gets its mean final accuracy with a 95% t-interval over seeds and the binomial standard error
+of one run's accuracy on its evaluation rows. Two arms that differ in exactly one grid key and ran
+the same seeds are compared seed by seed (`statistics.paired_difference`): rule against rule or ε
+against ε with everything else, the seed's data and sampling included, held fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import pandas as pd
+
+from fedprivacy.reports.statistics import binomial_se, paired_difference, t_interval
+from fedprivacy.reports.sweep_data import SEED, SweepData
+
+NOT_RESOLVED = "not resolved"
+# A key with more values than this shows only neighbouring values' pairs in report.md (all of them
+# are in paired_differences.csv), and no key shows more than MAX_SHOWN pairs.
+ALL_PAIRS_UP_TO = 3
+MAX_SHOWN = 30
+PAIR_COLUMNS = ("a", "b", "shared_seeds", "difference_mean", "ci95_low", "ci95_high", "verdict")
+
+
+def arm_keys(data: SweepData) -> list[str]:
+    """The grid keys but the seed: the lines' keys, then the horizontal axis's and those linked with it."""
+    rest = [k for k in data.grid if k != SEED and k not in data.series_keys]
+    return [*data.series_keys, *sorted(rest, key=lambda k: k != data.x_key)]
+
+
+def _arms(cells: pd.DataFrame, keys: list[str]) -> list[tuple[tuple, pd.DataFrame]]:
+    """(grid values, cells) per arm, in the order the cells come (one arm of everything without keys)."""
+    if not keys:
+        return [((), cells)] if len(cells) else []
+    found = cells.groupby(keys, sort=False, dropna=False)
+    return [(values if isinstance(values, tuple) else (values,), rows) for values, rows in found]
+
+
+def arm_table(data: SweepData) -> pd.DataFrame:
+    """Per arm: seeds, mean, sd and 95% interval of the final accuracy, its binomial s.e. and
+    evaluation rows, mean best accuracy, the largest ε any client spent, whether every cell kept
+    every client within budget.
+
+    `evaluation_rows` is the smallest over the arm's seeds (a seed can split the data differently), so
+    `binomial_se` = sqrt(p(1 − p)/evaluation_rows) at the mean accuracy p errs on the wide side.
+    """
+    keys = arm_keys(data)
+    rows = []
+    for values, cells in _arms(data.measured, keys):
+        interval = t_interval(cells["final_accuracy"].to_numpy())
+        evaluation_rows = cells["evaluation_rows"].min() if "evaluation_rows" in cells else float("nan")
+        rows.append(
+            {
+                **dict(zip(keys, values)),
+                "seeds": interval.n,
+                "final_accuracy_mean": interval.mean,
+                "final_accuracy_sd": interval.sd,
+                "ci95_low": interval.low,
+                "ci95_high": interval.high,
+                "binomial_se": binomial_se(interval.mean, evaluation_rows),
+                "evaluation_rows": None if pd.isna(evaluation_rows) else int(evaluation_rows),
+                "best_accuracy_mean": cells["best_accuracy"].mean(),
+                "epsilon_spent_max": cells["epsilon_spent_max"].max(),
+                "all_within_budget": bool(cells["all_within_budget"].astype(bool).all()),
+            }
+        )
+    table = pd.DataFrame(rows)
+    if len(table):
+        table["evaluation_rows"] = table["evaluation_rows"].astype("Int64")
+    return table
+
+
+def _step(keys: list[str], values: tuple) -> Hashable:
+    """An axis's value in a pair: the key's own value, or `k=v, k=v` for a linked group's step."""
+    return values[0] if len(keys) == 1 else ", ".join(f"{k}={v}" for k, v in zip(keys, values))
+
+
+def _along(data: SweepData, arms: list[tuple], keys: list[str], axis: list[str]) -> dict[tuple, list[tuple]]:
+    """The arms grouped by their values outside `axis`, each group in grid order along it."""
+    inside = [keys.index(k) for k in axis]
+    outside = [i for i in range(len(keys)) if i not in inside]
+    steps = data.cells[axis].apply(tuple, axis=1) if len(data.cells) else pd.Series(dtype=object)
+    order = {step: index for index, step in enumerate(pd.unique(steps))}  # sweep.csv lists cells in grid order
+    fixed: dict[tuple, list[tuple]] = {}
+    for values in arms:
+        fixed.setdefault(tuple(values[i] for i in outside), []).append(values)
+    for group in fixed.values():
+        group.sort(key=lambda values: order.get(tuple(values[i] for i in inside), len(order)))
+    return fixed
+
+
+def paired_table(data: SweepData) -> pd.DataFrame:
+    """Every pair of arms that differ along one axis (a key, or a linked group's keys together) and
+    share a seed: the mean of b − a over the shared seeds (b after a in grid order) and its 95%
+    interval. `neighbours`: no arm lies between a and b along the axis; `verdict`: `b higher`,
+    `b lower`, or `not resolved` (the interval holds 0, or fewer than 2 shared seeds give none)."""
+    keys = arm_keys(data)
+    measured = data.measured
+    seeds = measured[SEED] if SEED in measured else pd.Series(0, index=measured.index)
+    accuracy = {
+        values: dict(zip(seeds.loc[cells.index], cells["final_accuracy"])) for values, cells in _arms(measured, keys)
+    }
+    rows = []
+    for name, axis in data.axes.items():
+        inside = [keys.index(k) for k in axis]
+        for arms in _along(data, list(accuracy), keys, axis).values():
+            for i, a in enumerate(arms):
+                for j, b in enumerate(arms[i + 1 :], start=i + 1):
+                    pair = paired_difference(accuracy[a], accuracy[b])
+                    if pair is None:
+                        continue
+                    interval = pair.interval
+                    verdict = NOT_RESOLVED if not pair.resolved else "b higher" if interval.mean > 0 else "b lower"
+                    rows.append(
+                        {
+                            "differs_in": name,
+                            **{k: (None if k in axis else v) for k, v in zip(keys, a)},
+                            "a": _step(axis, tuple(a[p] for p in inside)),
+                            "b": _step(axis, tuple(b[p] for p in inside)),
+                            "neighbours": j == i + 1,
+                            "shared_seeds": interval.n,
+                            "difference_mean": interval.mean,
+                            "ci95_low": interval.low,
+                            "ci95_high": interval.high,
+                            "verdict": verdict,
+                        }
+                    )
+    columns = ["differs_in", *keys, "a", "b", "neighbours", *PAIR_COLUMNS[2:]]
+    # object columns first, so a key's blank (its own axis) keeps the others' integers integers
+    table = pd.DataFrame(rows, columns=columns, dtype=object)
+    numbers = {"difference_mean": float, "ci95_low": float, "ci95_high": float}
+    return table.astype({"neighbours": bool, "shared_seeds": int, **numbers})
+
+
+def pairs_shown(pairs: pd.DataFrame, name: str, axis: list[str]) -> tuple[pd.DataFrame, int]:
+    """The pairs along axis `name` (its keys `axis`) that report.md shows: the other keys as columns,
+    then PAIR_COLUMNS; and how many it leaves to paired_differences.csv. All pairs when the axis
+    has few values, else those of neighbouring values; at most MAX_SHOWN."""
+    along = pairs[pairs["differs_in"] == name]
+    values = set(along["a"]) | set(along["b"])
+    chosen = along if len(values) <= ALL_PAIRS_UP_TO else along[along["neighbours"]]
+    others = [c for c in pairs.columns[1 : list(pairs.columns).index("a")] if c not in axis]
+    shown = chosen.head(MAX_SHOWN)[[*others, *PAIR_COLUMNS]]
+    return shown, len(along) - len(shown)

@@ -1,0 +1,352 @@
+"""The sweep report's statistics: t-intervals over seeds, paired differences, binomial standard errors.
+
+Each number is checked against a computation that does not go through fedprivacy.reports: scipy's
+own t-tests (`ttest_1samp`, `ttest_rel`) and their confidence intervals, hand formulas with the
+t quantile written out, and, for the recorded evaluation rows, the data set's size minus the
+clients' training rows. Sweep folders are written by hand for the unit tests (as the sweep writes
+them: sweep.json, sweep.csv, cells/<cell>/cell.json and the run's rounds.csv, clients.csv,
+summary.json); one real sweep on the fast engine checks the report end to end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from fedprivacy import cli
+from fedprivacy.reports.statistics import binomial_se, paired_difference, t_interval
+from fedprivacy.reports.sweep_report import write_report
+from fedprivacy.sweepfiles import RESULT_COLUMNS
+
+T_975_1 = 12.706204736174698  # t_{0.975, 1}, from tables: the hand formula's quantile for two values
+
+
+def test_t_interval_is_scipys_one_sample_interval_and_the_hand_formula():
+    values = [0.61, 0.58, 0.66, 0.63, 0.59]
+    interval = t_interval(values)
+    expected = stats.ttest_1samp(values, 0.0).confidence_interval(0.95)
+    assert interval.n == 5 and interval.mean == pytest.approx(np.mean(values), abs=1e-15)
+    assert interval.sd == pytest.approx(np.std(values, ddof=1), abs=1e-15)
+    assert (interval.low, interval.high) == pytest.approx((expected.low, expected.high), abs=1e-12)
+    two = t_interval([0.5, 0.6])  # s = 0.1/√2, half width = t · s / √2 = t · 0.05
+    assert (two.low, two.high) == pytest.approx((0.55 - T_975_1 * 0.05, 0.55 + T_975_1 * 0.05), abs=1e-12)
+    one = t_interval([0.7])
+    assert (one.n, one.mean, one.sd, one.low, one.high) == (1, 0.7, None, None, None)
+    assert not one.excludes_zero
+
+
+def test_a_paired_difference_is_the_mean_of_per_seed_differences_over_the_shared_seeds():
+    a = {0: 0.50, 1: 0.60, 2: 0.70, 3: 0.55}
+    b = {1: 0.65, 2: 0.72, 3: 0.61, 4: 0.90}  # seeds 0 and 4 are not shared
+    pair = paired_difference(a, b)
+    assert pair is not None and pair.seeds == (1, 2, 3)
+    expected = stats.ttest_rel([0.65, 0.72, 0.61], [0.60, 0.70, 0.55]).confidence_interval(0.95)
+    assert pair.interval.mean == pytest.approx((0.05 + 0.02 + 0.06) / 3, abs=1e-12)
+    assert (pair.interval.low, pair.interval.high) == pytest.approx((expected.low, expected.high), abs=1e-12)
+    assert pair.resolved == (expected.low > 0 or expected.high < 0)
+    assert paired_difference({0: 0.5}, {1: 0.6}) is None
+    single = paired_difference({0: 0.5, 1: 0.4}, {1: 0.9})
+    assert single is not None and single.interval.n == 1 and single.interval.low is None and not single.resolved
+
+
+def test_binomial_standard_error():
+    assert binomial_se(0.8, 400) == pytest.approx(0.02, abs=1e-15)  # sqrt(0.8 · 0.2 / 400)
+    assert binomial_se(0.5, 100) == pytest.approx(0.05, abs=1e-15)
+    assert binomial_se(0.8, None) is None and binomial_se(0.8, float("nan")) is None
+
+
+def write_sweep(
+    folder: Path,
+    grid: dict[str, list],
+    accuracy: Callable[[dict], float],
+    evaluation_rows: Callable[[dict], int | None] = lambda _: 300,
+    spent: Callable[[dict], float] = lambda params: float(params.get("epsilon", 1.0)),
+    failed: Callable[[dict], bool] = lambda _: False,
+    baselines: list[dict] = (),
+    linked: dict[str, dict[str, list]] | None = None,
+) -> Path:
+    """A sweep folder as the sweep writes one, cells in grid order: [grid]'s keys, then each linked
+    group as one axis whose i-th step sets each of its keys' i-th value, the last axis fastest."""
+    linked = linked or {}
+    axes = [[{key: value} for value in values] for key, values in grid.items()]
+    axes += [[dict(zip(group, step)) for step in zip(*group.values())] for group in linked.values()]
+    rows = []
+    for steps in itertools.product(*axes):
+        params = {key: value for step in steps for key, value in step.items()}
+        name = "_".join(f"{k}={v}" for k, v in params.items())
+        row = {
+            **params,
+            **dict.fromkeys(RESULT_COLUMNS),
+            "status": "failed" if failed(params) else "completed",
+            "cell": f"cells/{name}",
+        }
+        if row["status"] == "completed":
+            final, used = accuracy(params), spent(params)
+            budget = float(params.get("epsilon", 1.0))
+            run = folder / "cells" / name / "run"
+            run.mkdir(parents=True)
+            pd.DataFrame(
+                {"round": [1, 2], "accuracy": [final / 2, final], "epsilon_spent_max": [used / 2, used]}
+            ).to_csv(run / "rounds.csv", index=False)
+            pd.DataFrame(
+                {"client_id": ["a", "b"], "epsilon_budget": [budget] * 2, "epsilon_spent": [used, used / 2]}
+            ).assign(status="ok").to_csv(run / "clients.csv", index=False)
+            summary = {"status": "completed", "final_accuracy": final, "evaluation_rows": evaluation_rows(params)}
+            (run / "summary.json").write_text(json.dumps(summary))
+            (folder / "cells" / name / "cell.json").write_text(json.dumps({"params": params, "run_folder": "run"}))
+            row.update(
+                final_accuracy=final,
+                best_accuracy=final,
+                epsilon_spent_max=used,
+                epsilon_spent_mean=0.75 * used,
+                all_within_budget=used <= budget,
+            )
+        else:
+            row["error"] = "RuntimeError: injected"
+        rows.append(row)
+    pd.DataFrame(rows).to_csv(folder / "sweep.csv", index=False)
+    (folder / "sweep.json").write_text(json.dumps({"name": "by hand", "grid": grid, "linked": linked}))
+    for record in baselines:
+        (folder / "baseline" / record["name"]).mkdir(parents=True)
+        (folder / "baseline" / record["name"] / "baseline.json").write_text(json.dumps(record))
+        pd.DataFrame({"round": [1, 2], "accuracy": [0.5, record["final_accuracy"]]}).to_csv(
+            folder / "baseline" / record["name"] / "rounds.csv", index=False
+        )
+    return folder
+
+
+def markdown_table(markdown: str, heading: str) -> pd.DataFrame:
+    """The first table after `heading`, its cells as strings."""
+    lines = markdown.splitlines()
+    start = next(i for i in range(lines.index(heading), len(lines)) if lines[i].startswith("|"))
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+    return pd.DataFrame(cells[2:], columns=cells[0])
+
+
+# Known accuracies, 2 rules × 2 ε × 4 seeds: proactive is higher by 0.04 ± 0.01 at ε = 1 (resolved),
+# and within ±0.05 of calibrated at ε = 4 (not resolved); ε = 4 is higher than ε = 1 for both.
+FINALS = {
+    ("calibrated", 1.0): [0.60, 0.55, 0.65, 0.58],
+    ("proactive", 1.0): [0.64, 0.60, 0.68, 0.62],
+    ("calibrated", 4.0): [0.80, 0.76, 0.84, 0.79],
+    ("proactive", 4.0): [0.85, 0.72, 0.86, 0.78],
+}
+ROWS = {0: 300, 1: 290, 2: 300, 3: 300}  # seed 1 splits off fewer evaluation rows
+
+
+@pytest.fixture(scope="module")
+def hand_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = write_sweep(
+        tmp_path_factory.mktemp("hand"),
+        {"rule": ["calibrated", "proactive"], "epsilon": [1.0, 4.0], "seed": [0, 1, 2, 3]},
+        lambda p: FINALS[(p["rule"], p["epsilon"])][p["seed"]],
+        evaluation_rows=lambda p: ROWS[p["seed"]],
+        spent=lambda p: p["epsilon"] * (0.5 if p["rule"] == "proactive" else 1.0) * (1 - 0.01 * p["seed"]),
+        baselines=[
+            {
+                "name": "default",
+                "status": "completed",
+                "params": {},
+                "final_accuracy": 0.9,
+                "best_accuracy": 0.9,
+                "schedule_from": "rule=calibrated_epsilon=1.0_seed=1",
+            }
+        ],
+    )
+    write_report(folder)
+    return folder
+
+
+def test_the_accuracy_table_gives_intervals_over_seeds_and_the_binomial_se_of_the_recorded_rows(hand_sweep):
+    markdown = (hand_sweep / "report" / "report.md").read_text()
+    table = markdown_table(markdown, "## Accuracy")
+    assert list(table.columns[:9]) == [
+        "rule",
+        "epsilon",
+        "seeds",
+        "final_accuracy_mean",
+        "final_accuracy_sd",
+        "ci95_low",
+        "ci95_high",
+        "binomial_se",
+        "evaluation_rows",
+    ]
+    assert len(table) == len(FINALS)
+    for row in table.itertuples():
+        finals = FINALS[(row.rule, float(row.epsilon))]
+        interval = stats.ttest_1samp(finals, 0.0).confidence_interval(0.95)
+        mean = sum(finals) / len(finals)
+        assert int(row.seeds) == 4 and float(row.final_accuracy_mean) == pytest.approx(mean, abs=5e-5)
+        assert float(row.final_accuracy_sd) == pytest.approx(np.std(finals, ddof=1), abs=5e-5)
+        assert float(row.ci95_low) == pytest.approx(interval.low, abs=5e-5)
+        assert float(row.ci95_high) == pytest.approx(interval.high, abs=5e-5)
+        assert int(row.evaluation_rows) == 290  # the fewest over the arm's seeds
+        assert float(row.binomial_se) == pytest.approx(math.sqrt(mean * (1 - mean) / 290), abs=5e-5)
+    baseline = markdown_table(markdown, "### Non-private baseline")  # the rows of the cell it took its schedule from
+    assert baseline.loc[0, "evaluation_rows"] == "290"
+    assert float(baseline.loc[0, "binomial_se"]) == pytest.approx(math.sqrt(0.9 * 0.1 / 290), abs=5e-5)
+    assert "settings ran one seed" not in markdown
+
+
+def test_paired_differences_are_per_seed_means_and_not_resolved_exactly_when_the_interval_holds_zero(hand_sweep):
+    pairs = pd.read_csv(hand_sweep / "report" / "paired_differences.csv")
+    assert sorted(zip(pairs["differs_in"], pairs["a"].astype(str), pairs["b"].astype(str))) == [
+        ("epsilon", "1.0", "4.0"),
+        ("epsilon", "1.0", "4.0"),
+        ("rule", "calibrated", "proactive"),
+        ("rule", "calibrated", "proactive"),
+    ]
+    for row in pairs.itertuples():
+        if row.differs_in == "rule":
+            a, b = FINALS[("calibrated", row.epsilon)], FINALS[("proactive", row.epsilon)]
+        else:
+            a, b = FINALS[(row.rule, 1.0)], FINALS[(row.rule, 4.0)]
+        expected = stats.ttest_rel(b, a).confidence_interval(0.95)
+        assert row.shared_seeds == 4
+        assert row.difference_mean == pytest.approx(np.mean(np.subtract(b, a)), abs=1e-12)
+        assert (row.ci95_low, row.ci95_high) == pytest.approx((expected.low, expected.high), abs=1e-12)
+        holds_zero = expected.low <= 0 <= expected.high
+        assert (row.verdict == "not resolved") == holds_zero
+        if not holds_zero:
+            assert row.verdict == ("b higher" if expected.low > 0 else "b lower")
+    assert set(pairs["verdict"]) == {"not resolved", "b higher"}  # the fixture has both kinds
+    markdown = (hand_sweep / "report" / "report.md").read_text()
+    rule = markdown_table(markdown, "### rule: b − a")
+    assert list(rule.columns) == [
+        "epsilon",
+        "a",
+        "b",
+        "shared_seeds",
+        "difference_mean",
+        "ci95_low",
+        "ci95_high",
+        "verdict",
+    ]
+    shown = {float(r.epsilon): r.verdict for r in rule.itertuples()}
+    assert shown == {1.0: "b higher", 4.0: "not resolved"}
+    assert markdown.index("## Paired differences") < markdown.index("## Accuracy per round")
+
+
+def test_the_figures_have_interval_bars_and_accuracy_against_epsilon_spent(hand_sweep):
+    report = hand_sweep / "report"
+    for stem in ("accuracy_vs_epsilon", "accuracy_vs_epsilon_spent"):
+        assert (report / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "<svg" in (report / f"{stem}.svg").read_text()[:1000]
+    markdown = (report / "report.md").read_text()
+    assert "](accuracy_vs_epsilon_spent.png)" in markdown
+
+
+def test_one_seed_gives_no_interval_and_an_unresolved_pair_and_missing_rows_no_binomial_se(tmp_path):
+    """proactive's seed 1 failed: its arm has one seed (no interval) and shares one seed with calibrated;
+    a results folder from before summary.json held evaluation_rows leaves the binomial s.e. blank."""
+    folder = write_sweep(
+        tmp_path,
+        {"rule": ["calibrated", "proactive"], "seed": [0, 1]},
+        lambda p: 0.6 + 0.1 * (p["rule"] == "proactive") + 0.01 * p["seed"],
+        evaluation_rows=lambda _: None,
+        failed=lambda p: p["rule"] == "proactive" and p["seed"] == 1,
+    )
+    write_report(folder)
+    markdown = (folder / "report" / "report.md").read_text()
+    table = markdown_table(markdown, "## Accuracy").set_index("rule")
+    assert table.loc["proactive", "seeds"] == "1" and table.loc["proactive", "ci95_low"] == "—"
+    assert table.loc["calibrated", "ci95_low"] != "—" and table.loc["calibrated", "binomial_se"] == "—"
+    assert "1 of 2 settings ran one seed: no sd and no interval (—) for them." in markdown
+    pairs = markdown_table(markdown, "### rule: b − a")
+    assert pairs.loc[0, "shared_seeds"] == "1" and pairs.loc[0, "verdict"] == "not resolved"
+    assert pairs.loc[0, "ci95_low"] == "—" and float(pairs.loc[0, "difference_mean"]) == pytest.approx(0.1, abs=5e-5)
+
+
+def test_a_key_with_many_values_shows_neighbouring_pairs_and_keeps_all_in_the_csv(tmp_path):
+    epsilons = [0.5, 1.0, 2.0, 4.0, 8.0]
+    folder = write_sweep(
+        tmp_path,
+        {"epsilon": epsilons, "seed": [0, 1, 2]},
+        lambda p: 0.5 + 0.04 * epsilons.index(p["epsilon"]) + 0.01 * p["seed"] ** 2,
+    )
+    write_report(folder)
+    assert len(pd.read_csv(folder / "report" / "paired_differences.csv")) == 10  # 5 choose 2
+    markdown = (folder / "report" / "report.md").read_text()
+    heading = "### epsilon: b − a (6 more, of values further apart, in paired_differences.csv)"
+    shown = markdown_table(markdown, heading)
+    assert [(float(a), float(b)) for a, b in zip(shown["a"], shown["b"])] == list(zip(epsilons, epsilons[1:]))
+    assert set(shown["verdict"]) == {"b higher"}  # the same +0.04 on every seed: an interval of width 0
+
+
+def test_a_linked_group_is_one_axis_of_the_paired_differences(tmp_path):
+    """[linked.budget] steps ε and epochs together: arms keep both keys, and pairs along the budget
+    change both at once (no pair of arms differs in ε alone)."""
+    finals = {(1.0, 2): [0.50, 0.55, 0.52], (4.0, 8): [0.70, 0.71, 0.69]}
+    folder = write_sweep(
+        tmp_path,
+        {"rule": ["calibrated", "proactive"], "seed": [0, 1, 2]},
+        lambda p: finals[(p["epsilon"], p["epochs"])][p["seed"]] + 0.02 * (p["rule"] == "proactive"),
+        linked={"budget": {"epsilon": [1.0, 4.0], "epochs": [2, 8]}},
+    )
+    write_report(folder)
+    markdown = (folder / "report" / "report.md").read_text()
+    arms = markdown_table(markdown, "## Accuracy")
+    assert list(arms.columns[:4]) == ["rule", "epsilon", "epochs", "seeds"] and set(arms["seeds"]) == {"3"}
+    pairs = pd.read_csv(folder / "report" / "paired_differences.csv")
+    assert set(pairs["differs_in"]) == {"rule", "budget (epsilon, epochs)"} and len(pairs) == 4
+    budget = markdown_table(markdown, "### budget (epsilon, epochs): b − a")
+    assert list(budget["a"]) == ["epsilon=1.0, epochs=2"] * 2 and list(budget["b"]) == ["epsilon=4.0, epochs=8"] * 2
+    for row in budget.itertuples():
+        expected = np.subtract(finals[(4.0, 8)], finals[(1.0, 2)]).mean()
+        assert float(row.difference_mean) == pytest.approx(expected, abs=5e-5) and row.verdict == "b higher"
+    rule = markdown_table(markdown, "### rule: b − a")
+    assert list(rule.columns[:2]) == ["epsilon", "epochs"] and set(rule["verdict"]) == {"b higher"}
+
+
+def test_a_real_sweep_records_its_evaluation_rows_and_the_report_renders(tmp_path, capsys, monkeypatch):
+    """digits, 2 clients, 2 rounds, ε ∈ {1, 2} × 2 seeds on the fast engine (tests/test_sweep.py's report
+    test runs the ServerApp's cells and their baseline)."""
+    scenario = tmp_path / "seeds.toml"
+    scenario.write_text(
+        "[sweep]\nclients = 2\nseeded-noise = true\n\n"
+        '[run]\ndataset = "digits"\nnum-server-rounds = 2\nepochs = 2.0\n\n'
+        '[grid]\nepsilon = [1, 2]\nrule = ["calibrated"]\nseed = [0, 1]\n'
+    )
+    out = tmp_path / "sweep"
+    for args in (
+        ["sweep", str(scenario), "--engine", "fast", "--no-baseline", "--out", str(out)],
+        ["report", str(out)],
+    ):
+        monkeypatch.setattr(sys, "argv", ["fedprivacy", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+        assert exit_info.value.code == 0, capsys.readouterr().err
+    from sklearn.datasets import load_digits
+
+    digits = len(load_digits().target)
+    cells = pd.read_csv(out / "sweep.csv")
+    rows = {}
+    for cell in cells["cell"]:
+        record = json.loads((out / cell / "cell.json").read_text())
+        run = out / cell / record["run_folder"]
+        summary = json.loads((run / "summary.json").read_text())
+        trained = pd.read_csv(run / "clients.csv")["num_examples"].sum()
+        assert summary["evaluation_rows"] == digits - trained  # every row not trained on is evaluated on
+        rows[cell] = summary["evaluation_rows"]
+    markdown = (out / "report" / "report.md").read_text()
+    table = markdown_table(markdown, "## Accuracy")
+    for row in table.itertuples():
+        finals = cells.loc[cells["epsilon"] == float(row.epsilon), "final_accuracy"].to_numpy()
+        interval = stats.ttest_1samp(finals, 0.0).confidence_interval(0.95)
+        m = min(rows[c] for c in cells.loc[cells["epsilon"] == float(row.epsilon), "cell"])
+        assert float(row.ci95_low) == pytest.approx(interval.low, abs=5e-5)
+        assert float(row.ci95_high) == pytest.approx(interval.high, abs=5e-5)
+        assert float(row.binomial_se) == pytest.approx(math.sqrt(finals.mean() * (1 - finals.mean()) / m), abs=5e-5)
+    pairs = markdown_table(markdown, "### epsilon: b − a")
+    assert len(pairs) == 1 and pairs.loc[0, "shared_seeds"] == "2"
+    assert (out / "report" / "accuracy_vs_epsilon_spent.png").is_file()
