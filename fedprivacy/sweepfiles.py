@@ -8,6 +8,10 @@ The sweep (`sims.sweep`, which may import flwr) writes this folder and the repor
     <out>/cells/<cell>/         the cell's results-dir: the run's `<time>-run<id>/` results folder
                                 (fedprivacy.results) and cell.json, written last: the cell is done
     <out>/baseline/<name>/      one non-private baseline: baseline.json and rounds.csv
+    <out>/tuning/<arm>/         with [tune]: the tuning runs of the cells that differ only in seed
+                                (`<candidate>_seed=<s>/`, each like a cell folder) and choice.json
+    <out>/tuning/baseline/<arm>/  the non-private baseline's own learning-rate tuning: one JSON per
+                                run and choice.json
     <out>/report/               figures and report.md (`fedprivacy report`)
 
 A hidden folder (`.<name>`) under baseline/ is a baseline being written: it is renamed into place
@@ -31,6 +35,15 @@ CELL_JSON = "cell.json"
 BASELINE = "baseline"
 BASELINE_JSON = "baseline.json"
 REPORT = "report"
+TUNING = "tuning"
+TUNING_BASELINE = "baseline"  # under TUNING; a cell arm is never named so (its name holds "=" or is "default")
+CHOICE_JSON = "choice.json"
+TUNED_PREFIX = "tuned."  # sweep.csv's column of a tuned key: tuned.learning-rate
+TUNING_PRIVACY_NOTE = (
+    "The tuning ran on validation rows cut from the clients' own training rows, so its privacy cost is "
+    "NOT in the reported ε: a tuned result is private only if the tuning is accounted separately "
+    "(e.g. Papernot & Steinke 2022, 'Hyperparameter tuning with Renyi differential privacy', for random search)."
+)
 STAGING_PREFIX = "."
 
 RESULT_COLUMNS = (

@@ -8,6 +8,10 @@ private plan, which depends on ε; it takes it from the
 first cell of its group in grid order, and baseline.json names that cell (`schedule_from`).
 Like the cells, a baseline is written to a hidden folder and renamed into place when done, and a
 rerun skips the baselines already there with the same run config.
+
+With [tune], a baseline takes its schedule_from cell's tuned values, and, when [tune] has
+learning-rate and the sweep sets no baseline-learning-rate, its own η chosen on validation rows
+(sims.sweep.baseline_tuning): baseline.json's `tuned` holds them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,22 +41,28 @@ class BaselineJob:
     params: dict[str, Any]
     cell: Cell
     run_config: dict[str, Any]  # the cell's, with the sweep's baseline-learning-rate if it sets one
+    tuned: dict[str, Any] = field(default_factory=dict)  # values chosen on validation rows (with [tune])
 
 
-def baseline_jobs(cells: list[Cell], learning_rate: float | None = None) -> list[BaselineJob]:
+def baseline_jobs(
+    cells: list[Cell], learning_rate: float | None = None, tuned: Mapping[str, dict[str, Any]] | None = None
+) -> list[BaselineJob]:
     """One job per distinct non-privacy setting, in the order its first cell appears; with
     `learning_rate`, every baseline takes that η instead of its cells' (one chosen for clipped, noisy
-    steps can be far too large without them)."""
+    steps can be far too large without them). `tuned` (cell name -> its tuned values) gives each
+    baseline its schedule_from cell's; the grouping is by the cells' untuned settings."""
     jobs: dict[str, BaselineJob] = {}
     for cell in cells:
         setting = {key: value for key, value in cell.run_config.items() if key not in BASELINE_IGNORED_KEYS}
         key = json.dumps({**setting, "clients": cell.num_clients}, sort_keys=True)
         if key not in jobs:
             params = {k: v for k, v in cell.params.items() if k not in BASELINE_IGNORED_KEYS}
-            run_config = (
-                cell.run_config if learning_rate is None else {**cell.run_config, "learning-rate": learning_rate}
-            )
-            jobs[key] = BaselineJob(cell_name(params), params, cell, run_config)
+            chosen = dict((tuned or {}).get(cell.name, {}))
+            run_config = {**cell.run_config, **chosen}
+            if learning_rate is not None:
+                run_config["learning-rate"] = learning_rate
+                chosen.pop("learning-rate", None)
+            jobs[key] = BaselineJob(cell_name(params), params, cell, run_config, chosen)
     return list(jobs.values())
 
 
@@ -63,8 +74,9 @@ def is_finished(job: BaselineJob, baseline_dir: Path) -> bool:
     return record.get("status") == "completed" and record.get("run_config") == job.run_config
 
 
-def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
-    """Run one baseline and rename its folder into place; a failure is recorded, not raised."""
+def run_baseline(job: BaselineJob, baseline_dir: Path, refused: str | None = None) -> dict[str, Any]:
+    """Run one baseline and rename its folder into place; a failure is recorded, not raised.
+    With `refused` (why it cannot run, e.g. its tuning chose nothing), that is its recorded error."""
     staging = baseline_dir / f"{STAGING_PREFIX}{job.name}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -74,20 +86,20 @@ def run_baseline(job: BaselineJob, baseline_dir: Path) -> dict[str, Any]:
         "params": job.params,
         "schedule_from": job.cell.name,
         "run_config": job.run_config,
+        "tuned": job.tuned,
     }
+    failed = {"status": "failed", "final_accuracy": None, "best_accuracy": None}
     try:
-        result = nonprivate_baseline(job.run_config, job.cell.num_clients, name=job.name)
-        pd.DataFrame(result.rounds).to_csv(staging / "rounds.csv", index=False)
-        record.update(
-            status="completed", error=None, final_accuracy=result.final_accuracy, best_accuracy=result.best[1]
-        )
+        if refused is not None:
+            record.update(failed, error=refused)
+        else:
+            result = nonprivate_baseline(job.run_config, job.cell.num_clients, name=job.name)
+            pd.DataFrame(result.rounds).to_csv(staging / "rounds.csv", index=False)
+            record.update(
+                status="completed", error=None, final_accuracy=result.final_accuracy, best_accuracy=result.best[1]
+            )
     except Exception as exc:  # a failed baseline is reported beside the cells, not a crashed sweep
-        record.update(
-            status="failed",
-            error=error_summary(f"{type(exc).__name__}: {exc}"),
-            final_accuracy=None,
-            best_accuracy=None,
-        )
+        record.update(failed, error=error_summary(f"{type(exc).__name__}: {exc}"))
     record["wall_s"] = round(time.perf_counter() - started, 2)
     write_json(staging / BASELINE_JSON, record)
     target = baseline_dir / job.name

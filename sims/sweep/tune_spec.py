@@ -1,0 +1,179 @@
+"""A scenario's `[tune]` table and its `[sweep] tune-*` options, validated (sims.sweep.spec calls it).
+
+    [tune]    run-config key = [candidate values], e.g. learning-rate = [0.3, 1, 3]: every cell's
+              setting is chosen among these on validation rows before the cell runs (sims.sweep.tuning)
+    [sweep]   tune-seeds (the tuning runs' seeds, default [1000, 1001]: never a cell's seed),
+              tune-select ("final": the mean final validation accuracy; "best-round": the mean of
+              each run's best round), tune-trials (0: every combination; n: n combinations drawn at
+              random, the same n for the same scenario), split-seed (default 0: every run of the
+              sweep cuts its clients' data the same way, so they share test rows and the tuning's
+              validation rows come from the cells' own training rows)
+
+This module only checks; the values are typed by sims.sweep.spec (`value`), so a candidate is
+typed and its path resolved like any other run-config value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedprivacy.errors import InputError
+from fedprivacy.runconfig import DEFAULTS
+
+TUNE_OPTIONS = ("tune-seeds", "tune-select", "tune-trials", "split-seed")
+SELECTIONS = ("final", "best-round")
+DEFAULT_SEEDS = (1000, 1001)
+# Keys that decide which rows or which randomness a run gets: the tuning sets them itself (the
+# tuning runs' seeds, evaluate-on = "validation", the sweep's split-seed), so they cannot be searched.
+NOT_TUNABLE = ("seed", "noise-seed", "split-seed", "evaluate-on", "validation-fraction", "test-fraction")
+# Fixed or varied elsewhere, these would contradict the tuning: cells evaluate on test rows, and a
+# split-seed of -1 (the run's seed) would cut the tuning runs' rows from other data than the cells'.
+REFUSED_BESIDE_TUNE = ("evaluate-on",)
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """The search space (key -> candidate values, in declared order) and how the tuning runs."""
+
+    space: dict[str, tuple[Any, ...]]
+    seeds: tuple[int, ...] = DEFAULT_SEEDS
+    select: str = "final"
+    trials: int = 0  # 0: every combination of the space
+    split_seed: int = 0
+
+    @property
+    def combinations(self) -> int:
+        return math.prod(len(values) for values in self.space.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "space": {key: list(values) for key, values in self.space.items()},
+            "seeds": list(self.seeds),
+            "select": self.select,
+            "trials": self.trials,
+            "split_seed": self.split_seed,
+        }
+
+
+Placed = Mapping[str, tuple[str, tuple[Any, ...]]]  # key -> (its field, e.g. "grid.seed"; its values)
+
+
+def _space(
+    table: Mapping[str, Any], placed: Placed, value: Callable[[str, str, Any], Any]
+) -> dict[str, tuple[Any, ...]]:
+    space = {}
+    for key, values in table.items():
+        name = f"tune.{key}"
+        if key in NOT_TUNABLE:
+            raise InputError(
+                name,
+                values,
+                "decides which rows or seeds a run uses, which the tuning sets itself: tune any run-config key "
+                f"but {', '.join(NOT_TUNABLE)}",
+            )
+        if key in placed:
+            raise InputError(
+                name, values, f"{key} is also in {placed[key][0]}: a key is fixed, varied or tuned, one of the three"
+            )
+        if not isinstance(values, list) or not values:
+            raise InputError(name, values, "must be a non-empty list of candidate values, e.g. [0.3, 1, 3]")
+        typed = [value(name, key, candidate) for candidate in values]
+        repeated = next((v for i, v in enumerate(typed) if v in typed[:i]), None)
+        if repeated is not None:
+            raise InputError(name, values, f"lists {repeated!r} twice: every candidate must be different")
+        space[key] = tuple(typed)
+    return space
+
+
+def _seeds(sweep: Mapping[str, Any], placed: Placed) -> tuple[int, ...]:
+    seeds = sweep.get("tune-seeds", list(DEFAULT_SEEDS))
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds)
+    ):
+        raise InputError("sweep.tune-seeds", seeds, "must be a non-empty list of integers >= 0, e.g. [1000, 1001]")
+    if len(set(seeds)) != len(seeds):
+        raise InputError("sweep.tune-seeds", seeds, "lists a seed twice: each tuning run needs its own")
+    field_name, used = placed.get("seed", ("the default seed", (DEFAULTS["seed"],)))
+    clash = next((s for s in seeds if s in used), None)
+    if clash is not None:
+        raise InputError(
+            "sweep.tune-seeds",
+            seeds,
+            f"{clash} is also a cell's seed ({field_name} = {list(used)}): the chosen setting is tested on "
+            "fresh seeds, so the tuning runs need seeds no cell uses",
+        )
+    return tuple(seeds)
+
+
+def _integer(sweep: Mapping[str, Any], key: str, default: int, low: int, high: int | None, allowed: str) -> int:
+    number = sweep.get(key, default)
+    if isinstance(number, bool) or not isinstance(number, int) or number < low or (high is not None and number > high):
+        raise InputError(f"sweep.{key}", number, allowed)
+    return number
+
+
+def _split_seed(sweep: Mapping[str, Any], placed: Placed) -> int:
+    """[sweep] split-seed, or a split-seed of [run]/[grid]/[linked] (then never -1)."""
+    split_seed = _integer(
+        sweep, "split-seed", 0, 0, None, "must be an integer >= 0: the seed of every run's partition and splits"
+    )
+    if "split-seed" not in placed:
+        return split_seed
+    field_name, values = placed["split-seed"]
+    if "split-seed" in sweep:
+        raise InputError("sweep.split-seed", split_seed, f"split-seed is also in {field_name}: give it in one place")
+    if -1 in values:
+        raise InputError(
+            field_name,
+            list(values),
+            "-1 cuts each run's data by its own seed, so the tuning runs (other seeds) would validate on other rows "
+            "than the cells train on: give a seed >= 0, or drop it for [sweep] split-seed (default 0)",
+        )
+    return split_seed
+
+
+def read_tune(
+    raw: Mapping[str, Any], sweep: Mapping[str, Any], placed: Placed, value: Callable[[str, str, Any], Any]
+) -> TuneSpec | None:
+    """The scenario's tuning, or None without a [tune] table (then the tune-* options are refused).
+
+    `placed` maps each key of [run], [grid] and [linked] to its field and values; `value(field,
+    key, v)` types a run-config value as sims.sweep.spec does."""
+    table = raw.get("tune")
+    if table is None:
+        given = next((key for key in TUNE_OPTIONS if key in sweep), None)
+        if given is not None:
+            raise InputError(f"sweep.{given}", sweep[given], "sets how the sweep tunes: it needs a [tune] table")
+        return None
+    if not isinstance(table, dict) or not table:
+        raise InputError(
+            "tune", table, "must be a table of run-config keys with candidate lists, e.g. learning-rate = [0.3, 1, 3]"
+        )
+    space = _space(table, placed, value)
+    beside = next((key for key in REFUSED_BESIDE_TUNE if key in placed), None)
+    if beside is not None:
+        field_name, values = placed[beside]
+        raise InputError(
+            field_name,
+            list(values),
+            "is set by the tuning (validation rows for the tuning runs, test rows for the cells): leave it out",
+        )
+    select = sweep.get("tune-select", "final")
+    if select not in SELECTIONS:
+        raise InputError("sweep.tune-select", select, f"must be one of: {', '.join(SELECTIONS)}")
+    combinations = math.prod(len(values) for values in space.values())
+    trials = _integer(
+        sweep,
+        "tune-trials",
+        0,
+        0,
+        combinations,
+        f"must be an integer in [0, {combinations}]: 0 tries all {combinations} combinations of [tune], "
+        "n > 0 draws n of them at random",
+    )
+    return TuneSpec(space, _seeds(sweep, placed), select, trials, _split_seed(sweep, placed))

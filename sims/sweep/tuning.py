@@ -1,0 +1,323 @@
+"""Tuning per cell: each cell's setting chosen among [tune]'s candidates on validation rows, before it runs.
+
+A cell's arm is its grid values without `seed`: the cells of an arm differ only in their seed, so
+they share one tuning. For every arm, candidate and tune seed there is one tuning run: the arm's
+run config (that of its first cell) with the candidate's values, `seed` (and a set noise-seed) =
+the tune seed, and `evaluate-on = "validation"`, so it trains on fit rows cut from the clients'
+training rows and is scored on the rest; no test row is read. The sweep's `split-seed` is in
+every run config, so these are the same training rows the arm's cells train on. The tuning costs
+arms × candidates × tune seeds runs on the sweep's engine.
+
+A tuning run is written like a cell (`<out>/tuning/<arm>/<candidate>_seed=<s>/`, cell.json last)
+and resumes like one: a rerun skips the completed ones and redoes the others. When an arm's runs
+are done, the candidate with the highest score (the mean over tune seeds of the final validation
+accuracy, or of each run's best round) wins, ties to the first in declared order; a candidate with
+a failed run cannot win. choice.json records every candidate's scores and the choice, and once it
+holds a choice a rerun with the same inputs reads it rather than choosing again, so finished cells
+keep the setting they ran with.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from fedprivacy.errors import InputError
+from fedprivacy.runconfig import parse_run_config
+from fedprivacy.sweepfiles import (
+    CELL_JSON,
+    CHOICE_JSON,
+    TUNING,
+    TUNING_BASELINE,
+    TUNING_PRIVACY_NOTE,
+    cell_results,
+    read_json,
+    write_json,
+)
+from sims.sweep.grid import PLACEHOLDER_RESULTS_DIR, Cell, cell_name
+from sims.sweep.spec import SweepSpec
+from sims.sweep.tune_spec import TuneSpec
+
+TRIALS_SEED = 0  # random search draws its candidates with this seed: the same scenario, the same draw
+SCORES = {"final": "final_accuracy", "best-round": "best_accuracy"}
+RULES = {
+    "final": "the mean over tune seeds of the final validation accuracy",
+    "best-round": "the mean over tune seeds of each run's best-round validation accuracy",
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting of the search space: its values in [tune]'s order, and its name (as a cell's)."""
+
+    name: str
+    values: dict[str, Any]
+
+
+def _candidate(space: dict[str, tuple[Any, ...]], index: int) -> Candidate:
+    """The `index`-th combination of `space` in itertools.product's order (the last key fastest)."""
+    picked: dict[str, Any] = {}
+    for key in reversed(space):
+        index, position = divmod(index, len(space[key]))
+        picked[key] = space[key][position]
+    values = {key: picked[key] for key in space}
+    return Candidate(cell_name(values), values)
+
+
+def candidates(tune: TuneSpec) -> list[Candidate]:
+    """Every combination, or (tune-trials = n) n drawn without replacement by a fixed seed (random
+    search, Bergstra & Bengio 2012), kept in declared order so that ties go the same way."""
+    total = tune.combinations
+    if tune.trials == 0:
+        indices: Iterable[int] = range(total)
+    else:
+        indices = sorted(random.Random(TRIALS_SEED).sample(range(total), tune.trials))
+    return [_candidate(tune.space, index) for index in indices]
+
+
+def tuning_config(base: dict[str, Any], values: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A tuning run's config: `base` with the candidate's values, the tune seed, validation rows."""
+    config = {**base, **values, "seed": seed, "evaluate-on": "validation"}
+    if base.get("noise-seed", -1) >= 0:  # seeded noise: the tune seed's own, never a cell's
+        config["noise-seed"] = seed
+    return config
+
+
+@dataclass(frozen=True)
+class Arm:
+    """The cells that differ only in their seed: one tuning for all of them."""
+
+    name: str
+    params: dict[str, Any]  # the cells' grid values but the seed
+    base: dict[str, Any]  # the run config the tuning runs start from: the arm's first cell's
+    num_clients: int
+    cells: tuple[str, ...]
+
+    def run(self, candidate: Candidate, seed: int) -> Cell:
+        """The tuning run of `candidate` with `seed`, as a cell the engines can run."""
+        return Cell(
+            f"{candidate.name}_seed={seed}",
+            {**candidate.values, "seed": seed},
+            tuning_config(self.base, candidate.values, seed),
+            self.num_clients,
+        )
+
+
+@dataclass(frozen=True)
+class TuningPlan:
+    """The tuning a sweep runs: its spec, candidates and arms."""
+
+    tune: TuneSpec
+    candidates: tuple[Candidate, ...]
+    arms: tuple[Arm, ...]
+
+    @property
+    def runs(self) -> int:
+        return len(self.arms) * len(self.candidates) * len(self.tune.seeds)
+
+    @property
+    def summary(self) -> str:
+        return (
+            f"{len(self.arms)} arms × {len(self.candidates)} candidates × {len(self.tune.seeds)} tune seeds "
+            f"= {self.runs} tuning runs on validation rows"
+        )
+
+
+def arm_params(params: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in params.items() if key != "seed"}
+
+
+def _check(config: dict[str, Any], candidate: Candidate, arm: str) -> None:
+    """`config` must be a valid run config; an error names the [tune] key when the candidate set it."""
+    try:
+        parse_run_config({**config, "results-dir": PLACEHOLDER_RESULTS_DIR})
+    except InputError as error:
+        field = f"tune.{error.field}" if error.field in candidate.values else error.field
+        raise InputError(field, error.value, f"{error.allowed} (candidate {candidate.name}, cells {arm})") from None
+
+
+def plan_tuning(spec: SweepSpec, cells: list[Cell]) -> TuningPlan | None:
+    """The scenario's tuning (None without [tune]), every run config validated before anything runs."""
+    if spec.tune is None:
+        return None
+    grouped: dict[str, list[Cell]] = {}
+    for cell in cells:
+        grouped.setdefault(cell_name(arm_params(cell.params)), []).append(cell)
+    arms = tuple(
+        Arm(
+            name,
+            arm_params(members[0].params),
+            members[0].run_config,
+            members[0].num_clients,
+            tuple(c.name for c in members),
+        )
+        for name, members in grouped.items()
+    )
+    found = tuple(candidates(spec.tune))
+    for arm in arms:
+        for candidate in found:
+            _check(arm.run(candidate, spec.tune.seeds[0]).run_config, candidate, arm.name)
+            _check({**arm.base, **candidate.values}, candidate, arm.name)  # what the arm's cells would run
+    return TuningPlan(spec.tune, found, arms)
+
+
+def arm_folder(out: Path, arm: str) -> Path:
+    return out / TUNING / arm
+
+
+def _refuse_foreign(out: Path, where: str, what: str) -> NoReturn:
+    raise InputError(
+        "out",
+        str(out),
+        f"holds {where}, which this scenario's tuning does not have ({what}): resume with the same "
+        "scenario or use another --out",
+    )
+
+
+def check_resumable(out: Path, plan: TuningPlan) -> None:
+    """Refuse an --out whose tuning/ holds another scenario's arms or runs, or runs with other settings."""
+    root = out / TUNING
+    if not root.is_dir():
+        return
+    arms = {arm.name: arm for arm in plan.arms}
+    for folder in sorted(path for path in root.iterdir() if path.is_dir() and path.name != TUNING_BASELINE):
+        if folder.name not in arms:
+            _refuse_foreign(out, f"{TUNING}/{folder.name}", "another grid")
+        runs = {
+            run.name: run for run in (arms[folder.name].run(c, s) for c in plan.candidates for s in plan.tune.seeds)
+        }
+        for path in sorted(p for p in folder.iterdir() if p.is_dir()):
+            if path.name not in runs:
+                _refuse_foreign(out, f"{TUNING}/{folder.name}/{path.name}", "other candidates or tune seeds")
+            record = read_json(path / CELL_JSON) if (path / CELL_JSON).is_file() else None
+            expected = runs[path.name].run_config
+            if record is not None and record["run_config"] != expected:
+                old = record["run_config"]
+                key = next(k for k in sorted({*old, *expected}) if old.get(k) != expected.get(k))
+                raise InputError(
+                    "out",
+                    str(out),
+                    f"its tuning run {TUNING}/{folder.name}/{path.name} ran with {key}={old.get(key)!r}, this "
+                    f"scenario has {expected.get(key)!r}: resume with the same scenario or use another --out",
+                )
+
+
+def best(scores: list[float | None]) -> int | None:
+    """The index of the highest score (the first on a tie), None when no score is there."""
+    found = [(score, -index) for index, score in enumerate(scores) if score is not None]
+    return -max(found)[1] if found else None
+
+
+def choice_record(
+    inputs: dict[str, Any],
+    found: tuple[Candidate, ...],
+    seeds: tuple[int, ...],
+    select: str,
+    outcome: Callable[[Candidate, int], tuple[float | None, str | None]],
+) -> dict[str, Any]:
+    """choice.json: each candidate's score per seed and mean, the choice and the rule that made it.
+    `outcome(candidate, seed)` is a run's (score, error); a candidate with any missing score cannot win."""
+    entries = []
+    for candidate in found:
+        runs = {seed: outcome(candidate, seed) for seed in seeds}
+        scores = [score for score, _ in runs.values()]
+        entries.append(
+            {
+                "name": candidate.name,
+                "values": candidate.values,
+                "scores": {str(seed): score for seed, (score, _) in runs.items()},
+                "errors": {str(seed): error for seed, (_, error) in runs.items() if error is not None},
+                "score": statistics.fmean(scores) if None not in scores else None,
+            }
+        )
+    winner = best([entry["score"] for entry in entries])
+    chosen = None if winner is None else {key: entries[winner][key] for key in ("name", "values", "score")}
+    return {
+        **inputs,
+        "rule": RULES[select],
+        "candidates": entries,
+        "chosen": chosen,
+        "privacy": TUNING_PRIVACY_NOTE,
+    }
+
+
+def _inputs(arm: Arm, plan: TuningPlan) -> dict[str, Any]:
+    """What a choice depends on: a choice.json with other inputs is made again."""
+    return {
+        "arm": arm.name,
+        "params": arm.params,
+        "cells": list(arm.cells),
+        "select": plan.tune.select,
+        "tune_seeds": list(plan.tune.seeds),
+        "candidate_names": [candidate.name for candidate in plan.candidates],
+        "base_run_config": arm.base,
+    }
+
+
+def frozen_choice(path: Path, inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """The chosen values of a choice.json made from these inputs (None: none there yet, or none chosen)."""
+    if not path.is_file():
+        return None
+    record = read_json(path)
+    same = all(record.get(key) == value for key, value in inputs.items())
+    return record["chosen"]["values"] if same and record.get("chosen") else None
+
+
+def read_choices(out: Path, plan: TuningPlan) -> dict[str, dict[str, Any]]:
+    """The arms already tuned (arm name -> chosen values)."""
+    found = {arm.name: frozen_choice(arm_folder(out, arm.name) / CHOICE_JSON, _inputs(arm, plan)) for arm in plan.arms}
+    return {name: values for name, values in found.items() if values is not None}
+
+
+def run_outcome(folder: Path, select: str) -> tuple[float | None, str | None]:
+    record = read_json(folder / CELL_JSON) if (folder / CELL_JSON).is_file() else None
+    if record is None:
+        return None, "did not run"
+    if record["status"] != "completed":
+        return None, record["error"]
+    score = cell_results(folder / record["run_folder"])[SCORES[select]]
+    return (score, None) if score is not None else (None, "no validation accuracy recorded")
+
+
+def is_done(folder: Path) -> bool:
+    return (folder / CELL_JSON).is_file() and read_json(folder / CELL_JSON)["status"] == "completed"
+
+
+def runs_done(out: Path, plan: TuningPlan, chosen: Iterable[str]) -> int:
+    """Tuning runs that need no running: every run of the arms in `chosen`, the completed ones of the rest."""
+    settled = set(chosen)
+    return sum(
+        arm.name in settled or is_done(arm_folder(out, arm.name) / arm.run(candidate, seed).name)
+        for arm in plan.arms
+        for candidate in plan.candidates
+        for seed in plan.tune.seeds
+    )
+
+
+def tune_arm(
+    arm: Arm,
+    plan: TuningPlan,
+    out: Path,
+    run: Callable[[Cell, Path], dict[str, Any]],
+) -> dict[str, Any]:
+    """Run the arm's unfinished tuning runs (`run(cell, folder)` writes a cell folder) and write its
+    choice.json; returns the record (its `chosen` is None when every candidate failed)."""
+    folder = arm_folder(out, arm.name)
+    for candidate in plan.candidates:
+        for seed in plan.tune.seeds:
+            cell = arm.run(candidate, seed)
+            if not is_done(folder / cell.name):
+                run(cell, folder / cell.name)
+    record = choice_record(
+        _inputs(arm, plan),
+        plan.candidates,
+        plan.tune.seeds,
+        plan.tune.select,
+        lambda candidate, seed: run_outcome(folder / arm.run(candidate, seed).name, plan.tune.select),
+    )
+    write_json(folder / CHOICE_JSON, record)
+    return record
