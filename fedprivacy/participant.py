@@ -25,6 +25,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ from fedprivacy.models import build_model, evaluate_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client, with_rule_comparison
 from fedprivacy.privacy.rules import find_rule
-from fedprivacy.runconfig import NodeSettings, RunSettings, default_ledger_path
+from fedprivacy.runconfig import DEFAULTS, NodeSettings, RunSettings, default_ledger_path
 from fedprivacy.training.trainer import DPTrainer, check_finite
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class LocalClient:
     data: ClientData
     epsilon: float
     delta: float
+    epochs: float | None  # its epochs k (a simulated client's entry of client-epochs); None: the planner's
     ledger_path: Path
     deployed: bool = False
     dataset_id: str = ""  # simulations: the data set's identity, whose partitioning the ledger pins
@@ -102,17 +104,25 @@ def _scheme(settings: RunSettings) -> tuple[str, str | None]:
 
 
 def partition_kwargs(settings: RunSettings, num_clients: int) -> dict[str, Any]:
+    """`load_clients`/`load_client`'s arguments: the one recipe the simulated clients, the server's
+    central set and the fast engine all build their rows from, so they agree on every row.
+
+    `seed` is the data seed (`split-seed`, or `seed`). `validation_fraction` is present only under
+    evaluate-on='validation' (the clients are then (fit, validation) rows): without it the
+    arguments, and so the partitioning a ledger pins, are those of runs made before it existed."""
     scheme, by = _scheme(settings)
+    validation = {"validation_fraction": settings.validation_fraction} if settings.evaluate_on == "validation" else {}
     return dict(
         name=settings.dataset,
         path=settings.data_path,
         scheme=scheme,
         num_partitions=num_clients,
-        seed=settings.seed,
+        seed=settings.data_seed,
         by=by,
         alpha=settings.dirichlet_alpha,
         skew=settings.size_skew,
         test_fraction=settings.test_fraction,
+        **validation,
         **_data_options(settings),
     )
 
@@ -196,6 +206,7 @@ def simulation_client(settings: RunSettings, partition_id: int, num_partitions: 
         data=data,
         epsilon=settings.client_epsilon(partition_id, num_partitions),
         delta=settings.client_delta(partition_id, num_partitions),
+        epochs=settings.client_epochs_for(partition_id, num_partitions),
         ledger_path=ledger_path,
         dataset_id=dataset_id,
         partitioning=partitioning_of(settings, num_partitions),
@@ -230,6 +241,7 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
                 key,
                 shown[1],
             )
+    _warn_about_ignored_splits(settings)
     if node.dataset == "pums":
         options: dict[str, Any] = {"client_column": None, "age": node.pums_age, "per_row": True}
     else:
@@ -251,11 +263,30 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
         data=rows,
         epsilon=node.epsilon,
         delta=node.delta,
+        epochs=settings.epochs,
         ledger_path=node.ledger_path or default_ledger_path(),
         deployed=True,
         data_digest=file_digest(node.data_path),
         public_size=node.public_size,
     )
+
+
+def _warn_about_ignored_splits(settings: RunSettings) -> None:
+    """A run config's split keys are for simulated clients: a deployed one trains on every row of
+    its file whatever they say (the run config is untrusted; rows held out at its word would make
+    which records are trained on depend on the server), so they are only logged as ignored."""
+    asked = {
+        key: value
+        for key, value in (
+            ("evaluate-on", settings.evaluate_on),
+            ("validation-fraction", settings.validation_fraction),
+            ("split-seed", settings.split_seed),
+        )
+        if value != DEFAULTS[key]
+    }
+    if asked:
+        shown = " ".join(f"{key}={value}" for key, value in asked.items())
+        logger.warning("run config %s ignored: a deployed client trains on every row of its file", shown)
 
 
 def _warn_locally_about_the_real_size(node: NodeSettings, rows: int) -> None:
@@ -345,6 +376,11 @@ def _policy_refusal(client: LocalClient, settings: RunSettings) -> ClientRefusal
             f"noise-seed={settings.noise_seed}: a deployed client draws its noise from OS entropy "
             "and never accepts a seed (seeds are for simulations)"
         )
+    if client.deployed and settings.client_epochs:
+        return ClientRefusal(
+            f"client-epochs={','.join(f'{k:g}' for k in settings.client_epochs)}: a deployed client has no "
+            "place in a list of simulated clients; give every client the same epochs instead"
+        )
     if client.deployed and settings.diagnostics:
         return ClientRefusal(
             "diagnostics=true: raw training statistics are not private; a deployed client never returns them"
@@ -368,6 +404,7 @@ def plan_from_settings(
     delta: float,
     client_id: str,
     *,
+    epochs: float | None | EllipsisType = ...,
     compare: bool = True,
 ) -> Plan:
     """The plan a client makes from the run config: one place, so the ClientApp, the engines and
@@ -376,14 +413,15 @@ def plan_from_settings(
     `compare=False` leaves out the rule comparison (sheet content, about 0.25 s per distinct
     plan): the ClientApp computes it for its own plan, so that a deployment's clients share the
     work; one process simulating them all (the fast engine) or training without noise (the
-    baselines) leaves it to the sheets."""
+    baselines) leaves it to the sheets. `epochs`: the client's own k, like `epsilon` and `delta`
+    (`RunSettings.client_epochs_for`); omitted, the run config's `epochs`."""
     inputs = (
         num_examples,
         epsilon,
         delta,
         settings.rule,
         settings.clip_norm,
-        settings.epochs,
+        settings.epochs if epochs is ... else epochs,
         settings.num_server_rounds,
         settings.learning_rate,
         settings.lr_schedule or None,
@@ -472,7 +510,13 @@ def _new_plan(client: LocalClient, settings: RunSettings, compare: bool) -> Plan
     the run config), so the planner's refusal leaves it with its text, as a `ClientRefusal`."""
     try:
         plan = plan_from_settings(
-            settings, client.planning_size, client.epsilon, client.delta, client.client_id, compare=compare
+            settings,
+            client.planning_size,
+            client.epsilon,
+            client.delta,
+            client.client_id,
+            epochs=client.epochs,
+            compare=compare,
         )
     except InputError as error:
         if not client.deployed:

@@ -64,6 +64,8 @@ class RunSettings:
     dirichlet_alpha: float
     size_skew: str
     test_fraction: float
+    evaluate_on: str  # 'test', or 'validation': rows cut from each client's training rows (tuning)
+    validation_fraction: float
     # model and training
     model: str
     clip_norm: float
@@ -72,6 +74,7 @@ class RunSettings:
     lr_offset: float
     lr_decay: float
     epochs: float | None
+    client_epochs: tuple[float, ...]
     # privacy
     epsilon: float
     epsilons: tuple[float, ...]
@@ -91,11 +94,17 @@ class RunSettings:
     server_tau: float
     # randomness
     seed: int
+    split_seed: int  # -1: `seed`
     noise_seed: int
     # output
     results_dir: Path
     ledger_path: Path | None
     diagnostics: bool
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the partitions and the clients' splits: `split-seed`, or `seed` when it is -1."""
+        return self.seed if self.split_seed == -1 else self.split_seed
 
     def client_epsilon(self, index: int, num_clients: int) -> float:
         """Client `index`'s ε: its entry of `epsilons` when given, else the common `epsilon`."""
@@ -105,13 +114,21 @@ class RunSettings:
         """Client `index`'s δ: its entry of `deltas` when given, else the common `delta`."""
         return _client_value("deltas", self.deltas, self.delta, index, num_clients)
 
+    def client_epochs_for(self, index: int, num_clients: int) -> float | None:
+        """Client `index`'s epochs k: its entry of `client-epochs` when given, else the common
+        `epochs` (None: the planner chooses)."""
+        if not self.client_epochs:
+            return self.epochs
+        return one_per_client("client-epochs", self.client_epochs, num_clients)[index]
+
     def check_clients(self, num_clients: int, field: str = "clients") -> None:
-        """A simulation's `num_clients` against the per-client lists (`epsilons`, `deltas`) and
-        min-clients: refused before it starts, not client by client once it runs (`field` names
-        where the number came from)."""
+        """A simulation's `num_clients` against the per-client lists (`epsilons`, `deltas`,
+        `client-epochs`) and min-clients: refused before it starts, not client by client once it
+        runs (`field` names where the number came from)."""
         for index in range(num_clients):
             self.client_epsilon(index, num_clients)
             self.client_delta(index, num_clients)
+            self.client_epochs_for(index, num_clients)
         if num_clients < self.min_clients:
             raise InputError(
                 field,
@@ -143,7 +160,23 @@ def _check_across_keys(settings: RunSettings) -> None:
     """The checks no single key can make: lr-offset and lr-decay shape only the inverse_sqrt
     schedule, so a value other than their default under another schedule is refused rather than
     run a schedule the user did not ask for (a default value cannot be told from an unset one:
-    Flower hands the apps every key of pyproject.toml)."""
+    Flower hands the apps every key of pyproject.toml); so is a validation-fraction other than its
+    default without evaluate-on='validation'. A non-zero `epochs` beside `client-epochs`
+    is refused: the list sets every client's k, so the common value would label a run none of its
+    clients ran (0, the default, is "unset": the planner would choose)."""
+    if settings.client_epochs and settings.epochs is not None:
+        raise InputError(
+            "epochs",
+            settings.epochs,
+            "client-epochs is also given and sets every client's epochs, so this would be ignored: "
+            "give one or the other (epochs = 0 with client-epochs)",
+        )
+    if settings.evaluate_on != "validation" and settings.validation_fraction != DEFAULTS["validation-fraction"]:
+        raise InputError(
+            "validation-fraction",
+            settings.validation_fraction,
+            f"sizes only evaluate-on='validation'; this run's evaluate-on is {settings.evaluate_on!r}",
+        )
     schedule = settings.lr_schedule or find_rule(settings.rule).default_schedules(None)[0]
     for key, value in (("lr-offset", settings.lr_offset), ("lr-decay", settings.lr_decay)):
         if schedule != "inverse_sqrt" and value != DEFAULTS[key]:
@@ -187,6 +220,7 @@ NODE_KEYS = (
     "num-classes",
     "pums-age",
 )
+SPLIT_KEYS = ("test-fraction", "evaluate-on", "validation-fraction", "split-seed")  # simulations only
 NODE_REQUIRED = ("client-id", "data-path", "epsilon", "delta", "public-size")
 _NO_SPLIT = (
     "a deployed client trains on every row of its file and never evaluates: a held-out split would make "
@@ -198,8 +232,9 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
     """`NodeSettings` for a deployed SuperNode; None in a simulation (partition-id is set)."""
     if "partition-id" in node_config:
         return None
-    if "test-fraction" in node_config:
-        raise InputError("test-fraction", node_config["test-fraction"], _NO_SPLIT)
+    for key in SPLIT_KEYS:
+        if key in node_config:
+            raise InputError(key, node_config[key], _NO_SPLIT)
     unknown = sorted(set(node_config) - set(NODE_KEYS))
     if unknown:
         raise InputError(

@@ -28,6 +28,7 @@ from fedprivacy.privacy.plan import LR_SCHEDULES
 
 PARTITIONINGS = ("auto", *SCHEMES)  # auto: natural when partition-by names a column, else iid
 SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
+EVALUATION_SETS = ("test", "validation")  # validation: rows cut from each client's training rows, for tuning
 GROUPS = ("data", "model and training", "privacy", "rounds and aggregation", "randomness", "output")
 
 PATH_RULE = (
@@ -96,6 +97,14 @@ def _column(field: str, value: Any) -> str:
 def _test_fraction(field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
         raise InputError(field, value, "must be a number in (0, 1): each client evaluates on its own test split")
+    return float(value)
+
+
+def _validation_fraction(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise InputError(
+            field, value, "must be a number in (0, 1): the share of each client's training rows held out for validation"
+        )
     return float(value)
 
 
@@ -206,6 +215,21 @@ RUN_KEYS = (
         "each simulated client's held-out test split, in (0, 1) (a deployed client holds none out)",
         "data",
     ),
+    RunKey(
+        "evaluate-on",
+        "test",
+        _one_of(EVALUATION_SETS),
+        "`test`, or `validation` (for tuning): each simulated client trains on part of its training rows and "
+        "every evaluation uses the rest; no test row is read",
+        "data",
+    ),
+    RunKey(
+        "validation-fraction",
+        0.2,
+        _validation_fraction,
+        "`evaluate-on='validation'` only: the share of each client's training rows held out for validation, in (0, 1)",
+        "data",
+    ),
     # model and training
     RunKey("model", "logreg", _one_of(MODEL_NAMES), "`logreg`, `mlp` or `cnn`", "model and training"),
     RunKey("clip-norm", 1.0, limits.clip_norm, "the per-example clipping norm C", "model and training"),
@@ -234,6 +258,14 @@ RUN_KEYS = (
         "model and training",
     ),
     RunKey("epochs", 0.0, _epochs_or_planner, "epochs k = qT; 0 lets the planner choose", "model and training"),
+    RunKey(
+        "client-epochs",
+        "",
+        _per_client(limits.epochs, "4,8,8,16"),
+        "simulations only: one epochs k per client, e.g. `'4,8,8,16'` (`''`: every client takes `epochs`; "
+        "refused beside a non-zero `epochs`)",
+        "model and training",
+    ),
     # privacy
     RunKey("epsilon", 1.0, limits.epsilon, "every client's ε, unless `epsilons` is set", "privacy"),
     RunKey(
@@ -290,7 +322,21 @@ RUN_KEYS = (
     RunKey("server-momentum", 0.0, _momentum, "FedAvgM's momentum, in [0, 1)", "rounds and aggregation"),
     RunKey("server-tau", 1e-3, positive, "FedAdam's adaptivity τ", "rounds and aggregation"),
     # randomness
-    RunKey("seed", 0, _at_least(0), "partitions, client sampling, initial model", "randomness"),
+    RunKey(
+        "seed",
+        0,
+        _at_least(0),
+        "client sampling, initial model; partitions and splits too, unless `split-seed` is set",
+        "randomness",
+    ),
+    RunKey(
+        "split-seed",
+        -1,
+        _at_least(-1),
+        "−1: `seed`; ≥ 0: seeds the partitions and the test and validation splits alone, so runs with "
+        "different `seed` share their test rows",
+        "randomness",
+    ),
     RunKey(
         "noise-seed",
         -1,

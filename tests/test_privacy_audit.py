@@ -220,6 +220,7 @@ def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_da
     [
         ({"noise-seed": 5}, "noise-seed=5: a deployed client draws its noise from OS entropy"),
         ({"diagnostics": True}, "diagnostics=true: raw training statistics are not private"),
+        ({"client-epochs": "4,8"}, "client-epochs=4,8: a deployed client has no place in a list"),
     ],
 )
 def test_a_deployed_client_refuses_seeds_and_diagnostics_with_the_same_public_words(

@@ -122,7 +122,7 @@ def test_report_writes_figures_and_tables_from_a_finished_sweep(tiny_sweep):
     )
     assert result.returncode == 0, result.stderr
     report = tiny_sweep / "report"
-    stems = ("accuracy_vs_epsilon", "accuracy_vs_round", "epsilon_vs_round", "budget_use")
+    stems = ("accuracy_vs_epsilon", "accuracy_vs_round", "epsilon_vs_round", "budget_use", "accuracy_vs_epsilon_spent")
     for stem in stems:
         assert (report / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         svg = (report / f"{stem}.svg").read_text()
@@ -135,6 +135,10 @@ def test_report_writes_figures_and_tables_from_a_finished_sweep(tiny_sweep):
     for row in pd.read_csv(tiny_sweep / "sweep.csv").itertuples():  # one seed per setting: the mean is the cell's
         assert accuracy[row.epsilon][:3] == ["calibrated", f"{row.epsilon:.4f}", "1"]
         assert float(accuracy[row.epsilon][3]) == pytest.approx(row.final_accuracy, abs=5e-5)
+        summary = json.loads((cell_folder(tiny_sweep, row.cell.split("/")[1]) / "summary.json").read_text())
+        rows, p = summary["evaluation_rows"], row.final_accuracy  # the ServerApp records its central test rows
+        assert rows > 0 and accuracy[row.epsilon][5:7] == ["—", "—"] and accuracy[row.epsilon][8] == str(rows)
+        assert float(accuracy[row.epsilon][7]) == pytest.approx((p * (1 - p) / rows) ** 0.5, abs=5e-5)  # binomial s.e.
     baseline = json.loads((tiny_sweep / "baseline" / "default" / "baseline.json").read_text())
     assert f"{baseline['final_accuracy']:.4f}" in markdown
 

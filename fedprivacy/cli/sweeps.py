@@ -84,7 +84,9 @@ def sweep(
     baseline: bool | None = typer.Option(
         None, "--baseline/--no-baseline", help="also run the non-private baseline (default: yes)"
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the cells, run nothing"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="validate and list the cells (and count the tuning runs), run nothing"
+    ),
     dataset: Dataset | None = typer.Option(None, "--dataset", help="the data set of every cell"),
     data_path: str | None = typer.Option(None, "--data-path", help="data file (relative paths are taken from here)"),
     partition_by: str | None = typer.Option(
@@ -125,6 +127,8 @@ def sweep(
     Each cell writes one results folder, and the sweep writes sweep.csv beside them.
     """
     from sims.sweep.grid import cells as grid_cells
+    from sims.sweep.grid import schedule_note
+    from sims.sweep.tuning import plan_tuning
 
     run_flags = {
         "dataset": value(dataset),
@@ -152,15 +156,39 @@ def sweep(
     console = Console(stderr=True)
     with console.status("validating every cell"):
         cells = guarded(lambda: grid_cells(spec))
+        plan = guarded(lambda: plan_tuning(spec, cells))  # every tuning run's config validated too
     if dry_run:
-        table = Table(title=f"{spec.name}: {len(cells)} cells, engine {spec.engine}")
+        tuning = f" after {plan.runs} tuning runs" if plan is not None else ""
+        table = Table(title=f"{spec.name}: {len(cells)} cells{tuning}, engine {spec.engine}")
         for column in ("cell", "clients", "rounds"):
             table.add_column(column)
         for cell in cells:
             table.add_row(cell.name, str(cell.num_clients), str(cell.run_config["num-server-rounds"]))
         Console().print(table)
+        for line in _tuning_lines(spec, cells, plan):
+            Console().print(line)
+        if (note := schedule_note(spec)) is not None:
+            console.print(note)
         return
     _run_sweep(spec, cells, out, console)
+
+
+def _tuning_lines(spec: Any, cells: list[Any], plan: Any) -> list[str]:
+    """What the tuning will run, for --dry-run: the runs per arm, the candidates, the baseline's own."""
+    from sims.sweep.baseline_tuning import tunes_baseline, tuning_runs
+    from sims.sweep.baselines import baseline_jobs
+
+    if plan is None:
+        return []
+    lines = [
+        f"tuning: {plan.summary} ({plan.tune.select} score; split-seed {plan.tune.split_seed})",
+        f"candidates: {'; '.join(candidate.name for candidate in plan.candidates)}",
+    ]
+    if spec.baseline and tunes_baseline(spec.tune, spec.baseline_learning_rate):
+        runs = tuning_runs(baseline_jobs(cells), spec.tune)
+        lines.append(f"non-private baseline: {runs} more tuning runs for its own learning rate (fast engine)")
+    lines.append("the tuning's privacy cost is not in the cells' ε (docs/simulator.md#tuning-per-cell)")
+    return lines
 
 
 def _run_sweep(spec: Any, cells: list[Any], out: Path, console: Console) -> None:

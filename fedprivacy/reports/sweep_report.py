@@ -1,9 +1,11 @@
 """`fedprivacy report DIR`: the figures and report.md of a sweep, from its sweep.csv and cell folders.
 
-report.md holds the tables behind the figures: accuracy per setting (mean, standard deviation and
-count over seeds, mean best-round accuracy, the largest ε any client spent, whether every cell
-kept every client within budget), the non-private baselines, budget use per setting (the spread
-of ε spent / ε budget over clients, clients that ran out of budget) and the cells that failed.
+report.md holds the tables behind the figures: accuracy per setting (mean, standard deviation,
+95% t-interval and count over seeds, the binomial standard error of one run's accuracy on its
+evaluation rows, mean best-round accuracy, the largest ε any client spent, whether every cell kept every
+client within budget), the non-private baselines, the paired differences between settings that
+share seeds (fedprivacy.reports.sweep_arms), budget use per setting (the spread of ε spent / ε
+budget over clients, clients that ran out of budget) and the cells that failed.
 A sweep none of whose cells completed still gets report.md, with why each cell failed.
 """
 
@@ -14,8 +16,11 @@ from pathlib import Path
 import pandas as pd
 
 from fedprivacy.errors import InputError
+from fedprivacy.reports.statistics import binomial_se
+from fedprivacy.reports.sweep_arms import NOT_RESOLVED, arm_table, paired_table, pairs_shown
 from fedprivacy.reports.sweep_data import SEED, SweepData, load_sweep
 from fedprivacy.reports.sweep_figures import write_figures
+from fedprivacy.reports.sweep_tuning import tuning_markdown
 from fedprivacy.sweepfiles import REPORT
 
 
@@ -33,15 +38,21 @@ def summarise(table: pd.DataFrame, keys: list[str], **aggregations: tuple[str, s
 
 
 def accuracy_table(data: SweepData) -> pd.DataFrame:
-    return summarise(
-        data.completed,
-        [k for k in (*data.series_keys, data.x_key) if k],
-        seeds=("final_accuracy", "size"),
-        final_accuracy_mean=("final_accuracy", "mean"),
-        final_accuracy_sd=("final_accuracy", "std"),
-        best_accuracy_mean=("best_accuracy", "mean"),
-        epsilon_spent_max=("epsilon_spent_max", "max"),
-        all_within_budget=("all_within_budget", "all"),
+    return arm_table(data)
+
+
+def baseline_table(data: SweepData) -> pd.DataFrame:
+    """The baselines with the binomial s.e. of their accuracy: a baseline evaluates on the rows of
+    the cell it took its schedule from (same data, seed and clients), so it has that cell's count."""
+    if data.baselines.empty:
+        return data.baselines
+    rows = (
+        data.cells.set_index("cell")["evaluation_rows"] if "evaluation_rows" in data.cells else pd.Series(dtype=float)
+    )
+    evaluation_rows = data.baselines["schedule_from"].map(lambda name: rows.get(f"cells/{name}", float("nan")))
+    return data.baselines.assign(
+        binomial_se=[binomial_se(p, m) for p, m in zip(data.baselines["final_accuracy"], evaluation_rows)],
+        evaluation_rows=evaluation_rows.astype("Int64"),
     )
 
 
@@ -68,10 +79,44 @@ def _heading(data: SweepData) -> list[str]:
         f"# Sweep report: {data.name}",
         "",
         f"{len(data.cells)} cells: {counts.get('completed', 0)} completed, {counts.get('failed', 0)} failed, "
-        f"{counts.get('pending', 0)} pending. Grid: {grid}. Means and standard deviations are over seeds; "
-        "accuracy is the central test accuracy after the last round.",
+        f"{counts.get('pending', 0)} pending. Grid: {grid}. Means, standard deviations and 95% intervals "
+        "(Student's t) are over seeds; accuracy is the central test accuracy after the last round, and "
+        "`binomial_se` = sqrt(p(1 − p)/m) is the standard error of one run's accuracy p from its m evaluation "
+        "rows (`evaluation_rows`) alone.",
         "",
     ]
+
+
+def _single_seeds(arms: pd.DataFrame) -> list[str]:
+    """Say which rows have no interval: a single seed gives no spread to build one from."""
+    single = int((arms["seeds"] < 2).sum()) if len(arms) else 0
+    if not single:
+        return []
+    return [f"{single} of {len(arms)} settings ran one seed: no sd and no interval (—) for them.", ""]
+
+
+def _paired_differences(data: SweepData, pairs: pd.DataFrame) -> list[str]:
+    """One table per axis of the grid: settings that differ only along it, compared seed by seed."""
+    lines = [
+        "## Paired differences",
+        "",
+        "Two settings that differ along one axis of the grid (a key, or a linked group's keys together) and "
+        "ran the same seeds, compared seed by seed: "
+        "`difference_mean` is the mean over the shared seeds of b's final accuracy minus a's (b after a in "
+        "the grid's order), `ci95_low`–`ci95_high` its 95% t-interval over those seeds. "
+        f"`{NOT_RESOLVED}`: the interval holds 0, or fewer than 2 shared seeds give none; else `b higher` "
+        "or `b lower`. Every pair is in [paired_differences.csv](paired_differences.csv).",
+        "",
+    ]
+    if pairs.empty:
+        return [*lines, "(none: no two settings that differ along one axis share a seed)", ""]
+    for name, axis in data.axes.items():
+        shown, left_out = pairs_shown(pairs, name, axis)
+        if shown.empty:
+            continue
+        more = f" ({left_out} more, of values further apart, in paired_differences.csv)" if left_out else ""
+        lines += [f"### {name}: b − a{more}", "", _markdown(shown), ""]
+    return lines
 
 
 def _failed_cells(data: SweepData) -> list[str]:
@@ -95,24 +140,33 @@ def failures_markdown(data: SweepData) -> str:
     )
 
 
-def report_markdown(data: SweepData, figures: list[Path]) -> str:
+def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | None = None) -> str:
     pngs = [p for p in figures if p.suffix == ".png"]
+    arms = accuracy_table(data)
     lines = [
         *_heading(data),
         "## Accuracy",
         "",
+        "Final accuracy per setting: the mean over seeds with its 95% interval (bars), against the grid "
+        "and against the largest ε any client actually spent (its mean over seeds; a horizontal bar spans the "
+        "seeds' values where they differ).",
+        "",
         _figure(pngs[0], "final accuracy"),
         "",
-        _markdown(accuracy_table(data)),
+        _figure(pngs[4], "final accuracy against ε spent"),
         "",
+        _markdown(arms),
+        "",
+        *_single_seeds(arms),
         "### Non-private baseline",
         "",
         "FedAvg of plain local SGD on the same clients, model, initial weights and local schedule "
         "(sims.baseline), once per setting outside the keys it does not read (privacy, aggregation, server optimiser); "
         "`schedule_from` is the cell whose private plan gave the schedule (q and T depend on ε).",
         "",
-        _markdown(data.baselines),
+        _markdown(baseline_table(data)),
         "",
+        *_paired_differences(data, paired_table(data) if pairs is None else pairs),
         "## Accuracy per round",
         "",
         _figure(pngs[1], "accuracy per round"),
@@ -144,8 +198,15 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> list[Path]:
     try:
         out.mkdir(parents=True, exist_ok=True)
         figures = write_figures(data, out) if not data.completed.empty else []
-        markdown = out / "report.md"
-        markdown.write_text(report_markdown(data, figures) if figures else failures_markdown(data), encoding="utf-8")
+        tables, markdown = [], out / "report.md"
+        if figures:
+            pairs = paired_table(data)
+            tables.append(out / "paired_differences.csv")
+            pairs.to_csv(tables[0], index=False)
+            text = report_markdown(data, figures, pairs)
+        else:
+            text = failures_markdown(data)
+        markdown.write_text(text + tuning_markdown(sweep_dir), encoding="utf-8")  # "" without [tune]
     except OSError as error:
         raise InputError("out", str(out), f"cannot write the report there: {error.strerror or error}") from None
-    return [*figures, markdown]
+    return [*figures, *tables, markdown]

@@ -73,7 +73,7 @@ from fedprivacy.results import (
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.sampling import sample_clients
 from fedprivacy.training.rng import SeededRunWarning
-from server.evaluation import server_test_set
+from server.evaluation import central_evaluation, server_test_set
 from server.optimizers import ServerOptimizer
 from sims.fast.pool import WorkerPool
 from sims.fast.worker import RoundRequest, WorkerClient, WorkerRoundResult
@@ -239,6 +239,7 @@ def _run_rounds(
     rng = random.Random(settings.seed)
     test = server_test_set(settings, num_clients)
     assert test is not None  # None only without a data file, refused in run_fast
+    recorder.evaluation_rows = len(test.labels)
     clients = [_client(settings, index, num_clients, ledger.path) for index in range(num_clients)]
     recorder.write_config(
         resolved_config(
@@ -250,7 +251,7 @@ def _run_rounds(
                 "results_folder": str(recorder.folder),
                 "ledger": str(ledger.path),
                 "clients": num_clients,
-                "evaluation": "central (union of the clients' test splits)",
+                "evaluation": central_evaluation(settings),
                 "engine": "fast",
                 "workers": spec.workers,
             },

@@ -11,13 +11,22 @@ start, so one folder never mixes two scenarios.
 
 sweep.csv is rebuilt from the cell folders after every cell, so it always agrees with them:
 one row per cell in grid order, `pending` until the cell has run.
+
+Tuning. With [tune], the tuning runs come first (sims.sweep.tuning: written and resumed like
+cells, under `<out>/tuning/`), then the baselines (with their own learning rate, when tuned:
+sims.sweep.baseline_tuning), then each cell with its arm's chosen values, which its cell.json
+(`tuned`) and sweep.csv (`tuned.<key>` columns) record. The tuned keys are left out of the check
+above and checked instead against each finished cell's `tuned`, so a rerun never mixes choices.
+The engine is set up when the first tuning run or cell needs it, and torn down once at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,15 +43,20 @@ from fedprivacy.sweepfiles import (
     RESULT_COLUMNS,
     SWEEP_CSV,
     SWEEP_JSON,
+    TUNED_PREFIX,
+    TUNING,
     cell_results,
     read_json,
     write_json,
 )
+from sims.sweep.baseline_tuning import tune_baselines, tunes_baseline
 from sims.sweep.baselines import BaselineJob, baseline_jobs, is_finished, run_baseline
 from sims.sweep.engines import CellRunner, create_runner
-from sims.sweep.grid import Cell
+from sims.sweep.grid import Cell, schedule_note
 from sims.sweep.progress import SweepProgress
 from sims.sweep.spec import SweepSpec
+from sims.sweep.tuning import TuningPlan, plan_tuning, read_choices, run_outcome, runs_done, tune_arm
+from sims.sweep.tuning import check_resumable as check_tuning_resumable
 
 
 @dataclass(frozen=True)
@@ -63,8 +77,9 @@ def cell_record(out: Path, name: str) -> dict[str, Any] | None:
     return read_json(path) if path.is_file() else None
 
 
-def check_resumable(out: Path, cells: list[Cell]) -> None:
-    """Refuse an --out that holds another scenario's cells, or cells run with other settings than these cells'."""
+def check_resumable(out: Path, cells: list[Cell], ignored: frozenset[str] = frozenset()) -> None:
+    """Refuse an --out that holds another scenario's cells, or cells run with other settings than these
+    cells' (but the `ignored` keys: the tuned ones, which `check_tuned` checks)."""
     names = {cell.name for cell in cells}
     found = sorted(path.name for path in (out / CELLS).iterdir() if path.is_dir()) if (out / CELLS).is_dir() else []
     foreign = [name for name in found if name not in names]
@@ -77,10 +92,13 @@ def check_resumable(out: Path, cells: list[Cell]) -> None:
         )
     for cell in cells:
         record = cell_record(out, cell.name)
-        if record is None or record["run_config"] == cell.run_config:
+        if record is None:
             continue
-        old = record["run_config"]
-        key = next(k for k in sorted({*old, *cell.run_config}) if old.get(k) != cell.run_config.get(k))
+        old = {k: v for k, v in record["run_config"].items() if k not in ignored}
+        new = {k: v for k, v in cell.run_config.items() if k not in ignored}
+        if old == new:
+            continue
+        key = next(k for k in sorted({*old, *new}) if old.get(k) != new.get(k))
         raise InputError(
             "out",
             str(out),
@@ -89,11 +107,28 @@ def check_resumable(out: Path, cells: list[Cell]) -> None:
         )
 
 
-def sweep_row(out: Path, cell: Cell) -> dict[str, Any]:
-    """The cell's grid values, then its status and headline numbers (from its folder, when it has one)."""
+def check_tuned(out: Path, cells: list[Cell], tuned: Mapping[str, dict[str, Any]]) -> None:
+    """Refuse when a finished cell ran with other tuned values than its arm's choice (cell name -> values)."""
+    for cell in cells:
+        record = cell_record(out, cell.name)
+        if record is None or record["status"] != "completed" or cell.name not in tuned:
+            continue
+        if record.get("tuned") != tuned[cell.name]:
+            raise InputError(
+                "out",
+                str(out),
+                f"its cell {cell.name} ran with the tuned values {record.get('tuned')}, this sweep's tuning chose "
+                f"{tuned[cell.name]}: resume with the same scenario and tuning, or use another --out",
+            )
+
+
+def sweep_row(out: Path, cell: Cell, tuned: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The cell's grid values, its tuned values (if any: the keys of `tuned`), then its status and
+    headline numbers (from its folder, when it has one)."""
     record = cell_record(out, cell.name)
     row: dict[str, Any] = {
         **cell.params,
+        **{f"{TUNED_PREFIX}{key}": value for key, value in (tuned or {}).items()},
         **dict.fromkeys(RESULT_COLUMNS),
         "status": "pending",
         "cell": f"{CELLS}/{cell.name}",
@@ -105,17 +140,30 @@ def sweep_row(out: Path, cell: Cell) -> dict[str, Any]:
     return row
 
 
-def write_sweep_csv(out: Path, spec: SweepSpec, cells: list[Cell]) -> list[dict[str, Any]]:
-    rows = [sweep_row(out, cell) for cell in cells]
+def write_sweep_csv(
+    out: Path, spec: SweepSpec, cells: list[Cell], tuned: Mapping[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """sweep.csv from the cell folders; `tuned` (cell name -> values) fills the tuned.<key> columns."""
+    keys = list(spec.tune.space) if spec.tune else []
+    blank = dict.fromkeys(keys)
+    rows = [sweep_row(out, cell, {**blank, **(tuned or {}).get(cell.name, {})} if keys else None) for cell in cells]
     temporary = out / f"{SWEEP_CSV}.tmp"
-    pd.DataFrame(rows, columns=[*spec.grid, *RESULT_COLUMNS]).to_csv(temporary, index=False)
+    columns = [*spec.varied, *(f"{TUNED_PREFIX}{key}" for key in keys), *RESULT_COLUMNS]
+    pd.DataFrame(rows, columns=columns).to_csv(temporary, index=False)
     os.replace(temporary, out / SWEEP_CSV)
     return rows
 
 
-def run_cell(runner: CellRunner, engine_name: str, cell: Cell, out: Path, progress: SweepProgress) -> dict[str, Any]:
-    """Run one cell in its emptied folder; write cell.json last (a failure too, with its error)."""
-    folder = out / CELLS / cell.name
+def run_cell(
+    runner: CellRunner,
+    engine_name: str,
+    cell: Cell,
+    folder: Path,
+    progress: SweepProgress,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run one cell (or tuning run) in its emptied `folder`; write cell.json last (a failure too, with
+    its error), with `extra` fields (a tuned cell's values)."""
     shutil.rmtree(folder, ignore_errors=True)  # a killed or failed attempt: never a second result
     folder.mkdir(parents=True)
     started = time.perf_counter()
@@ -140,6 +188,7 @@ def run_cell(runner: CellRunner, engine_name: str, cell: Cell, out: Path, progre
         "error": error,
         "wall_s": wall,
         "run_folder": str(runs[0].relative_to(folder)) if len(runs) == 1 else None,
+        **(extra or {}),
     }
     write_json(folder / CELL_JSON, record)
     return record
@@ -158,10 +207,97 @@ class EngineUnavailable(RuntimeError):
     """The engine could not start (e.g. no SuperLink came up): no cell can run."""
 
 
-def _run_baselines(jobs: list[BaselineJob], baseline_dir: Path, progress: SweepProgress) -> None:
+class EngineSession:
+    """The engine's cell runner, set up when the first tuning run or cell needs it; `close` tears it
+    down (the sweep calls it on any exit, Ctrl-C too, also after a failed setup)."""
+
+    def __init__(self, spec: SweepSpec) -> None:
+        self.spec = spec
+        self._runner: CellRunner | None = None
+
+    def runner(self) -> CellRunner:
+        if self._runner is None:
+            self._runner = create_runner(self.spec.engine, self.spec.resources)
+            try:
+                self._runner.setup()
+            except Exception as exc:
+                raise EngineUnavailable(
+                    f"engine {self.spec.engine} could not start: {error_summary(f'{type(exc).__name__}: {exc}')}"
+                ) from exc
+        return self._runner
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.teardown()
+
+
+def _run_tuning(
+    plan: TuningPlan, out: Path, session: EngineSession, progress: SweepProgress
+) -> dict[str, dict[str, Any] | None]:
+    """Every arm's chosen values (None: every candidate failed), running the tuning runs not yet done."""
+    chosen: dict[str, dict[str, Any] | None] = dict(read_choices(out, plan))
+    todo = [arm for arm in plan.arms if arm.name not in chosen]
+    if not todo:
+        return chosen
+    count = {"done": runs_done(out, plan, chosen)}
+    progress.log(f"tuning: {plan.summary}; {count['done']} already done")
+
+    def run(cell: Cell, folder: Path) -> dict[str, Any]:
+        label = f"{TUNING}/{folder.parent.name}/{cell.name}"
+        progress.start(f"tuning {cell.name}", int(cell.run_config["num-server-rounds"]))
+        record = run_cell(session.runner(), session.spec.engine, cell, folder, progress)
+        progress.end(counts_as_cell=False)
+        count["done"] += 1
+        score, error = run_outcome(folder, plan.tune.select)
+        result = f"validation accuracy {score:.4f}" if error is None else f"[red]failed[/red]: {error}"
+        progress.log(f"tuning run {count['done']}/{plan.runs} {label}: {result} ({record['wall_s']:.0f} s)")
+        return record
+
+    for arm in todo:
+        record = tune_arm(arm, plan, out, run)
+        chosen[arm.name] = record["chosen"]["values"] if record["chosen"] else None
+        picked = (
+            f"{record['chosen']['name']} (validation score {record['chosen']['score']:.4f})"
+            if record["chosen"]
+            else "[red]nothing: every candidate failed[/red]"
+        )
+        progress.log(f"tuning {arm.name}: chose {picked}")
+    return chosen
+
+
+def _tuned_jobs(
+    spec: SweepSpec, jobs: list[BaselineJob], untuned: set[str], out: Path, progress: SweepProgress
+) -> tuple[list[BaselineJob], dict[str, str]]:
+    """The baselines with their own tuned learning rate (when [tune] has one), and why any cannot run."""
+    refused = {
+        job.name: f"its schedule_from cell {job.cell.name} has no tuned setting (every candidate failed)"
+        for job in jobs
+        if job.cell.name in untuned
+    }
+    if spec.tune is None or not tunes_baseline(spec.tune, spec.baseline_learning_rate):
+        return jobs, refused
+    etas = tune_baselines([job for job in jobs if job.name not in refused], spec.tune, out, progress.log)
+    found = []
+    for job in jobs:
+        eta = etas.get(job.name)
+        if eta is None:
+            refused.setdefault(job.name, "its learning-rate tuning failed for every candidate")
+            found.append(job)
+        else:
+            found.append(
+                dataclasses.replace(
+                    job, run_config={**job.run_config, "learning-rate": eta}, tuned={**job.tuned, "learning-rate": eta}
+                )
+            )
+    return found, refused
+
+
+def _run_baselines(
+    jobs: list[BaselineJob], baseline_dir: Path, progress: SweepProgress, refused: Mapping[str, str] | None = None
+) -> None:
     for job in [job for job in jobs if not is_finished(job, baseline_dir)]:
         progress.start(f"baseline {job.name}", int(job.cell.run_config["num-server-rounds"]))
-        record = run_baseline(job, baseline_dir)
+        record = run_baseline(job, baseline_dir, (refused or {}).get(job.name))
         progress.end(counts_as_cell=False)
         outcome = (
             f"final accuracy {record['final_accuracy']:.4f}"
@@ -171,30 +307,56 @@ def _run_baselines(jobs: list[BaselineJob], baseline_dir: Path, progress: SweepP
         progress.log(f"baseline {job.name}: {outcome}")
 
 
+def _not_tuned(cell: Cell, out: Path, engine_name: str) -> dict[str, Any]:
+    """cell.json of a cell whose arm's tuning chose nothing: failed, so that a rerun tries again."""
+    folder = out / CELLS / cell.name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    record = {
+        "name": cell.name,
+        "params": cell.params,
+        "run_config": cell.run_config,
+        "num_clients": cell.num_clients,
+        "engine": engine_name,
+        "status": "failed",
+        "error": f"no tuned setting: every candidate's tuning run failed (see {TUNING}/)",
+        "wall_s": 0.0,
+        "run_folder": None,
+        "tuned": None,
+    }
+    write_json(folder / CELL_JSON, record)
+    return record
+
+
 def _run_cells(
     spec: SweepSpec,
     cells: list[Cell],
     pending: list[Cell],
     out: Path,
-    runner: CellRunner,
+    session: EngineSession,
     progress: SweepProgress,
+    tuned: Mapping[str, dict[str, Any]],
 ) -> None:
-    """The pending cells between the runner's setup and teardown (which runs on any exit, Ctrl-C too)."""
-    try:
-        try:
-            runner.setup()
-        except Exception as exc:
-            raise EngineUnavailable(
-                f"engine {spec.engine} could not start: {error_summary(f'{type(exc).__name__}: {exc}')}"
-            ) from exc
-        for cell in pending:
-            progress.start(cell.name, int(cell.run_config["num-server-rounds"]))
-            record = run_cell(runner, spec.engine, cell, out, progress)
-            rows = write_sweep_csv(out, spec, cells)
-            progress.end(counts_as_cell=True)
-            progress.log(_cell_line(record, rows[cells.index(cell)]))
-    finally:
-        runner.teardown()
+    """The pending cells, each with its tuned values when the sweep tunes (`tuned`: cell name -> values)."""
+    for cell in pending:
+        progress.start(cell.name, int(cell.run_config["num-server-rounds"]))
+        if spec.tune is not None and cell.name not in tuned:
+            record = _not_tuned(cell, out, spec.engine)
+        else:
+            values = tuned.get(cell.name)
+            runnable = cell if values is None else dataclasses.replace(cell, run_config={**cell.run_config, **values})
+            extra = None if values is None else {"tuned": values}
+            record = run_cell(session.runner(), spec.engine, runnable, out / CELLS / cell.name, progress, extra)
+        rows = write_sweep_csv(out, spec, cells, tuned)
+        progress.end(counts_as_cell=True)
+        progress.log(_cell_line(record, rows[cells.index(cell)]))
+
+
+def _by_cell(plan: TuningPlan | None, chosen: Mapping[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
+    """Each cell's tuned values, from its arm's choice (cells of arms without one are left out)."""
+    if plan is None:
+        return {}
+    return {name: values for arm in plan.arms if (values := chosen.get(arm.name)) is not None for name in arm.cells}
 
 
 def run_sweep(
@@ -204,25 +366,43 @@ def run_sweep(
     *,
     console: Console | None = None,
 ) -> SweepOutcome:
-    """Run the baselines and every unfinished cell; return sweep.csv's rows and the baselines."""
+    """Run the tuning (with [tune]), the baselines and every unfinished cell; return sweep.csv's rows
+    and the baselines."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise InputError("out", str(out), f"cannot write the sweep there: {error.strerror or error}") from None
-    check_resumable(out, cells)
+    plan = plan_tuning(spec, cells)
+    check_resumable(out, cells, frozenset(spec.tune.space) if spec.tune else frozenset())
+    if plan is not None:
+        check_tuning_resumable(out, plan)
+        check_tuned(out, cells, _by_cell(plan, read_choices(out, plan)))
     write_json(out / SWEEP_JSON, {**spec.to_dict(), "cells": [c.name for c in cells]})
-    jobs = baseline_jobs(cells, spec.baseline_learning_rate) if spec.baseline else []
-    pending = [cell for cell in cells if (cell_record(out, cell.name) or {}).get("status") != "completed"]
-    write_sweep_csv(out, spec, cells)
-    with SweepProgress(len(cells), len(cells) - len(pending), console) as progress:
-        if spec.seeded_noise:
-            progress.log(
-                "seeded noise: every cell's DP noise is reproducible from its seed (for experiments, never production)"
-            )
-        if len(pending) < len(cells):
-            progress.log(f"resuming {out}: {len(cells) - len(pending)} of {len(cells)} cells already finished")
-        _run_baselines(jobs, out / BASELINE, progress)
-        if pending:
-            _run_cells(spec, cells, pending, out, create_runner(spec.engine, spec.resources), progress)
+    finished = {cell.name for cell in cells if (cell_record(out, cell.name) or {}).get("status") == "completed"}
+    tuned = _by_cell(plan, read_choices(out, plan)) if plan is not None else {}
+    write_sweep_csv(out, spec, cells, tuned)
+    session = EngineSession(spec)
+    with SweepProgress(len(cells), len(finished), console) as progress:
+        try:
+            if spec.seeded_noise:
+                progress.log(
+                    "seeded noise: every cell's DP noise is reproducible from its seed (for experiments, never "
+                    "production)"
+                )
+            if (note := schedule_note(spec)) is not None:
+                progress.log(note)
+            if finished:
+                progress.log(f"resuming {out}: {len(finished)} of {len(cells)} cells already finished")
+            if plan is not None:
+                tuned = _by_cell(plan, _run_tuning(plan, out, session, progress))
+                check_tuned(out, cells, tuned)
+            jobs = baseline_jobs(cells, spec.baseline_learning_rate, tuned) if spec.baseline else []
+            untuned = {cell.name for cell in cells} - set(tuned) if plan is not None else set()
+            jobs, refused = _tuned_jobs(spec, jobs, untuned, out, progress)
+            _run_baselines(jobs, out / BASELINE, progress, refused)
+            pending = [cell for cell in cells if cell.name not in finished]
+            _run_cells(spec, cells, pending, out, session, progress, tuned)
+        finally:
+            session.close()
     baselines = [read_json(out / BASELINE / job.name / BASELINE_JSON) for job in jobs]
-    return SweepOutcome(write_sweep_csv(out, spec, cells), baselines)
+    return SweepOutcome(write_sweep_csv(out, spec, cells, tuned), baselines)

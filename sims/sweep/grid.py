@@ -1,9 +1,15 @@
 """The cells of a sweep: every combination of the grid's values, named, sized and validated up front.
 
-A cell's name is its grid values, readable and safe as a folder name on any file system, e.g.
-`epsilon=0.25_rule=proactive_seed=0`. Numbers keep their shortest exact form (0.1 stays 0.1, 1.0
-becomes 1); a string with characters unsafe in a file name has them replaced by `-` and a short
-digest of the original appended, so two different values can never share a name.
+The axes are [grid]'s keys, one value each, then the [linked.<name>] groups in file order, one
+step (every key's i-th value) each; the cells are their product with the last axis varying fastest.
+When the scenario compares adp with DP-SGD, every cell takes the shared step-size schedule
+(`SweepSpec.shared_lr_schedule`), so the rules differ only in how they allocate noise.
+
+A cell's name is its varied values (every key of every axis), readable and safe as a folder name
+on any file system, e.g. `epsilon=0.25_rule=proactive_seed=0`. Numbers keep their shortest exact
+form (0.1 stays 0.1, 1.0 becomes 1); a string with characters unsafe in a file name has them
+replaced by `-` and a short digest of the original appended, so two different values can never
+share a name.
 """
 
 from __future__ import annotations
@@ -77,13 +83,34 @@ def _client_count(spec: SweepSpec, settings: RunSettings, counted: dict[str, int
     return counted[data]
 
 
+def axes(spec: SweepSpec) -> list[list[dict[str, Any]]]:
+    """The grid's axes in declared order, each a list of steps (the values one step sets): a
+    [grid] key's values one by one, then each linked group's i-th values together."""
+    found = [[{key: value} for value in values] for key, values in spec.grid.items()]
+    for group in spec.linked.values():
+        found.append([dict(zip(group, step, strict=True)) for step in zip(*group.values(), strict=True)])
+    return found
+
+
+def schedule_note(spec: SweepSpec) -> str | None:
+    """The line a sweep prints when it gives every cell adp's step-size schedule (None: it does not)."""
+    if spec.shared_lr_schedule is None:
+        return None
+    return (
+        f"matched schedule: every cell steps with lr-schedule={spec.shared_lr_schedule!r} (adp's), so adp and "
+        "DP-SGD differ only in their noise (matched-schedule = false in the sweep table keeps each rule's own)"
+    )
+
+
 def cells(spec: SweepSpec) -> list[Cell]:
-    """Every cell of the grid in declared order (the last key varies fastest), each validated."""
+    """Every cell of the grid in declared order (the last axis varies fastest), each validated."""
     found, counted = [], {}
-    for combination in itertools.product(*spec.grid.values()):
-        params = dict(zip(spec.grid, combination, strict=True))
+    for combination in itertools.product(*axes(spec)):
+        params = {key: value for step in combination for key, value in step.items()}
         config = {**DEFAULTS, **spec.run, **params}
         del config["results-dir"]
+        if spec.shared_lr_schedule is not None:
+            config["lr-schedule"] = spec.shared_lr_schedule
         if spec.seeded_noise:
             config["noise-seed"] = config["seed"]
         settings = _settings(config)  # every cell's run config is validated before anything runs

@@ -1,22 +1,31 @@
 """A sweep's scenario: what a scenario file (TOML) or the command's flags declare, validated whole.
 
-A scenario has four tables; only [grid] is required:
+A scenario's tables ([grid] or [linked] is required):
 
     [sweep]      name, engine (a module of sims/sweep/engines), clients (simulated clients; omitted:
                  one per natural partition), baseline (true: also run the non-private baseline),
                  baseline-learning-rate (the baseline's η; default the cells' own, which may suit
                  clipped, noisy steps better than plain SGD),
-                 seeded-noise (true: every cell's noise-seed is its seed, for reproducible experiments)
+                 seeded-noise (true: every cell's noise-seed is its seed, for reproducible experiments),
+                 matched-schedule (true, the default: a grid of rules with adp gives every cell adp's
+                 step-size schedule, so the rules differ only in their noise; see `shared_lr_schedule`)
     [run]        fixed run-config keys (fedprivacy.runconfig.DEFAULTS), the same in every cell
     [grid]       run-config key = [values]: the sweep runs every combination, one cell each
+    [linked.<name>]  run-config keys with lists of one length: ONE axis of the grid whose i-th step
+                 sets every key to its i-th value (ε with its own k, η with C so that η·C is held)
+    [tune]       run-config key = [candidates]: each cell's setting chosen on validation rows before
+                 it runs, with [sweep] tune-seeds, tune-select, tune-trials, split-seed (sims.sweep.tune_spec)
     [resources]  client-cpus, client-gpus: what each simulated client gets under the flower engine;
                  workers, worker-gpus: the fast engine's workers and each one's share of a GPU
 
 Everything is checked before anything runs, and the first problem is one `InputError` naming the
 field (`grid.epsilon`), the value and what is allowed: an unknown table or key, a value of the
 wrong type (typed by the key's default), an empty grid, a duplicate cell (a value listed twice,
-or a key both fixed and varied), a common budget beside a per-client list that would override it
-(`epsilon` with `epsilons`, `delta` with `deltas`), an unknown engine. Relative paths in a file
+or a key both fixed and varied), a linked group that is empty, has lists of unequal lengths or
+shares a key with [run], [grid] or another group, a common value beside a per-client list that
+would override it (`epsilon` with `epsilons`, `delta` with `deltas`, `epochs` with
+`client-epochs`), an unknown engine. The cells are the product of the axes in declared order,
+[grid]'s keys then the linked groups in file order, the last varying fastest. Relative paths in a file
 are relative to the file, so a scenario can name data beside the repository. The sweep sets
 `results-dir` and the ledger (each cell gets its own), so a scenario may not.
 """
@@ -32,11 +41,22 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.errors import InputError
+from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig import DEFAULTS
 from sims.sweep.engines import engine_names
+from sims.sweep.tune_spec import TUNE_OPTIONS, TuneSpec, read_tune
 
-TABLES = ("sweep", "run", "grid", "resources")
-SWEEP_KEYS = ("name", "engine", "clients", "baseline", "baseline-learning-rate", "seeded-noise")
+TABLES = ("sweep", "run", "grid", "linked", "tune", "resources")
+SWEEP_KEYS = (
+    "name",
+    "engine",
+    "clients",
+    "baseline",
+    "baseline-learning-rate",
+    "seeded-noise",
+    "matched-schedule",
+    *TUNE_OPTIONS,
+)
 RESOURCE_KEYS = ("client-cpus", "client-gpus", "workers", "worker-gpus")
 SET_BY_THE_SWEEP = ("results-dir", "ledger-path")
 PATH_KEYS = ("data-path",)
@@ -55,20 +75,53 @@ class Resources:
 
 @dataclass(frozen=True)
 class SweepSpec:
-    """A validated scenario: `run` holds the fixed keys, `grid` the varied ones in declared order."""
+    """A validated scenario: `run` holds the fixed keys, `grid` the varied ones in declared order,
+    `linked` the groups of keys varied together (group name -> key -> values, all one length)."""
 
     name: str
     run: dict[str, Any]
     grid: dict[str, tuple[Any, ...]]
+    linked: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
+    matched_schedule: bool = True
     engine: str = "inprocess"
     clients: int | None = None
     baseline: bool = True
     baseline_learning_rate: float | None = None  # None: each baseline takes its cells' learning-rate
     seeded_noise: bool = False
     resources: Resources = field(default_factory=Resources)
+    tune: TuneSpec | None = None  # [tune]: each cell's setting chosen on validation rows (sims.sweep.tuning)
+
+    @property
+    def varied(self) -> list[str]:
+        """Every varied key in cell-name order: [grid]'s, then each linked group's."""
+        return [*self.grid, *(key for group in self.linked.values() for key in group)]
+
+    def values_of(self, key: str) -> tuple[Any, ...]:
+        """The values a key takes across the cells: its grid or linked list, else its fixed value."""
+        if key in self.grid:
+            return self.grid[key]
+        group = next((group for group in self.linked.values() if key in group), None)
+        return group[key] if group is not None else (self.run.get(key, DEFAULTS[key]),)
+
+    @property
+    def shared_lr_schedule(self) -> str | None:
+        """The lr-schedule every cell gets, or None (each its rule's own). `lr-schedule = ""` means
+        the rule's own, inverse_sqrt for adp and constant for DP-SGD, so a grid over rules with adp
+        would compare step sizes as well as noise; unless the scenario sets lr-schedule or
+        `matched-schedule = false`, every cell takes adp's (Wu et al.'s comparison: the same steps,
+        only the noise allocation differs)."""
+        rules = set(self.values_of("rule"))
+        if (
+            not self.matched_schedule
+            or "adp" not in rules
+            or len(rules) < 2
+            or "lr-schedule" in {*self.run, *self.varied, *(self.tune.space if self.tune else ())}
+        ):
+            return None
+        return find_rule("adp").default_schedules(None)[0]
 
     def to_dict(self) -> dict[str, Any]:
-        """The scenario as plain data (sweep.json), grid values as lists."""
+        """The scenario as plain data (sweep.json), grid and linked values as lists."""
         return {
             "name": self.name,
             "engine": self.engine,
@@ -79,6 +132,12 @@ class SweepSpec:
             "resources": vars(self.resources),
             "run": self.run,
             "grid": {key: list(values) for key, values in self.grid.items()},
+            "linked": {
+                name: {key: list(values) for key, values in group.items()} for name, group in self.linked.items()
+            },
+            "matched_schedule": self.matched_schedule,
+            "shared_lr_schedule": self.shared_lr_schedule,
+            "tune": self.tune.to_dict() if self.tune else None,
         }
 
 
@@ -148,11 +207,12 @@ def _table(raw: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 def _grid(raw: Mapping[str, Any], run: Mapping[str, Any], base_dir: Path) -> dict[str, tuple[Any, ...]]:
     table = _table(raw, "grid")
-    if not table:
+    if not table and not _table(raw, "linked"):
         raise InputError(
             "grid",
             table,
-            "needs at least one run-config key with a list of values, e.g. epsilon = [0.5, 1, 2]",
+            "needs at least one run-config key with a list of values, e.g. epsilon = [0.5, 1, 2] "
+            "(or a [linked.<name>] group)",
         )
     grid = {}
     for key, values in table.items():
@@ -160,16 +220,89 @@ def _grid(raw: Mapping[str, Any], run: Mapping[str, Any], base_dir: Path) -> dic
         check_run_key(name, key, values)
         if key in run:
             raise InputError(name, values, f"{key} is also fixed in [run]: a key is either fixed or varied")
-        if not isinstance(values, list):
-            raise InputError(name, values, "must be a list of values, e.g. [1, 2]")
-        if not values:
-            raise InputError(name, values, "needs at least one value")
-        typed = [_run_value(name, key, value, base_dir) for value in values]
+        typed = _values(name, key, values, base_dir)
         repeated = next((v for i, v in enumerate(typed) if v in typed[:i]), None)
         if repeated is not None:
             raise InputError(name, values, f"lists {repeated!r} twice: every cell of the grid must be different")
         grid[key] = tuple(typed)
     return grid
+
+
+def _values(name: str, key: str, values: Any, base_dir: Path) -> list[Any]:
+    """A non-empty list of a key's values, each typed like the key's default."""
+    if not isinstance(values, list):
+        raise InputError(name, values, "must be a list of values, e.g. [1, 2]")
+    if not values:
+        raise InputError(name, values, "needs at least one value")
+    return [_run_value(name, key, value, base_dir) for value in values]
+
+
+LINKED_EXAMPLE = "e.g. [linked.budget] with epsilon = [0.25, 1, 4] and epochs = [4, 8, 16]"
+
+
+def _linked(
+    raw: Mapping[str, Any], run: Mapping[str, Any], grid: Mapping[str, Any], base_dir: Path
+) -> dict[str, dict[str, tuple[Any, ...]]]:
+    """The [linked.<name>] groups. Each is one axis of the grid whose i-th step sets each of its
+    keys to its i-th value, so a key belongs to one group and to neither [run] nor [grid]."""
+    linked: dict[str, dict[str, tuple[Any, ...]]] = {}
+    owner: dict[str, str] = {}  # key -> the group that varies it
+    for name, table in _table(raw, "linked").items():
+        prefix = f"linked.{name}"
+        if not isinstance(table, dict):
+            raise InputError(
+                prefix, table, f"must be a table of run-config keys with lists of one length, {LINKED_EXAMPLE}"
+            )
+        if not table:
+            raise InputError(
+                prefix, table, f"needs at least one run-config key with a list of values, {LINKED_EXAMPLE}"
+            )
+        group: dict[str, tuple[Any, ...]] = {}
+        for key, values in table.items():
+            field_name = f"{prefix}.{key}"
+            check_run_key(field_name, key, values)
+            elsewhere = next(
+                (place for place, keys in (("[run]", run), ("[grid]", grid)) if key in keys),
+                f"[linked.{owner[key]}]" if key in owner else None,
+            )
+            if elsewhere is not None:
+                raise InputError(
+                    field_name,
+                    values,
+                    f"{key} is also in {elsewhere}: a key is fixed or on one axis of the grid, never both",
+                )
+            typed = _values(field_name, key, values, base_dir)
+            first = next(iter(group), None)
+            if first is not None and len(typed) != len(group[first]):
+                raise InputError(
+                    field_name,
+                    values,
+                    f"has {len(typed)} values, {prefix}.{first} has {len(group[first])}: a linked group's "
+                    "i-th values go together, so every key needs one value per step",
+                )
+            group[key] = tuple(typed)
+            owner[key] = name
+        steps = list(zip(*group.values(), strict=True))
+        repeated = next((step for i, step in enumerate(steps) if step in steps[:i]), None)
+        if repeated is not None:
+            raise InputError(
+                prefix,
+                {key: list(values) for key, values in group.items()},
+                f"lists the step {dict(zip(group, repeated, strict=True))} twice: every cell of the grid "
+                "must be different",
+            )
+        linked[name] = group
+    return linked
+
+
+def _axes(
+    grid: Mapping[str, tuple[Any, ...]], linked: Mapping[str, Mapping[str, tuple[Any, ...]]]
+) -> dict[str, tuple[str, tuple[Any, ...]]]:
+    """Each varied key's field (`grid.epsilon`, `linked.budget.epsilon`) and its values."""
+    axes = {key: (f"grid.{key}", values) for key, values in grid.items()}
+    for name, group in linked.items():
+        axes.update({key: (f"linked.{name}.{key}", values) for key, values in group.items()})
+    return axes
 
 
 def _flag(table: Mapping[str, Any], prefix: str, key: str, default: bool) -> bool:
@@ -226,7 +359,9 @@ def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Sw
     _known(sweep, "sweep", SWEEP_KEYS)
     run = {key: _run_value(f"run.{key}", key, value, base_dir) for key, value in _table(raw, "run").items()}
     grid = _grid(raw, run, base_dir)
-    _one_source_per_budget(run, grid)
+    linked = _linked(raw, run, grid, base_dir)
+    axes = _axes(grid, linked)
+    _one_source_per_budget(run, axes)
     engine = sweep.get("engine", "inprocess")
     if engine not in engine_names():
         raise InputError("sweep.engine", engine, f"must be one of: {', '.join(engine_names())}")
@@ -239,36 +374,44 @@ def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Sw
     if not isinstance(name, str) or not name.strip():
         raise InputError("sweep.name", name, "must be a non-empty string")
     seeded_noise = _flag(sweep, "sweep", "seeded-noise", False)
-    if seeded_noise and "noise-seed" in {*run, *grid}:
+    if seeded_noise and "noise-seed" in {*run, *axes}:
         raise InputError(
             "sweep.seeded-noise",
             True,
-            "sets every cell's noise-seed to its seed: drop noise-seed from [run] and [grid]",
+            "sets every cell's noise-seed to its seed: drop noise-seed from [run], [grid] and [linked]",
         )
+    placed = {**{key: (f"run.{key}", (value,)) for key, value in run.items()}, **axes}
+    tune = read_tune(raw, sweep, placed, lambda field_name, key, value: _run_value(field_name, key, value, base_dir))
+    if tune is not None and "split-seed" not in placed:  # every cell cuts its data as the tuning runs do
+        run = {**run, "split-seed": tune.split_seed}
     return SweepSpec(
         name=name.strip(),
         run=run,
         grid=grid,
+        linked=linked,
+        matched_schedule=_flag(sweep, "sweep", "matched-schedule", True),
         engine=engine,
         clients=clients,
         baseline=_flag(sweep, "sweep", "baseline", True),
         seeded_noise=seeded_noise,
         resources=_resources(raw),
         baseline_learning_rate=_baseline_learning_rate(sweep),
+        tune=tune,
     )
 
 
-def _one_source_per_budget(run: Mapping[str, Any], grid: Mapping[str, tuple[Any, ...]]) -> None:
-    """A per-client list (`epsilons`, `deltas`) sets every client's value, so a common `epsilon` or
-    `delta` beside it would be ignored: the cells would be labelled by a value none of them ran."""
-    for lists, common in (("epsilons", "epsilon"), ("deltas", "delta")):
-        if any(value != "" for value in (run.get(lists, ""), *grid.get(lists, ()))) and (
-            common in run or common in grid
-        ):
-            table = "grid" if common in grid else "run"
-            value = list(grid[common]) if common in grid else run[common]
+def _one_source_per_budget(run: Mapping[str, Any], axes: Mapping[str, tuple[str, tuple[Any, ...]]]) -> None:
+    """A per-client list (`epsilons`, `deltas`, `client-epochs`) sets every client's value, so a
+    common `epsilon`, `delta` or `epochs` beside it would be ignored: the cells would be labelled
+    by a value none of them ran."""
+    for lists, common in (("epsilons", "epsilon"), ("deltas", "delta"), ("client-epochs", "epochs")):
+        listed = axes[lists][1] if lists in axes else ()
+        if any(value != "" for value in (run.get(lists, ""), *listed)) and (common in run or common in axes):
+            field_name, value = (
+                (axes[common][0], list(axes[common][1])) if common in axes else (f"run.{common}", run[common])
+            )
             raise InputError(
-                f"{table}.{common}",
+                field_name,
                 value,
                 f"{lists} is also given and sets every client's {common}, so this "
                 f"would be ignored: give one or the other",
