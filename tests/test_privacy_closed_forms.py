@@ -92,7 +92,8 @@ def test_strong_sigma_solves_the_exact_advanced_composition_formula():
 
 
 def test_dpgd_basic_composition_hand_value():
-    # seed 003: λ n / C = 2T sqrt(2 log(2T/δ))/ε; T=10, δ=1e-5, ε=1: 20 sqrt(2 ln 2e6) = 20 * 5.386772 = 107.7354
+    # Brown's DP-GD lecture notes: λ n / C = 2T sqrt(2 log(2T/δ))/ε;
+    # T=10, δ=1e-5, ε=1: 20 sqrt(2 ln 2e6) = 20 * 5.386772 = 107.7354
     assert classical.dpgd_sigma(1.0, 1e-5, 10) == pytest.approx(107.7354, abs=1e-3)
 
 

@@ -4,7 +4,8 @@ The planner composes: the budget checked (δ < 1/N included), the schedule (q, T
 smallest k meeting the proactive ln N condition and T = ⌈2k²/ε⌉), the rule's noise, conditions and
 looser bounds (`fedprivacy.privacy.rules`, one object per rule, found by name), the certificate
 (PLD, RDP as a cross-check), the refusal of a plan whose certified ε exceeds its target (it raises
-`PlanRefused` and never reaches a trainer), and the σ every other rule would need.
+`PlanRefused` and never reaches a trainer), and the σ every other rule would need (a classical
+rule's only where its formula is a valid bound: `classical`, `comparison_conditions`).
 
 That last part, the rule comparison, is what a planning sheet shows beside the plan; nothing
 trains or certifies with it, and it costs more than the plan itself (two calibrations, about
@@ -17,13 +18,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 from fedprivacy import errors
 from fedprivacy.errors import InputError, PlanRefused
 from fedprivacy.privacy import accountants, adp, classical, limits
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import LR_SCHEDULES, Condition, Plan
-from fedprivacy.privacy.proactive import proactive_sigma, proactive_steps, smallest_epochs
+from fedprivacy.privacy.proactive import proactive_conditions, proactive_sigma, proactive_steps, smallest_epochs
 from fedprivacy.privacy.rules import NoiseRule, PlanningTarget, Schedule, find_rule
 
 ADP_DEFAULT_LR_PARAMS = {"a": 20.0, "c": 1.0}  # η_t = η/sqrt(20 + t), the paper's CIFAR-10 schedule
@@ -134,23 +136,79 @@ def resolve_schedule(
     return rate, steps
 
 
-def compare_rules(
-    epsilon: float, delta: float, rate: float, steps: int, alphas
-) -> tuple[dict[str, float | None], float]:
-    """σ each rule needs for the same target, q and T; and the moments-accountant constant c."""
-    rdp_sigma = accountants.calibrate_rdp(epsilon, delta, rate, ((1.0, steps),))
+class RuleComparison(NamedTuple):
+    """σ each rule needs for one (ε, δ, q, T), None where a rule's formula does not hold there."""
+
+    sigma_by_rule: dict[str, float | None]
+    moments_constant: float  # c of Abadi et al.'s Thm 1 implied by the RDP σ (a ratio; Lemma 3 in `failed`)
+    failed: dict[str, tuple[str, ...]]  # rule -> its required conditions not met (only rules that have some)
+
+
+@functools.lru_cache(maxsize=1024)
+def _classical_bounds(epsilon: float, delta: float, rate: float, steps: int) -> tuple[tuple[str, classical.Bound], ...]:
     return (
+        ("naive", classical.naive(epsilon, delta, rate, steps)),
+        ("strong", classical.strong(epsilon, delta, rate, steps)),
+        ("dpgd", classical.dpgd(epsilon, delta, steps)),
+    )
+
+
+def classical_bounds(epsilon: float, delta: float, rate: float, steps: int) -> dict[str, classical.Bound]:
+    """The classical rules' σ with their conditions (closed forms, milliseconds; cached)."""
+    return dict(_classical_bounds(epsilon, delta, rate, steps))
+
+
+def compare_rules(epsilon: float, delta: float, rate: float, steps: int, alphas) -> RuleComparison:
+    """σ each rule needs for the same target, q and T; and the moments-accountant constant c.
+
+    A classical σ is None where its formula is not a valid bound (`classical`); the accountants' σ
+    (RDP, PLD) hold everywhere. The proactive σ is always given: the rule picks it before its
+    conditions, which need N, are checked (`comparison_conditions`; the planning sheet shows them)."""
+    rdp_sigma = accountants.calibrate_rdp(epsilon, delta, rate, ((1.0, steps),))
+    bounds = classical_bounds(epsilon, delta, rate, steps)
+    moments = classical.moments(rdp_sigma, epsilon, delta, rate, steps)
+    return RuleComparison(
         {
-            "naive": classical.naive_sigma(epsilon, delta, rate, steps),
-            "strong": classical.strong_sigma(epsilon, delta, rate, steps),
+            "naive": bounds["naive"].shown,
+            "strong": bounds["strong"].shown,
             "rdp_calibrated": rdp_sigma,
             "pld_calibrated": accountants.calibrate_pld(epsilon, delta, rate, ((1.0, steps),)),
             "proactive": proactive_sigma(epsilon, delta),
             "adp": adp.theorem41_scale(epsilon, delta, rate, alphas) * float(alphas[0]) if rate <= 0.5 else None,
-            "dpgd": classical.dpgd_sigma(epsilon, delta, steps) if epsilon <= 1 and delta <= 0.5 else None,
+            "dpgd": bounds["dpgd"].shown,
         },
-        classical.moments_constant(rdp_sigma, epsilon, delta, rate, steps),
+        moments.value,
+        {name: bound.failed for name, bound in (*bounds.items(), ("moments_constant", moments))},
     )
+
+
+def comparison_conditions(plan: Plan) -> dict[str, tuple[Condition, ...]]:
+    """The conditions of each rule in `plan.sigma_by_rule`, for this plan's N, ε, δ, q and T.
+
+    The rule comparison shows a rule's σ only where they are met; the accountants' σ (RDP, PLD)
+    need none. `moments_constant` is Abadi et al.'s Thm 1 read off the RDP σ (Lemma 3's range)."""
+    found: dict[str, tuple[Condition, ...]] = {}
+    if {"naive", "strong", "dpgd"} & set(plan.sigma_by_rule):
+        for name, bound in classical_bounds(plan.epsilon, plan.delta, plan.sampling_rate, plan.steps).items():
+            if name in plan.sigma_by_rule:
+                found[name] = bound.conditions
+    if "proactive" in plan.sigma_by_rule:
+        found["proactive"] = proactive_conditions(plan.n, plan.epsilon, plan.delta, plan.epochs, plan.steps)
+    if "adp" in plan.sigma_by_rule:
+        within = plan.sampling_rate <= 0.5
+        found["adp"] = (
+            Condition(
+                "theorem41_sampling",
+                within,
+                f"q = {plan.sampling_rate:.3g} {'≤' if within else '>'} 1/2 (Wu et al. Thm 4.1 amplifies with q < 1/2)",
+            ),
+        )
+    rdp_sigma = plan.sigma_by_rule.get("rdp_calibrated")
+    if plan.moments_constant is not None and rdp_sigma is not None:
+        found["moments_constant"] = classical.moments(
+            rdp_sigma, plan.epsilon, plan.delta, plan.sampling_rate, plan.steps
+        ).conditions
+    return found
 
 
 def plan_client(
@@ -285,8 +343,8 @@ def _comparison(
         lr_params=dict(lr_params),
         power=power,
     )
-    by_rule, moments_c = compare_rules(epsilon, delta, rate, steps, alphas)
-    return tuple(by_rule.items()), moments_c
+    comparison = compare_rules(epsilon, delta, rate, steps, alphas)
+    return tuple(comparison.sigma_by_rule.items()), comparison.moments_constant
 
 
 def _step_sizes(

@@ -9,6 +9,7 @@ is certified numerically as well; the conditions are reported by name, never sil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from fedprivacy.privacy.plan import Condition
 
@@ -69,3 +70,27 @@ def proactive_conditions(n: int, epsilon: float, delta: float, epochs: float, st
             kind="information",
         ),
     )
+
+
+def proactive_step_range(n: int, epsilon: float, delta: float, sampling_rate: float, max_steps: int) -> tuple[int, ...]:
+    """(first, last) T ≤ max_steps at which the required conditions hold for T steps at rate q (k = qT
+    epochs), or () where they hold for none. They hold on an interval: the ln N condition from some T
+    on, T ≥ 2k²/ε up to some T, the others for every T or none."""
+
+    def met(steps: int) -> dict[str, bool]:
+        conditions = proactive_conditions(n, epsilon, delta, sampling_rate * steps, steps)
+        return {c.name: c.met for c in conditions if c.kind == "required"}
+
+    first = _first_true(lambda t: met(t)["epochs_vs_log_n"], 1, max_steps)
+    last = _first_true(lambda t: not met(t)["steps_lower_bound"], 1, max_steps + 1) - 1
+    if first > last or not all(met(first).values()):
+        return ()
+    return (first, last)
+
+
+def _first_true(predicate: Callable[[int], bool], low: int, high: int) -> int:
+    """Smallest t in [low, high] where a predicate that turns from false to true holds; high if none."""
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if predicate(middle) else (middle + 1, high)
+    return low

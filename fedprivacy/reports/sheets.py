@@ -5,6 +5,10 @@ the budget left unused, the rule's conditions by name, the σ every other rule w
 here when a run's plans came without it), and a
 figure of ε versus steps (PLD, RDP, naive, strong) beside a bar chart of σ by rule.
 
+A rule's σ (and a classical ε curve) is shown only where the rule's conditions hold: elsewhere
+the tables read "—" and name the conditions not met, and the figure leaves it out and lists it
+(`planner.comparison_conditions`). The plan's own σ is always shown: the PLD certifies it.
+
 The figure is the only costly part (about 0.6 s of accounting and drawing, against about 1 ms for
 the tables), so it is drawn once per `PlanFigure`: the exact values it shows. Clients whose
 plans agree on all of them (the same ε, δ, rule, σ schedule, q and T, whatever their N) link to
@@ -32,8 +36,9 @@ from matplotlib.figure import Figure
 
 from fedprivacy.privacy import accountants, classical
 from fedprivacy.privacy.accountants import NoiseEvent
-from fedprivacy.privacy.plan import NEIGHBOUR_RELATIONS, Plan
-from fedprivacy.privacy.planner import with_rule_comparison
+from fedprivacy.privacy.plan import NEIGHBOUR_RELATIONS, Condition, Plan
+from fedprivacy.privacy.planner import comparison_conditions, with_rule_comparison
+from fedprivacy.privacy.proactive import proactive_step_range
 
 CURVE_POINTS = 24
 
@@ -48,9 +53,38 @@ def _fmt(value: float | None, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+def _failed(conditions: Sequence[Condition]) -> tuple[str, ...]:
+    return tuple(c.name for c in conditions if c.kind == "required" and not c.met)
+
+
+def _omitted(failed: Sequence[str]) -> str:
+    """The cell of a value left out because its formula does not hold here."""
+    return f"— (not met: {', '.join(failed)})"
+
+
+def checkpoints(steps: int) -> list[int]:
+    """The step counts at which a figure's curves are evaluated."""
+    return sorted({int(round(x)) for x in np.geomspace(1, steps, CURVE_POINTS)})
+
+
+def rule_comparison(plan: Plan) -> list[tuple[str, float | None, tuple[Condition, ...]]]:
+    """(rule, σ shown, its required conditions not met) for each rule beside the plan: σ is None
+    where a condition fails, except for the plan's own rule (its σ is certified by PLD)."""
+    conditions = comparison_conditions(plan)
+    rows = []
+    for name, value in plan.sigma_by_rule.items():
+        failed = tuple(c for c in conditions.get(name, ()) if c.kind == "required" and not c.met)
+        own = name == plan.rule
+        rows.append((name, value if own or not failed else None, () if own else failed))
+    return rows
+
+
 @dataclass(frozen=True)
 class PlanFigure:
-    """Everything a sheet's figure shows and nothing else (no client id, no N), so that it can be shared."""
+    """Everything a sheet's figure shows and nothing else (no client id, no N), so that it can be shared.
+
+    N enters only through what it decides: whether the proactive rule's conditions hold (`omitted`,
+    `proactive_steps`), so clients whose N decides them alike share the figure."""
 
     rule: str
     epsilon: float
@@ -59,11 +93,17 @@ class PlanFigure:
     sampling_rate: float
     steps: int
     noise_segments: tuple[tuple[float, int], ...]
-    sigma_by_rule: tuple[tuple[str, float | None], ...]
+    sigma_by_rule: tuple[tuple[str, float | None], ...]  # None: not drawn (a condition fails)
     neighbours: str = "add-remove"
+    omitted: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (rule, its conditions not met)
+    proactive_steps: tuple[int, ...] = ()  # (first, last) step count where the proactive rule's conditions hold
 
     @classmethod
     def of(cls, plan: Plan) -> PlanFigure:
+        comparison = rule_comparison(plan)
+        proactive_steps = ()
+        if plan.rule == "proactive":  # its claim: (ε, δ) after t steps of this σ at rate q, where its conditions hold
+            proactive_steps = proactive_step_range(plan.n, plan.epsilon, plan.delta, plan.sampling_rate, plan.steps)
         return cls(
             rule=plan.rule,
             epsilon=plan.epsilon,
@@ -72,8 +112,10 @@ class PlanFigure:
             sampling_rate=plan.sampling_rate,
             steps=plan.steps,
             noise_segments=tuple((float(sigma), int(count)) for sigma, count in plan.noise_segments),
-            sigma_by_rule=tuple(plan.sigma_by_rule.items()),
+            sigma_by_rule=tuple((name, value) for name, value, _ in comparison),
             neighbours=plan.neighbours,
+            omitted=tuple((name, tuple(c.name for c in failed)) for name, _, failed in comparison if failed),
+            proactive_steps=proactive_steps,
         )
 
     @property
@@ -83,28 +125,27 @@ class PlanFigure:
 
 
 def epsilon_curves(figure: PlanFigure) -> dict[str, list[float]]:
-    """ε after t steps of this plan under each accountant, at CURVE_POINTS step counts."""
-    checkpoints = sorted({int(round(x)) for x in np.geomspace(1, figure.steps, CURVE_POINTS)})
+    """ε after t steps of this plan under each accountant, at CURVE_POINTS step counts; for the
+    classical bounds also `<name>_holds`, whether their conditions hold at each count."""
+    steps = checkpoints(figure.steps)
     events = [NoiseEvent(sigma, figure.sampling_rate, count) for sigma, count in figure.noise_segments]
     if figure.neighbours != "add-remove":  # dp-accounting's PLD under that relation; no other analysis here
-        prefixes = [accountants.prefix_events(events, t) for t in checkpoints]
+        prefixes = [accountants.prefix_events(events, t) for t in steps]
         pld_curve = [
             accountants.pld_epsilon(e, figure.delta, accountants.SEARCH_DISCRETIZATION, figure.neighbours)
             for e in prefixes
         ]
-        return {"steps": checkpoints, "PLD": pld_curve}
+        return {"steps": steps, "PLD": pld_curve}
     curves = {
-        "steps": checkpoints,
-        "PLD": accountants.pld_epsilon_curve(events, figure.delta, checkpoints),
-        "RDP": accountants.rdp_epsilon_curve(events, figure.delta, checkpoints),
+        "steps": steps,
+        "PLD": accountants.pld_epsilon_curve(events, figure.delta, steps),
+        "RDP": accountants.rdp_epsilon_curve(events, figure.delta, steps),
     }
     if len(figure.noise_segments) == 1:  # classical composition is stated for a constant σ
-        curves["naive"] = [
-            classical.naive_epsilon(figure.sigma, figure.delta, figure.sampling_rate, t) for t in checkpoints
-        ]
-        curves["strong"] = [
-            classical.strong_epsilon(figure.sigma, figure.delta, figure.sampling_rate, t) for t in checkpoints
-        ]
+        for name, bound in (("naive", classical.naive_epsilon_bound), ("strong", classical.strong_epsilon_bound)):
+            bounds = [bound(figure.sigma, figure.delta, figure.sampling_rate, t) for t in steps]
+            curves[name] = [b.value for b in bounds]
+            curves[f"{name}_holds"] = [b.holds for b in bounds]
     return curves
 
 
@@ -113,8 +154,24 @@ def draw_figure(figure: PlanFigure, curves: dict[str, list[float]], path: Path) 
     fig = Figure(figsize=(11, 4.2), layout="tight")
     left, right = fig.subplots(1, 2)
     for name, style in (("PLD", "-"), ("RDP", "--"), ("naive", ":"), ("strong", "-.")):
-        if name in curves:
-            left.plot(curves["steps"], curves[name], style, label=name, linewidth=2 if name == "PLD" else 1.4)
+        if name not in curves:
+            continue
+        holds = curves.get(f"{name}_holds", [True] * len(curves[name]))
+        shown = [value if ok else math.nan for value, ok in zip(curves[name], holds)]
+        label = (
+            name if all(holds) else f"{name} (where its conditions hold)" if any(holds) else f"{name}: not valid here"
+        )
+        left.plot(curves["steps"], shown, style, label=label, linewidth=2 if name == "PLD" else 1.4)
+    if figure.proactive_steps:
+        left.plot(
+            figure.proactive_steps,
+            [figure.epsilon] * len(figure.proactive_steps),
+            "|-",
+            color="tab:red",
+            linewidth=5,
+            alpha=0.35,
+            label="proactive bound (its conditions met)",
+        )
     left.axhline(figure.epsilon, color="black", linewidth=1, alpha=0.6, label=f"target ε = {figure.epsilon:g}")
     left.set_xscale("log")
     left.set_yscale("log")
@@ -140,8 +197,11 @@ def draw_figure(figure: PlanFigure, curves: dict[str, list[float]], path: Path) 
         right.set_xscale("log")
         for y, value in enumerate(values):
             right.text(value, y, f" {value:.3g}", va="center", fontsize=8)
-    right.set_xlabel("noise multiplier σ needed for the same ε, δ, q, T (log)")
-    right.set_title("σ by rule (red: this plan's rule)")
+    right.set_xlabel(
+        "noise multiplier σ needed for the same ε, δ, q, T (log)"
+        + "".join(f"\n{name} not shown, not met: {', '.join(failed)}" for name, failed in figure.omitted)
+    )
+    right.set_title("σ by rule where its conditions hold (red: this plan's rule)")
     fig.suptitle(f"ε = {figure.epsilon:g}, δ = {figure.delta:.2g}: every client with this plan")
     fig.savefig(path, dpi=110)
 
@@ -189,9 +249,46 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
             ("certified ε, RDP", _fmt(plan.epsilon_rdp)),
             ("budget unused ε − ε_PLD", _fmt(plan.budget_unused)),
         ]
-        + [(f"ε of this plan, {name} bound", _fmt(value)) for name, value in plan.epsilon_bounds.items()]
-        + ([("moments accountant constant c", _fmt(plan.moments_constant))] if plan.moments_constant else [])
+        + [
+            (f"ε of this plan, {name} bound", _epsilon_bound_cell(plan, name, value))
+            for name, value in plan.epsilon_bounds.items()
+        ]
+        + ([("moments accountant constant c", _moments_cell(plan))] if plan.moments_constant else [])
     )
+
+
+_EPSILON_BOUNDS = {"naive": classical.naive_epsilon_bound, "strong": classical.strong_epsilon_bound}
+
+
+def _epsilon_bound_cell(plan: Plan, name: str, value: float | None) -> str:
+    """A classical ε of this plan, or "—" where its formula does not hold for the plan's σ, q, T."""
+    if name not in _EPSILON_BOUNDS or len(plan.noise_segments) != 1:
+        return _fmt(value)
+    failed = _EPSILON_BOUNDS[name](plan.sigma, plan.delta, plan.sampling_rate, plan.steps).failed
+    return _omitted(failed) if failed else _fmt(value)
+
+
+def _moments_cell(plan: Plan) -> str:
+    """Abadi et al.'s constant c, or "—" where Lemma 3 (σ ≥ 1, q < 1/(16σ)) does not hold."""
+    failed = _failed(comparison_conditions(plan).get("moments_constant", ()))
+    return _omitted(failed) if failed else _fmt(plan.moments_constant)
+
+
+def _sigma_rows(plan: Plan) -> list[tuple[str, str]]:
+    return [
+        (name, _omitted([c.name for c in failed]) if failed else _fmt(value))
+        for name, value, failed in rule_comparison(plan)
+    ]
+
+
+def _unmet_rows(plan: Plan) -> list[tuple[str, str, str]]:
+    """(rule, condition, detail) for every condition that keeps a rule's σ (or c) off the sheet."""
+    rows = [(name, c.name, c.detail) for name, _, failed in rule_comparison(plan) for c in failed]
+    moments = comparison_conditions(plan).get("moments_constant", ())
+    return rows + [("moments_constant", c.name, c.detail) for c in moments if c.kind == "required" and not c.met]
+
+
+UNMET_NOTE = "— : the rule's formula is not a valid bound for this plan; the conditions it does not meet:"
 
 
 def _markdown(plan: Plan, figure_name: str) -> str:
@@ -200,7 +297,11 @@ def _markdown(plan: Plan, figure_name: str) -> str:
     lines += ["", "## Validity conditions", "", "| condition | met | detail |", "| --- | --- | --- |"]
     lines += [f"| {c.name} ({c.kind}) | {'yes' if c.met else 'NO'} | {c.detail} |" for c in plan.conditions]
     lines += ["", "## σ each rule needs for the same ε, δ, q and T", "", "| rule | σ |", "| --- | --- |"]
-    lines += [f"| {name} | {_fmt(value)} |" for name, value in plan.sigma_by_rule.items()]
+    lines += [f"| {name} | {cell} |" for name, cell in _sigma_rows(plan)]
+    unmet = _unmet_rows(plan)
+    if unmet:
+        lines += ["", UNMET_NOTE, "", "| rule | condition | detail |", "| --- | --- | --- |"]
+        lines += [f"| {rule} | {name} | {detail} |" for rule, name, detail in unmet]
     lines += ["", f"![ε versus steps and σ by rule]({figure_name})", ""]
     return "\n".join(lines)
 
@@ -211,6 +312,7 @@ def _html(plan: Plan, figure_name: str) -> str:
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
+    unmet = _unmet_rows(plan)
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>Planning sheet: client {html.escape(str(plan.client_id))}</title>"
@@ -225,7 +327,8 @@ def _html(plan: Plan, figure_name: str) -> str:
             [(f"{c.name} ({c.kind})", "yes" if c.met else "NO", c.detail) for c in plan.conditions],
         )
         + "<h2>σ each rule needs for the same ε, δ, q and T</h2>"
-        + table(["rule", "σ"], [(name, _fmt(value)) for name, value in plan.sigma_by_rule.items()])
+        + table(["rule", "σ"], _sigma_rows(plan))
+        + (f"<p>{html.escape(UNMET_NOTE)}</p>" + table(["rule", "condition", "detail"], unmet) if unmet else "")
         + f"<img src='{html.escape(figure_name)}' alt='ε versus steps and σ by rule' width='100%'></body></html>"
     )
 
