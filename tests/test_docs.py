@@ -356,13 +356,7 @@ AGE_BANDS = ["pums_tuning_age_bands.toml", *(f"pums_tuning_age_bands{i}.toml" fo
 MLP_STAGES = [f"pums_tuning_{s}.toml" for s in ("mlp", "mlp2", "server", "rounds", "rounds2")]
 CELL_CLAIMS = [
     ("README.md", r"these (\d+) cells took", ["pums_budgets.toml"]),
-    ("docs/experiments.md", r"The table comes from a reused run folder \((\d+) cells\)", ["pums_budgets.toml"]),
     ("docs/experiments.md", r"\| whole sweep: (\d+) cells", ["pums_budgets.toml"]),
-    (
-        "docs/experiments.md",
-        r"pums_tuning\.toml --out runs/tune-orig --engine fast` \((\d+) cells",
-        ["pums_tuning.toml"],
-    ),
     ("docs/experiments.md", r"in five small stages, each reading the previous one \((\d+) cells", MLP_STAGES),
     ("docs/experiments.md", r"Seven more validation stages \((\d+) cells", AGE_BANDS),
     ("docs/experiments.md", r"`scenarios/pums_budgets_2cells\.toml`: (two) cells", ["pums_budgets_2cells.toml"]),
