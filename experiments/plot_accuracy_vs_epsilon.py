@@ -61,9 +61,11 @@ def main() -> None:
     if args.earlier is not None:
         draw_rules(axes, completed_cells([args.earlier]), dashed=True)
     axes.set_xscale("log", base=2)
+    epsilons = sorted(completed_cells(args.sweeps)["epsilon"].unique())
+    axes.set_xticks(epsilons, [f"{epsilon:g}" for epsilon in epsilons])
     axes.set_xlabel("ε per client")
     axes.set_ylabel("final test accuracy (mean, 95% interval over seeds)")
-    axes.set_title(args.title)
+    axes.set_title(args.title, fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8, loc="lower right")
     save_png(figure, args.out)
