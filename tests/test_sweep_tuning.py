@@ -401,3 +401,20 @@ def test_the_dry_run_counts_the_tuning_runs(tmp_path, capsys, monkeypatch):
     assert "2 arms × 6 candidates × 2 tune seeds = 24 tuning runs" in printed
     assert "non-private baseline: 6 more tuning runs" in printed  # 1 baseline arm × 3 η × 2 tune seeds
     assert not (tmp_path / "o").exists()
+
+
+def test_a_choice_at_either_end_of_a_numeric_space_is_flagged_even_with_two_candidates():
+    from fedprivacy.reports.sweep_tuning import edge_notes
+
+    space = {"learning-rate": [10.0, 30.0], "epochs": [4.0, 8.0, 16.0], "lr-schedule": ["constant", "inverse_sqrt"]}
+    choices = [
+        {"arm": "a", "chosen": {"values": {"learning-rate": 10.0, "epochs": 8.0, "lr-schedule": "constant"}}},
+        {"arm": "b", "chosen": {"values": {"learning-rate": 30.0, "epochs": 16.0, "lr-schedule": "inverse_sqrt"}}},
+        {"arm": "c", "chosen": None},
+    ]
+    notes = edge_notes(choices, space)
+    assert notes == [
+        "- a: learning-rate = 10, the smallest candidate",
+        "- b: learning-rate = 30, the largest candidate",
+        "- b: epochs = 16, the largest candidate",
+    ]

@@ -73,13 +73,14 @@ def scores_table(choices: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def edge_notes(choices: list[dict[str, Any]], space: dict[str, list[Any]]) -> list[str]:
-    """Choices at the smallest or largest of three or more numeric candidates: the best setting may lie
-    beyond the space, so a referee would ask for it to be widened."""
+    """Choices at the smallest or largest of two or more numeric candidates: the best setting may lie
+    beyond the space, so a referee would ask for it to be widened (with two candidates, every choice is
+    at an edge, and the note says so)."""
     notes = []
     for choice in choices:
         for key, value in (choice["chosen"] or {}).get("values", {}).items():
             values = space.get(key, [])
-            numeric = len(values) >= 3 and all(isinstance(v, int | float) for v in values)
+            numeric = len(values) >= 2 and all(isinstance(v, int | float) for v in values)
             if numeric and value in (min(values), max(values)):
                 end = "smallest" if value == min(values) else "largest"
                 notes.append(f"- {choice['arm']}: {key} = {_text(value)}, the {end} candidate")
