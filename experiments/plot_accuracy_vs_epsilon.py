@@ -44,7 +44,7 @@ def draw_rules(axes: Axes, rows: pd.DataFrame, dashed: bool) -> None:
             [(i.high if i.high is not None else m) - m for m, i in zip(means, intervals, strict=True)],
         ]
         seeds = max(len(values) for _, values in by_epsilon)
-        shifted = [e * (0.97 if index == 0 else 1.03) for e in epsilons]
+        shifted = [e * 1.03 ** (index - 1) for e in epsilons]  # rules side by side, not on top
         axes.errorbar(shifted, means, yerr=errors, marker="o", capsize=4, color=color, label=f"{rule} ({seeds} seeds)")
 
 

@@ -8,4 +8,4 @@ the models and rules themselves; tests keep their registries equal to these name
 DATASETS = ("digits", "pums", "csv", "synthetic")
 FILE_DATASETS = ("pums", "csv")  # read from a file: a run's data-path, or a deployed node's own file
 MODEL_NAMES = ("logreg", "mlp", "cnn")
-RULE_NAMES = ("proactive", "calibrated", "adp")  # fedprivacy.privacy.rules.RULES, in its order
+RULE_NAMES = ("proactive", "calibrated", "calibrated-rdp", "adp")  # fedprivacy.privacy.rules.RULES, in its order

@@ -281,7 +281,7 @@ RUN_KEYS = (
         "rule",
         "proactive",
         _one_of(RULE_NAMES),
-        "`proactive`, `calibrated` or `adp` ([privacy.md](privacy.md#rules))",
+        "`proactive`, `calibrated` (σ by PLD), `calibrated-rdp` (σ by RDP) or `adp` ([privacy.md](privacy.md#rules))",
         "privacy",
     ),
     # rounds and aggregation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -37,9 +38,14 @@ def pums_file(name: str = "fulton_pums5_full.csv") -> Path:
     return path
 
 
-def fedprivacy(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def fedprivacy(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fedprivacy", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "fedprivacy", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -85,8 +91,8 @@ def test_plan_prints_a_table_and_writes_a_sheet_only_when_asked(tmp_path):
 def test_version_and_choices_in_help(tmp_path):
     version = fedprivacy("--version", cwd=tmp_path)
     assert version.returncode == 0 and version.stdout.startswith("fedprivacy ") and "unknown" not in version.stdout
-    help_text = fedprivacy("plan", "--help", cwd=tmp_path).stdout
-    assert "proactive|calibrated|a" in help_text  # the rules, as choices
+    help_text = fedprivacy("plan", "--help", cwd=tmp_path, env={"COLUMNS": "200"}).stdout
+    assert "[proactive|calibrated|calibrated-rdp|adp]" in help_text  # the rules, as choices
     wrong = fedprivacy("plan", "--n", "100", "--epsilon", "1", "--rule", "magic", cwd=tmp_path)
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "'magic' is not one of" in wrong.stderr
 

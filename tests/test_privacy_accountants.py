@@ -18,6 +18,7 @@ from independent import (
     rdp_epsilon,
 )
 
+from fedprivacy.errors import InputError
 from fedprivacy.privacy import accountants, pld_dense
 from fedprivacy.privacy import gaussian_pld as gaussian_pld_module
 from fedprivacy.privacy.planner import plan_client
@@ -34,7 +35,7 @@ def test_reference_values_from_the_notes():
     assert accountants.pld_epsilon(events, 1e-5) == pytest.approx(0.903, abs=2e-3)
 
 
-@pytest.mark.parametrize("rule", ["proactive", "calibrated", "adp"])
+@pytest.mark.parametrize("rule", ["proactive", "calibrated", "calibrated-rdp", "adp"])
 @pytest.mark.parametrize("n, eps, delta", [(5736, 1.0, 1e-5), (2983, 0.5, 0.9 / 2983), (1200, 4.0, 1e-6)])
 def test_every_certified_epsilon_matches_independent_dp_accounting(rule, n, eps, delta):
     plan = plan_client(n, eps, delta, rule=rule, compare=False)  # every rule is accepted at these inputs
@@ -387,3 +388,22 @@ def test_the_rdp_accountant_leaves_an_unconfigured_root_logger_alone():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0" and "an INFO record" not in result.stderr
+
+
+@pytest.mark.parametrize("n, eps, delta", [(5736, 1.0, 1e-5), (2572, 0.25, 1e-5), (1200, 8.0, 1e-6)])
+def test_the_rdp_calibrated_rule_takes_the_smallest_sigma_that_rdp_certifies(n, eps, delta):
+    """Against dp-accounting's RdpAccountant directly: σ meets ε by RDP, 1% less σ does not; the PLD
+    certificate of the same plan is below it (RDP is the looser accountant)."""
+    plan = plan_client(n, eps, delta, rule="calibrated-rdp", compare=False)
+    runs = [(plan.sigma, plan.sampling_rate, plan.steps)]
+    assert rdp_epsilon(runs, delta) <= eps * (1 + 1e-9)
+    assert rdp_epsilon([(plan.sigma * 0.99, plan.sampling_rate, plan.steps)], delta) > eps
+    assert plan.epsilon_pld == pytest.approx(pld_epsilon(runs, delta), rel=CERTIFICATE_REL_TOL)
+    assert plan.epsilon_pld < eps
+    assert plan.sigma > plan_client(n, eps, delta, rule="calibrated", compare=False).sigma
+
+
+def test_the_rdp_calibrated_rule_refuses_replace_one_neighbours():
+    with pytest.raises(InputError) as refused:
+        plan_client(5736, 1.0, 1e-5, rule="calibrated-rdp", neighbours="replace-one", compare=False)
+    assert "rule='calibrated-rdp'" in str(refused.value) and "replace-one" in str(refused.value)

@@ -38,7 +38,10 @@ Rule = choices("Rule", RULE_NAMES)
 LrSchedule = choices("LrSchedule", LR_SCHEDULES)
 AlphaSchedule = choices("AlphaSchedule", ALPHA_SCHEDULES)
 Adjacency = choices("Adjacency", tuple(NEIGHBOUR_RELATIONS))
-RULE_HELP = "proactive: σ of the proactive rule; calibrated: the smallest σ PLD certifies; adp: ADP-SGD's schedule"
+RULE_HELP = (
+    "proactive: σ of the proactive rule; calibrated: the smallest σ PLD certifies; "
+    "calibrated-rdp: the smallest σ RDP certifies; adp: ADP-SGD's schedule"
+)
 
 # The options every planning command takes, declared once.
 SizeOption = Annotated[int, typer.Option("--n", help="local data size N of the client")]

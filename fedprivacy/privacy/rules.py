@@ -9,6 +9,9 @@ same for every rule.
 - `proactive` (van Dijk et al. 2024): σ = sqrt(2(ε + ln(1/δ))/ε), independent of T, with the
   published conditions on T, k and N reported by name;
 - `calibrated`: the smallest σ the PLD accountant certifies for the target and schedule;
+- `calibrated-rdp`: the smallest σ the RDP accountant (Mironov 2017) certifies, as DP-SGD
+  libraries calibrate it: looser than PLD, so the plan (still certified by PLD) spends less than
+  its budget; add/remove neighbours only (dp-accounting's RDP has no replace-one Poisson step);
 - `adp` (Wu et al., ADP-SGD): σ_t = s·α_t for a schedule α fixed in advance (α_t = 1/sqrt(η_t) by
   default), s calibrated by PLD step by step; Theorem 4.1's condition on T, and Lemma 2.2's ε.
 
@@ -117,6 +120,23 @@ class Calibrated(_ConstantNoise):
         return ()  # the PLD certificate is the whole argument
 
 
+class CalibratedRdp(Calibrated):
+    """σ calibrated by RDP instead of PLD: the comparison a referee asks for between accountants."""
+
+    name = "calibrated-rdp"
+
+    def noise(self, target: PlanningTarget, schedule: Schedule) -> tuple[float, Segments]:
+        if target.neighbours != accountants.ADD_REMOVE:
+            raise InputError(
+                "rule",
+                self.name,
+                f"calibrates by RDP, which dp-accounting gives for add/remove neighbours only, not "
+                f"{target.neighbours}; use rule 'calibrated'",
+            )
+        sigma = accountants.calibrate_rdp(target.epsilon, target.delta, schedule.rate, schedule.relative)
+        return sigma, tuple((sigma * alpha, count) for alpha, count in schedule.relative)
+
+
 class Adp(Calibrated):
     """ADP-SGD: the calibrated scale applied to the α schedule (Wu et al., Theorem 4.1)."""
 
@@ -137,7 +157,7 @@ class Adp(Calibrated):
         return {"extended_advanced_composition": lemma if math.isfinite(lemma) else None}
 
 
-RULES: dict[str, NoiseRule] = {rule.name: rule for rule in (Proactive(), Calibrated(), Adp())}
+RULES: dict[str, NoiseRule] = {rule.name: rule for rule in (Proactive(), Calibrated(), CalibratedRdp(), Adp())}
 RULE_NAMES = tuple(RULES)
 
 

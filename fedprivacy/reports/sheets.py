@@ -189,7 +189,9 @@ def draw_figure(figure: PlanFigure, curves: dict[str, list[float]], path: Path) 
         names, values = zip(*rules)
         colours = [
             "tab:red"
-            if name.startswith(figure.rule) or (figure.rule == "calibrated" and name == "pld_calibrated")
+            if name.startswith(figure.rule)
+            or (figure.rule == "calibrated" and name == "pld_calibrated")
+            or (figure.rule == "calibrated-rdp" and name == "rdp_calibrated")
             else "tab:blue"
             for name in names
         ]
