@@ -3,10 +3,11 @@
 A crafted MLP can give one record a gradient whose float32 squared norm underflows to exactly 0
 (a hidden unit firing at 1.8e19 for that record only, an output confidently right so that the loss
 gradient is ~2e-23): a clip weight of C/max(0, C) = 1 then let a gradient of ~400·C into the sum.
-The norms are now float64 bounds on what is actually summed (fedprivacy/training/clipping.py), in
-the trainer, the DP step and the fast engine alike; these tests drive all three at the smallest C a
-run accepts, plus a Conv2d whose Gram ("ghost") norm cancels, a record whose weighted factors round
-into float32's subnormal range, and the clip-norm limits.
+The norms are now float64 bounds on what is actually summed (fedprivacy/training/norms.py and each
+layer's rule), in the trainer, the DP step and the fast engine alike; these tests drive all three at
+the smallest C a run accepts, the crafted record through a Linear and a Conv1d output layer, plus a
+Conv2d whose Gram ("ghost") norm cancels, a record whose weighted factors round into float32's
+subnormal range, and the clip-norm limits.
 """
 
 from __future__ import annotations
@@ -70,7 +71,18 @@ def subnormal_mlp() -> nn.Module:
     return model
 
 
-CRAFTED = {"underflow": crafted_mlp, "subnormal-weighting": subnormal_mlp}
+def crafted_conv1d() -> nn.Module:
+    """The audit's model with its output layer as a 1-wide Conv1d over one position: the same
+    underflowing ‖d‖² through the convolution rule."""
+    mlp = crafted_mlp()
+    head = nn.Conv1d(HIDDEN, 2, kernel_size=1)
+    with torch.no_grad():
+        head.weight.copy_(mlp[3].weight.unsqueeze(-1))
+        head.bias.copy_(mlp[3].bias)
+    return nn.Sequential(*mlp[:3], nn.Unflatten(1, (HIDDEN, 1)), head, nn.Flatten())
+
+
+CRAFTED = {"underflow": crafted_mlp, "subnormal-weighting": subnormal_mlp, "underflow-conv1d": crafted_conv1d}
 
 
 def target(rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,17 +172,24 @@ def stack_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) 
 
 @pytest.mark.parametrize("craft", list(CRAFTED))
 def test_the_fast_engine_clips_the_crafted_record_too(craft):
+    """The engine's step with σ = 0 and qN = 1 releases exactly the clipped sum (read by its learning
+    rate; the weights themselves, 1.8e19 beside 1e-6, would lose it to rounding)."""
     model = CRAFTED[craft]()
-    assert stack.StackShape.of(model) is not None
-    weights = [p.detach().clone().unsqueeze(0) for p in model.parameters()]
+    state = [t.detach().clone().unsqueeze(0) for t in model.state_dict().values()]
+    released: list[list[torch.Tensor]] = []
+
+    def rate(gradients: list[torch.Tensor]) -> torch.Tensor:
+        released.append([g[0].clone() for g in gradients])
+        return torch.zeros(1)
+
     x, y = target()
-    sums, nonfinite, _, _ = stack.clipped_sums(weights, stack_step(model, x, y, C))
-    assert int(nonfinite[0]) == 0
-    assert norm64([s[0] for s in sums]) <= C * TOLERANCE
+    report = stack.ClientStack(model).step(state, stack_step(model, x, y, C), rate)
+    assert int(report.nonfinite[0]) == 0
+    assert norm64(released[0]) <= C * TOLERANCE
     # and the trainer's clipper gives the same sum
     alone = PerExampleClipper(model).clipped_sum(x, y, C)
-    for got, want in zip(sums, alone.grad_sums, strict=True):
-        torch.testing.assert_close(got[0], want, rtol=1e-5, atol=C * 1e-6)
+    for got, want in zip(released[0], alone.grad_sums, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=C * 1e-6)
 
 
 def per_example_norms(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -263,7 +282,7 @@ def test_a_cancelling_gram_norm_never_underestimates_what_is_summed(first):
 def test_the_gram_bound_holds_for_random_near_cancellations():
     """Random layer inputs A and output gradients D of two positions that nearly cancel, straight into
     the norm function: the bound is never below the norm of the float32 DᵢᵀAᵢ."""
-    from fedprivacy.training import clipping
+    from fedprivacy.training.layers.linear import positional_norms
 
     g = torch.Generator().manual_seed(4)
     layer = nn.Linear(6, 5, bias=True)  # 6·5 ≥ 2·2: the Gram form
@@ -272,7 +291,7 @@ def test_the_gram_bound_holds_for_random_near_cancellations():
         a1, d1 = torch.randn(1, 1, 6, generator=g) * scale, torch.randn(1, 1, 5, generator=g)
         a = torch.cat([a1, a1 * (1 + 2**-22 * torch.randn(1, 1, 6, generator=g))], dim=1)
         d = torch.cat([d1, -d1 * (1 + 2**-22 * torch.randn(1, 1, 5, generator=g))], dim=1)
-        sq, _, per_example = clipping._sq_norms(layer, a, d)
+        sq, _, per_example, _ = positional_norms(layer, a, d)
         assert per_example is None
         materialised = torch.bmm(d.transpose(1, 2), a).double().square().sum() + d.sum(1).double().square().sum()
         assert float(sq[0]) >= float(materialised)

@@ -129,8 +129,8 @@ def test_hooks_do_not_change_normal_use() -> None:
     "model,needle",
     [
         (nn.Sequential(nn.Linear(15, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), "BatchNorm1d"),
-        (nn.Sequential(nn.Linear(15, 8), nn.LayerNorm(8), nn.Linear(8, 2)), "LayerNorm"),
-        (nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(4, 2)), "Embedding"),
+        (nn.Sequential(nn.Linear(15, 8), nn.PReLU(), nn.Linear(8, 2)), "PReLU"),
+        (nn.Sequential(nn.ConvTranspose1d(1, 2, 3), nn.Flatten(), nn.Linear(34, 2)), "ConvTranspose1d"),
     ],
 )
 def test_unsupported_layers_are_refused_by_name(model: nn.Module, needle: str) -> None:

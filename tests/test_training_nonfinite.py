@@ -110,16 +110,17 @@ def test_sums_that_overflow_after_the_norms_are_redone_example_by_example(monkey
     x, y = torch.randn(6, 15), torch.randint(0, 2, (6,))
     clean = clipper.clipped_sum(x, y, CLIP)
     offender = float(clean.sq_norms[4])
-    weighted = clipping_module.PerExampleClipper._weighted_sums
+    shared = clipping_module._clipped_rows
 
-    def overflowing(terms, sq_norms, clip_norm, slack):
-        sums = weighted(terms, sq_norms, clip_norm, slack)
+    def overflowing(records, clip_norm, clients, *args):
+        result = shared(records, clip_norm, clients, *args)
         # the batch, and example 4 alone (its float64 norm alone may differ from the batch's in the last float32 bits)
-        if sq_norms.shape[0] > 1 or math.isclose(float(sq_norms[0]), offender, rel_tol=1e-5):
-            sums[0] = sums[0] + math.inf
-        return sums
+        if len(result.sq_norms) > 1 or math.isclose(float(result.sq_norms[0]), offender, rel_tol=1e-5):
+            sums = [result.grad_sums[0] + math.inf, *result.grad_sums[1:]]
+            return result._replace(grad_sums=sums, broken=torch.ones(1, dtype=torch.bool))  # as the sums report it
+        return result
 
-    monkeypatch.setattr(clipping_module.PerExampleClipper, "_weighted_sums", staticmethod(overflowing))
+    monkeypatch.setattr(clipping_module, "_clipped_rows", overflowing)
     redone = clipper.clipped_sum(x, y, CLIP)
     monkeypatch.undo()
     keep = [0, 1, 2, 3, 5]
