@@ -19,34 +19,74 @@ and training, with every client on one budget and with the clients on five ε le
 five histories to compose per round while they all train), and the fast engine's peak RSS at
 10,000 clients.
 
+Models that are not Linear stacks (`--batched-models`: the digits CNN on 64 synthetic features,
+i.e. 8×8 images, and `bench-gn-cnn`, a user-style CNN with GroupNorm registered here), side by side
+in one process per model, rounds interleaved, medians over rounds: the compute floor (the same
+examples' plain non-private forward and backward, one batch per step: what the DP rounds must
+also do), the batched engine's DP round and its round with clipping and noise off, the engine
+client by client (`LocalWorker(batched=False)`, the trainer per client, on a subset), and the
+fast engine's whole run against the apps in process (a subset); peak memory. With `--device
+cuda`, also the GPU's kernel time in a DP round (torch.profiler).
+
 Usage: python benchmarks/sim_throughput.py [--clients 1000] [--rounds 20] [--models logreg,mlp]
        [--inprocess-clients 100] [--flower-clients 50] [--flower-rounds 5] [--workers 1]
-       [--scale-clients 3000,10000] [--memory-clients 10000] [--json PATH]
+       [--scale-clients 3000,10000] [--memory-clients 10000] [--batched-models cnn,bench-gn-cnn]
+       [--batched-clients 1000] [--batched-rounds 20] [--one-by-one-clients 100] [--device cpu]
+       [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fedprivacy  # noqa: F401  # before anything loads PyTorch, here and in the children: its OpenMP setting
+from fedprivacy.models import register_model
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 PROJECT = Path(__file__).resolve().parents[1]
 ROWS_PER_CLIENT = 200
+IMAGE_FEATURES = 64  # 8×8 one-channel images, as the digits
+FEATURES = {"cnn": IMAGE_FEATURES, "bench-gn-cnn": IMAGE_FEATURES}  # any other model: 15 tabular features
+
+
+@register_model("bench-gn-cnn")
+def gn_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A user-style CNN for small square images: the digits CNN with a GroupNorm after each
+    convolution (the layer a user picks when BatchNorm is refused)."""
+    from torch import nn
+
+    side = math.isqrt(math.prod(input_shape))
+    return nn.Sequential(
+        nn.Unflatten(1, (1, side, side)),
+        nn.Conv2d(1, 16, kernel_size=3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, kernel_size=3, padding=1),
+        nn.GroupNorm(8, 32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * (side // 4) ** 2, num_classes),
+    )
 
 
 def scenario(model: str, clients: int, rounds: int, results: Path) -> dict[str, Any]:
     return {
         "dataset": "synthetic",
         "synthetic-examples": ROWS_PER_CLIENT * clients,
-        "synthetic-features": 15,
+        "synthetic-features": FEATURES.get(model, 15),
         "model": model,
         "num-server-rounds": rounds,
         "fraction-train": 1.0,
@@ -62,7 +102,9 @@ def peak_rss_mb() -> float:
 
 
 # ----- one engine, in a child process -----
-def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, results: Path) -> dict[str, Any]:
+def run_one(
+    engine: str, model: str, clients: int, rounds: int, workers: int, results: Path, device: str = "auto"
+) -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -76,7 +118,7 @@ def run_one(engine: str, model: str, clients: int, rounds: int, workers: int, re
     if engine == "fast":
         write_plans, deferred = results_module.RunRecorder.write_plans, []
         results_module.RunRecorder.write_plans = lambda self: deferred.append(self) or []  # sheets after the timed part
-        folder, timings = run_fast(config, clients, workers=workers, say=lambda _: None)
+        folder, timings = run_fast(config, clients, workers=workers, device=device, say=lambda _: None)
         wall = time.perf_counter() - started
         accounting = timings.accounting_s
         results_module.RunRecorder.write_plans = write_plans
@@ -220,6 +262,111 @@ def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
     }
 
 
+# ----- any model batched: against its compute floor, without the mechanism, and client by client -----
+def batched_cost(model: str, clients: int, rounds: int, one_by_one: int, device: str) -> dict[str, Any]:
+    """Median round times of one model's workers, rounds interleaved: the batched engine with DP and
+    without, the compute floor (the DP rounds' own sampled batches, replayed through the plain
+    model: one forward and one backward per step, parameter gradients and all), and the engine
+    client by client on the first `one_by_one` clients (scaled per client-round)."""
+    import statistics
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    from fedprivacy.data.partition import load_clients
+    from fedprivacy.models import build_model
+    from fedprivacy.participant import partition_kwargs, plan_from_settings
+    from fedprivacy.runconfig import DEFAULTS, parse_run_config
+    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+
+    warnings.filterwarnings("ignore")
+    settings = parse_run_config({**DEFAULTS, **scenario(model, clients, rounds, Path(tempfile.gettempdir()))})
+    data = load_clients(**partition_kwargs(settings, clients))
+    shared = [
+        WorkerClient(i, c.train.features, c.train.labels, c.test.features, c.test.labels, f"7:{i}")
+        for i, c in enumerate(data)
+    ]
+    plans = {
+        i: plan_from_settings(settings, c.num_examples, 1.0, 1e-5, c.client_id, compare=False)
+        for i, c in enumerate(data)
+    }
+    features = FEATURES.get(model, 15)
+    workers = {
+        "dp": LocalWorker(shared, model, features, 2, device=device),
+        "nonprivate": LocalWorker(shared, model, features, 2, device=device, private=False),
+        "one_by_one": LocalWorker(shared[:one_by_one], model, features, 2, device=device, batched=False),
+    }
+    for worker in workers.values():
+        worker.add_plans(plans)
+    torch.manual_seed(0)
+    plain = build_model(model, features, 2).to(device)
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    batches: list[tuple[Tensor, Tensor]] = []  # the DP round's sampled rows, step by step
+    stack, dp_step = workers["dp"].stack, workers["dp"].stack.step
+    stack.step = lambda weights, step, *rest, **options: (  # type: ignore[method-assign]
+        batches.append((step.features[step.valid], step.labels[step.valid])) or dp_step(weights, step, *rest, **options)
+    )
+
+    def floor() -> None:
+        for x, y in batches:
+            plain.zero_grad(set_to_none=True)
+            F.cross_entropy(plain(x), y, reduction="sum").backward()
+
+    def timed(work: Any) -> float:
+        synchronize()
+        started = time.perf_counter()
+        work()
+        synchronize()
+        return time.perf_counter() - started
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    requests = [RoundRequest(i, None) for i in range(clients)]
+    times: dict[str, list[float]] = {"dp": [], "nonprivate": [], "floor": [], "one_by_one": []}
+    for server_round in range(1, rounds + 1):
+        batches.clear()
+        for name, worker in workers.items():
+            share = requests[:one_by_one] if name == "one_by_one" else requests
+            times[name].append(timed(lambda w=worker, r=share, t=server_round: w.train(state, t, r, False)))
+        times["floor"].append(timed(floor))
+    kernel_ms = None
+    if device == "cuda":  # the GPU's own time in one more DP round (its plans have none left: replay round 1)
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            workers["dp"].train(state, 1, requests, False)
+            synchronize()
+        kernel_ms = (  # the device's own events (kernels, copies), as the profiler's table totals them
+            sum(
+                e.self_device_time_total
+                for e in profiler.key_averages()
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+            )
+            / 1000
+        )
+    median = {name: statistics.median(values) for name, values in times.items()}
+    per_client = {name: value / (one_by_one if name == "one_by_one" else clients) for name, value in median.items()}
+    return {
+        "model": model,
+        "clients": clients,
+        "rounds": rounds,
+        "device": device,
+        "one_by_one_clients": one_by_one,
+        **{f"{name}_round_s": round(value, 4) for name, value in median.items()},
+        **{f"{name}_client_rounds_per_s": round(1 / value, 1) for name, value in per_client.items()},
+        "dp_over_floor": round(median["dp"] / median["floor"], 3),
+        "dp_over_nonprivate": round(median["dp"] / median["nonprivate"], 3),
+        "speedup_over_one_by_one": round(per_client["one_by_one"] / per_client["dp"], 2),
+        "kernel_ms_per_dp_round": None if kernel_ms is None else round(kernel_ms, 2),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device == "cuda" else None,
+    }
+
+
 def child(args: list[str]) -> dict[str, Any]:
     output = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, cwd=PROJECT)
     if output.returncode != 0:
@@ -242,6 +389,19 @@ def main() -> None:
         help="clients of the extra steady logreg rows (6 rounds each) that show accounting's share as a round grows",
     )
     parser.add_argument("--memory-clients", type=int, default=10_000, help="clients of the peak-RSS run (0: skip)")
+    parser.add_argument(
+        "--batched-models",
+        default="cnn,bench-gn-cnn",
+        help="models compared with their compute floor, without DP and client by client ('' to skip)",
+    )
+    parser.add_argument("--batched-clients", type=int, default=1000, help="clients of the batched-model rows")
+    parser.add_argument("--batched-rounds", type=int, default=20, help="rounds of the batched-model rows")
+    parser.add_argument(
+        "--one-by-one-clients", type=int, default=100, help="clients trained one by one (scaled per client-round)"
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="the fast engine's device in the batched-model rows"
+    )
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -249,16 +409,24 @@ def main() -> None:
         kind, *rest = args.child
         if kind == "mechanism":
             print(json.dumps(mechanism_cost(rest[0], int(rest[1]), int(rest[2]))))
+        elif kind == "batched":
+            print(json.dumps(batched_cost(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), rest[4])))
         elif kind == "steady":
             print(json.dumps(steady_round(rest[0], int(rest[1]), int(rest[2]), *map(int, rest[3:4]))))
         else:
-            engine, model, clients, rounds, workers = rest
+            engine, model, clients, rounds, workers, *device = rest
             with tempfile.TemporaryDirectory() as results:
-                print(json.dumps(run_one(engine, model, int(clients), int(rounds), int(workers), Path(results))))
+                print(
+                    json.dumps(run_one(engine, model, int(clients), int(rounds), int(workers), Path(results), *device))
+                )
         return
 
+    models = [m for m in args.models.split(",") if m]
+    batched = [
+        report_batched(model, args) for model in args.batched_models.split(",") if model
+    ]  # first: the rows the GPU runs are for
     rows: list[dict[str, Any]] = []
-    for model in args.models.split(","):
+    for model in models:
         runs = {
             "fast": child(["run", "fast", model, str(args.clients), str(args.rounds), str(args.workers)]),
             "inprocess": child(["run", "inprocess", model, str(args.inprocess_clients), str(args.rounds), "1"]),
@@ -268,10 +436,11 @@ def main() -> None:
             row["ratio_vs_flower"] = round(row["client_rounds_per_s"] / runs["flower"]["client_rounds_per_s"], 1)
             row["ratio_vs_inprocess"] = round(row["client_rounds_per_s"] / runs["inprocess"]["client_rounds_per_s"], 1)
             rows.append(row)
-    print(
-        f"{'engine':<10}{'model':<8}{'clients':>8}{'rounds':>7}{'wall s':>9}{'client-rounds/s':>17}{'accounting s':>14}"
-        f"{'sheets s':>10}{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}"
-    )
+    if rows:
+        print(
+            f"\n{'engine':<10}{'model':<8}{'clients':>8}{'rounds':>7}{'wall s':>9}{'client-rounds/s':>17}"
+            f"{'accounting s':>14}{'sheets s':>10}{'peak RSS MB':>13}{'× flower':>10}{'× inprocess':>13}"
+        )
     for r in rows:
         accounting = "" if r["accounting_s"] is None else f"{r['accounting_s']:.2f}"
         sheets = "" if r["sheets_s"] is None else f"{r['sheets_s']:.2f}"
@@ -280,22 +449,23 @@ def main() -> None:
             f"{r['engine']:<10}{r['model']:<8}{r['clients']:>8}{r['rounds']:>7}{r['wall_s']:>9.2f}{r['client_rounds_per_s']:>17.1f}"
             f"{accounting:>14}{sheets:>10}{rss:>13}{r['ratio_vs_flower']:>10.1f}{r['ratio_vs_inprocess']:>13.1f}"
         )
-    mechanism = [child(["mechanism", model, str(args.clients), "5"]) for model in args.models.split(",")]
-    print("\nA fast-engine round with DP against the same round with clipping and noise off:")
+    mechanism = [child(["mechanism", model, str(args.clients), "5"]) for model in models]
+    if mechanism:
+        print("\nA fast-engine round with DP against the same round with clipping and noise off:")
     for m in mechanism:
         print(
             f"  {m['model']:<8} {m['clients']} clients: DP {m['dp_round_s']:.3f} s, "
             f"non-private {m['nonprivate_round_s']:.3f} s, ratio {m['ratio']:.2f}"
         )
-    steady = [child(["steady", model, str(args.clients), str(args.rounds)]) for model in args.models.split(",")]
+    steady = [child(["steady", model, str(args.clients), str(args.rounds)]) for model in models]
     steady += [
-        child(["steady", model, str(args.clients), str(args.rounds), str(len(BUDGET_LEVELS))])
-        for model in args.models.split(",")
+        child(["steady", model, str(args.clients), str(args.rounds), str(len(BUDGET_LEVELS))]) for model in models
     ]
     steady += [
         child(["steady", "logreg", clients, str(SCALE_ROUNDS)]) for clients in args.scale_clients.split(",") if clients
     ]
-    print("\nA steady fast-engine round (after the first round's planning):")
+    if steady:
+        print("\nA steady fast-engine round (after the first round's planning):")
     for s in steady:
         levels = "one budget" if s["budgets"] == 1 else f"{s['budgets']} budgets"
         print(
@@ -314,8 +484,47 @@ def main() -> None:
         )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"rows": rows, "mechanism": mechanism, "steady": steady, "memory": memory}, indent=2)
+            json.dumps(
+                {"batched": batched, "rows": rows, "mechanism": mechanism, "steady": steady, "memory": memory}, indent=2
+            )
         )
+
+
+def report_batched(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One batched model's rows (`batched_cost`, the fast engine's whole run and the apps'), printed."""
+    clients, rounds = str(args.batched_clients), str(args.batched_rounds)
+    cost = child(["batched", model, clients, rounds, str(args.one_by_one_clients), args.device])
+    fast = child(["run", "fast", model, clients, rounds, str(args.workers), args.device])
+    apps = child(["run", "inprocess", model, str(args.inprocess_clients), rounds, "1"])
+    cost["run_fast_client_rounds_per_s"] = fast["client_rounds_per_s"]
+    cost["apps_client_rounds_per_s"] = apps["client_rounds_per_s"]
+    cost["run_fast_over_apps"] = round(fast["client_rounds_per_s"] / apps["client_rounds_per_s"], 2)
+    cost["run_fast_peak_rss_mb"] = fast["peak_rss_mb"]
+    print(
+        f"\n{model}, {cost['clients']} clients × {ROWS_PER_CLIENT} rows, {cost['rounds']} rounds, DP on, "
+        f"{cost['device']} (median round; client-rounds/s):"
+    )
+    for name, label in (
+        ("floor", "compute floor (plain forward + backward)"),
+        ("dp", "batched engine, DP"),
+        ("nonprivate", "batched engine, no clipping or noise"),
+        ("one_by_one", f"engine client by client ({cost['one_by_one_clients']} clients)"),
+    ):
+        print(f"  {label:<48}{cost[f'{name}_round_s']:>9.3f} s{cost[f'{name}_client_rounds_per_s']:>12.1f}")
+    print(
+        f"  DP / floor {cost['dp_over_floor']:.2f}, DP / non-private {cost['dp_over_nonprivate']:.2f}, "
+        f"batched / one by one {cost['speedup_over_one_by_one']:.1f}×; whole run: fast engine "
+        f"{cost['run_fast_client_rounds_per_s']:.1f} client-rounds/s, apps in process "
+        f"{cost['apps_client_rounds_per_s']:.1f} ({args.inprocess_clients} clients): {cost['run_fast_over_apps']:.1f}×"
+    )
+    memory = (
+        f"peak RSS {cost['peak_rss_mb']:.0f} MB (all three workers), whole run {cost['run_fast_peak_rss_mb']:.0f} MB"
+    )
+    if cost["peak_gpu_mb"] is not None:
+        memory += f", peak GPU memory {cost['peak_gpu_mb']:.0f} MB"
+        memory += f", kernel time {cost['kernel_ms_per_dp_round']:.1f} ms per DP round"
+    print(f"  {memory}")
+    return cost
 
 
 if __name__ == "__main__":

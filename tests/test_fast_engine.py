@@ -4,6 +4,7 @@ after every round (to float tolerance), the same ε spent by every client, the s
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -438,3 +439,240 @@ def test_a_step_with_the_mechanism_off_is_the_plain_gradient_sum_over_q_n(model)
     for key, want in expected.items():
         torch.testing.assert_close(off[key], want, rtol=1e-4, atol=1e-6)
     assert not all(torch.allclose(on[key], want, rtol=1e-2, atol=1e-3) for key, want in expected.items())
+
+
+def _gn_cnn(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """A user's CNN for 8×8 images with GroupNorm after each convolution (BatchNorm is refused)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, kernel_size=3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, kernel_size=3, padding=1, groups=2),
+        nn.GroupNorm(4, 8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, num_classes),
+    )
+
+
+def _plan(index: int, n: int, steps: int, clip: float, sigma: float) -> Any:
+    from fedprivacy.privacy.plan import Plan
+
+    return Plan(
+        client_id=f"c{index}",
+        rule="calibrated",
+        n=n,
+        epsilon=1.0,
+        delta=1e-5,
+        clip_norm=clip,
+        sigma=sigma,
+        sampling_rate=0.2,
+        steps=steps,
+        rounds=2,
+        noise_segments=((sigma, steps),),
+        epsilon_pld=0.9,
+        epsilon_rdp=1.0,
+        learning_rate=0.5,
+    )
+
+
+@pytest.mark.parametrize("buckets", [1, 2])  # one padded stack, or the clients split by batch size
+@pytest.mark.parametrize("model", ["cnn", "test-gn-cnn"])
+def test_a_batched_round_gives_each_client_the_trainers_weights(model, buckets, monkeypatch, compute_device):
+    """Clients with their own data sizes, C, σ and round lengths (3 and 2 steps in round 1, 2 and 2
+    in round 2) trained together by the engine's stack (on the CPU, and on the GPU when one is
+    visible) end with the weights `DPTrainer` gives each alone on the CPU (same seed, same plan,
+    same start), for the digits CNN and a user's GroupNorm CNN; the rounds hold Poisson batches of
+    different sizes and an empty batch (checked below); also with the clients split by batch size
+    into two stacks, each padded to its own largest batch."""
+
+    from fedprivacy.models import build_model, register_model
+    from fedprivacy.training import DPTrainer
+    from sims.fast import stack
+    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+
+    register_model("test-gn-cnn")(_gn_cnn)
+    generator = torch.Generator().manual_seed(1)
+    sizes, steps, clips, sigmas = [14, 4, 20], [5, 4, 5], [0.5, 1.0, 2.0], [0.8, 1.1, 0.6]
+    data = [(torch.rand(n, 64, generator=generator), torch.randint(0, 10, (n,), generator=generator)) for n in sizes]
+    plans = {k: _plan(k, n, t, c, s) for k, (n, t, c, s) in enumerate(zip(sizes, steps, clips, sigmas, strict=True))}
+    seeds = [f"7:{k}" for k in range(len(sizes))]
+    torch.manual_seed(0)
+    start = {k: v.detach().clone() for k, v in build_model(model, 64, 10).state_dict().items()}
+
+    batches = []  # every active client's batch size at every step of the stack
+    step = stack.ClientStack.step
+    monkeypatch.setattr(
+        stack.ClientStack,
+        "step",
+        lambda self, state, inputs, *rest, **options: (
+            batches.extend(inputs.valid.sum(1)[inputs.active].tolist()) or step(self, state, inputs, *rest, **options)
+        ),
+    )
+    worker = LocalWorker(
+        [
+            WorkerClient(k, x.numpy(), y.numpy(), x[:1].numpy(), y[:1].numpy(), seeds[k])
+            for k, (x, y) in enumerate(data)
+        ],
+        model,
+        64,
+        10,
+        device=compute_device.type,
+    )
+    worker.stack.buckets, worker.stack.BUCKET_CLIENTS, worker.stack.BUCKET_PRODUCTS = buckets, 1, 0
+    worker.add_plans(plans)
+    states: dict[int, dict[str, Any] | None] = dict.fromkeys(plans)
+    expected = {k: dict(start) for k in plans}
+    global_state = start
+    for server_round in (1, 2):
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # cuDNN's default TF32 has a 10-bit mantissa
+            result = worker.train(global_state, server_round, [RoundRequest(k, states[k]) for k in plans], False)
+        for k, (x, y) in enumerate(data):
+            reference = build_model(model, 64, 10)
+            reference.load_state_dict(global_state)
+            trainer = DPTrainer(
+                reference, plans[k], x, y, seed=seeds[k], state={"step": plans[k].first_step_of_round(server_round)}
+            )
+            trainer.run_round(server_round)
+            expected[k] = reference.state_dict()
+            for key, stacked in zip(global_state, result.weights, strict=True):
+                torch.testing.assert_close(stacked[k], expected[k][key], rtol=1e-4, atol=1e-6)
+            assert result.states[k]["step"] == trainer.step
+            states[k] = result.states[k]
+        global_state = {key: stacked[0].clone() for key, stacked in zip(global_state, result.weights, strict=True)}
+    assert 0 in batches and len(set(batches)) >= 3, batches  # an empty batch, and batches of several sizes
+    assert len(batches) == sum(steps)
+
+
+def test_workers_share_the_gpus_evenly_and_fit_at_once():
+    from sims.fast.pool import gpu_share
+
+    assert gpu_share(1, 1) == gpu_share(2, 4) == 1.0  # a whole GPU each while there are enough
+    assert gpu_share(4, 1) == 0.25 and gpu_share(3, 2) == 0.5  # several per GPU: three on two, half each
+    assert gpu_share(5, 2) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"device": "gpu"}, "device"),
+        ({"device": "cpu", "gpus_per_worker": 0.5}, "worker-gpus"),
+        ({"gpus_per_worker": 1.5}, "worker-gpus"),
+        pytest.param(
+            {"device": "cuda"},
+            "device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: cuda is a valid choice"),
+        ),
+    ],
+)
+def test_a_device_that_cannot_run_is_refused_by_name_before_anything_is_written(in_process, tmp_path, options, field):
+    with pytest.raises(InputError) as refused:
+        run_fast({**in_process.defaults(), "results-dir": str(tmp_path / "fast")}, 2, say=lambda _: None, **options)
+    assert refused.value.field == field
+    assert not (tmp_path / "fast").exists()
+
+
+def test_the_device_is_chosen_by_name_and_recorded(in_process, tmp_path):
+    """`device="cpu"` trains on the CPU even where a GPU is visible; the run says where it trained
+    and config.json keeps the choice."""
+    lines: list[str] = []
+    folder, _ = run_fast(
+        {**in_process.defaults(), "num-server-rounds": 1, "results-dir": str(tmp_path / "r")},
+        2,
+        device="cpu",
+        say=lines.append,
+    )
+    assert "fast engine: 1 worker on cpu" in lines
+    assert json.loads((folder / "config.json").read_text())["device"] == "cpu"
+
+
+def test_the_sweep_takes_the_device_as_a_resource_and_refuses_an_unknown_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedprivacy.cli import app
+    from sims.sweep.spec import validate
+
+    spec = validate(
+        {"grid": {"epsilon": [1.0]}, "resources": {"device": "cpu", "workers": 2}}, base_dir=tmp_path, default_name="s"
+    )
+    assert (spec.resources.device, spec.resources.workers) == ("cpu", 2)
+    refused = CliRunner().invoke(
+        app, ["sweep", "--out", str(tmp_path / "s"), "--epsilons", "1", "--device", "gpu", "--dry-run"]
+    )
+    assert refused.exit_code != 0 and "resources.device='gpu'" in refused.output
+
+
+@pytest.mark.parametrize(("model", "features", "buckets"), [("cnn", 64, 4), ("mlp", 15, 0)])
+def test_clients_are_split_by_batch_size_on_a_cpu_only_where_the_arithmetic_is_the_cost(model, features, buckets):
+    """256 clients with Poisson batches: the digits CNN (83,200 multiply-adds per example) in four
+    stacks of 64 sorted by batch size, each as wide as its largest batch; the MLP (1,088) in one."""
+    from fedprivacy.models import build_model
+    from sims.fast import stack
+
+    clients = stack.ClientStack(build_model(model, features, 2))
+    sizes = torch.randint(0, 40, (256,), generator=torch.Generator().manual_seed(4))
+    valid = torch.arange(40) < sizes.unsqueeze(1)  # sampled rows first, as the worker gathers them
+    step = stack.StepInputs(torch.zeros(256, 40, features), torch.zeros(256, 40, dtype=torch.long), valid, *[None] * 5)
+    found = clients._buckets(step)
+    assert clients.capture.example_products(step.features[0, 0]) == {"cnn": 83_200, "mlp": 1_088}[model]
+    assert len(found) == buckets
+    if buckets:
+        assert sorted(torch.cat([part for part, _ in found]).tolist()) == list(range(256))
+        assert [width for _, width in found] == [int(sizes[part].max()) for part, _ in found]
+        assert [len(part) for part, _ in found] == [64] * 4
+        assert max(sizes[found[0][0]]) <= min(sizes[found[-1][0]])
+
+
+def test_a_client_whose_batched_sums_overflow_is_redone_by_the_trainers_clipper(monkeypatch):
+    """Injected fault: the stack's clipped sums come back non-finite for client 1 (as an overflow
+    among finite per-example terms could make them); the step redoes that client alone with the
+    trainer's clipper and releases its sum, and leaves the others' as they were."""
+    import dataclasses
+
+    from fedprivacy.models import build_model
+    from fedprivacy.training.clipping import PerExampleClipper
+    from sims.fast import stack
+
+    torch.manual_seed(2)
+    model = build_model("mlp", 15, 2)
+    clients = stack.ClientStack(model)
+    x, y = torch.randn(3, 6, 15), torch.randint(0, 2, (3, 6))
+    valid = torch.tensor([[True] * 6, [True] * 4 + [False] * 2, [True] * 5 + [False]])
+    step = stack.StepInputs(
+        x,
+        y,
+        valid,
+        torch.zeros(3, clients.noise_count),
+        torch.zeros(3, dtype=torch.float64),
+        torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64),
+        torch.ones(3),
+        torch.ones(3, dtype=torch.bool),
+    )
+    shared = stack.clipped_sums
+
+    def overflowing(*args, **options):
+        result = shared(*args, **options)
+        sums = [s.clone() for s in result.grad_sums]
+        sums[0][1] = math.inf
+        return dataclasses.replace(result, grad_sums=sums, broken=torch.tensor([False, True, False]))
+
+    def released(fault: bool) -> list[torch.Tensor]:
+        seen: list[list[torch.Tensor]] = []
+        state = [v.unsqueeze(0).repeat(3, *(1,) * v.dim()) for v in model.state_dict().values()]
+        with monkeypatch.context() as patch:
+            if fault:
+                patch.setattr(stack, "clipped_sums", overflowing)
+            clients.step(state, step, lambda g: seen.append([t.clone() for t in g]) or torch.zeros(3))
+        return seen[0]
+
+    redone, clean = released(True), released(False)
+    reference = build_model("mlp", 15, 2)  # the trainer's clipper, on client 1's rows
+    reference.load_state_dict(model.state_dict())
+    alone = PerExampleClipper(reference).clipped_sum(x[1][valid[1]], y[1][valid[1]], 1.0)
+    for got, want, before in zip(redone, alone.grad_sums, clean, strict=True):
+        torch.testing.assert_close(got[1], want, rtol=1e-5, atol=1e-7)  # qN = 1, no noise: the sum itself
+        torch.testing.assert_close(got[[0, 2]], before[[0, 2]])

@@ -14,15 +14,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fedprivacy.catalog import DATASETS, MODEL_NAMES
+from fedprivacy.catalog import DATASETS
 from fedprivacy.cli.common import choices, guarded, value
 from fedprivacy.errors import InputError
+from fedprivacy.model_registry import model_names
 from fedprivacy.runconfig_keys import PARTITIONINGS
 
 app = typer.Typer()
 Dataset = choices("Dataset", DATASETS)
 Partitioning = choices("Partitioning", PARTITIONINGS)
-Model = choices("Model", MODEL_NAMES)
 
 
 SCENARIO_HELP = "scenario file (TOML, see scenarios/); or build the grid with the flags below"
@@ -95,7 +95,12 @@ def sweep(
     partitioning: Partitioning | None = typer.Option(
         None, "--partitioning", help="how the rows are dealt to the clients"
     ),
-    model: Model | None = typer.Option(None, "--model", help="the model of every cell"),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help=f"the model of every cell: {', '.join(model_names())} (built-in or installed: an entry point "
+        "in group fedprivacy.models)",
+    ),
     rounds: str | None = typer.Option(None, "--rounds", help="federated rounds of every cell"),
     fraction_train: str | None = typer.Option(None, "--fraction-train", help="fraction of clients trained per round"),
     clients: int | None = typer.Option(
@@ -118,8 +123,13 @@ def sweep(
     workers: int | None = typer.Option(
         None, "--workers", help="fast engine workers: 1 in this process, more as Ray actors (default 1)"
     ),
+    device: str | None = typer.Option(
+        None,
+        "--device",
+        help="fast engine workers' device: cpu, cuda or auto (default: cuda if a GPU is visible, else cpu)",
+    ),
     worker_gpus: float | None = typer.Option(
-        None, "--worker-gpus", help="GPU fraction per fast-engine worker (default 0: CPU)"
+        None, "--worker-gpus", help="GPU fraction per fast-engine worker (default 0: the GPUs shared evenly)"
     ),
 ) -> None:
     """Run a grid of federated runs from a scenario file (TOML, see scenarios/) or flags; rerun to resume.
@@ -135,7 +145,7 @@ def sweep(
         "data-path": data_path,
         "partition-by": partition_by,
         "partitioning": value(partitioning),
-        "model": value(model),
+        "model": model,
         "rounds": rounds,
         "fraction-train": fraction_train,
     }
@@ -150,6 +160,7 @@ def sweep(
         "client-cpus": client_cpus,
         "client-gpus": client_gpus,
         "workers": workers,
+        "device": device,
         "worker-gpus": worker_gpus,
     }
     spec = guarded(lambda: _sweep_scenario(scenario, run_flags, grid_flags, sets, grid, sweep_table, resources, out))

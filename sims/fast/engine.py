@@ -4,7 +4,8 @@ trained together by workers instead of one Flower message each.
 Everything but the arithmetic is the apps' own code: the clients (`simulation_client`), their
 ledger accounts, partitioning pins and seed rules (`open_account`), their plans
 (`plan_from_settings`, shared between clients with the same inputs), the round's noise events and
-affordability, the replies' public metrics (`reply_constants`), seeded sampling (`sample_clients`), the weighted average
+affordability, the replies' public metrics (`reply_constants`), the round's participation rules
+(`fedprivacy.participation`: who trains, who evaluates, what a failure costs), the weighted average
 (`fedprivacy.aggregation`) and Flower's server optimisers (`server.optimizers`), central and
 federated evaluation, and the results folder (`RunRecorder`). What differs is how: plans are made
 once per run, a round's ledger writes are one transaction (committed while the clients train and
@@ -59,9 +60,9 @@ from fedprivacy.participant import (
     run_plans,
     simulation_client,
 )
+from fedprivacy.participation import Participation
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.replies import MAX_CONSECUTIVE_FAILURES
 from fedprivacy.results import (
     DIAGNOSTICS_NOTE,
     RunRecorder,
@@ -71,11 +72,10 @@ from fedprivacy.results import (
     resolved_config,
 )
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
-from fedprivacy.sampling import sample_clients
 from fedprivacy.training.rng import SeededRunWarning
 from server.evaluation import central_evaluation, server_test_set
 from server.optimizers import ServerOptimizer
-from sims.fast.pool import WorkerPool
+from sims.fast.pool import WorkerPool, check_device
 from sims.fast.worker import RoundRequest, WorkerClient, WorkerRoundResult
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -97,26 +97,6 @@ class Client:
     @property
     def name(self) -> str:
         return self.local.client_id if self.local is not None else str(self.index)
-
-
-@dataclass
-class Participation:
-    """Who may still be asked, as the strategy keeps it: out of budget, excluded after
-    `MAX_CONSECUTIVE_FAILURES` dropped replies in a row, and dropped in the current round."""
-
-    exhausted: set[int] = field(default_factory=set)
-    failed: set[int] = field(default_factory=set)
-    failures: dict[int, int] = field(default_factory=dict)
-    dropped_now: set[int] = field(default_factory=set)
-
-    def drop(self, recorder: RunRecorder, server_round: int, client: Client, reason: str) -> None:
-        """The client's round failed with `reason` (an error reply, in the apps)."""
-        self.dropped_now.add(client.index)
-        self.failures[client.index] = self.failures.get(client.index, 0) + 1
-        gone = self.failures[client.index] >= MAX_CONSECUTIVE_FAILURES
-        if gone:
-            self.failed.add(client.index)
-        recorder.dropped(server_round, client.name, "error", reason, excluded=gone)
 
 
 @dataclass
@@ -147,6 +127,7 @@ def run_fast(
     num_clients: int,
     *,
     workers: int = 1,
+    device: str = "auto",
     gpus_per_worker: float = 0.0,
     run_id: int = 1,
     on_round: RoundCallback | None = None,
@@ -154,7 +135,10 @@ def run_fast(
     private: bool = True,
 ) -> tuple[Path, Timings]:
     """Run `run_config` on `num_clients` simulated clients; returns (results folder, timings).
+    `device` is `cpu`, `cuda` or `auto` (`sims.fast.pool.DEVICES`); `workers` > 1 are Ray actors,
+    on `cuda` sharing the GPUs evenly unless `gpus_per_worker` gives each one's share.
     `private=False`: the same run with clipping and noise off (see the module docstring)."""
+    check_device(device, gpus_per_worker, workers)
     settings = parse_run_config({**DEFAULTS, **run_config})
     if not private:  # its spends are not real: never charge them to a client's own ledger
         settings = replace(settings, ledger_path=None)
@@ -181,7 +165,7 @@ def run_fast(
                 run_id,
                 recorder,
                 ledger,
-                WorkerPoolSpec(workers, gpus_per_worker, private),
+                WorkerPoolSpec(workers, device, gpus_per_worker, private),
                 timings,
                 on_round,
                 say,
@@ -219,6 +203,7 @@ def _fewer_collections(young: int = 100_000) -> Iterator[None]:
 @dataclass(frozen=True)
 class WorkerPoolSpec:
     workers: int
+    device: str
     gpus_per_worker: float
     private: bool
 
@@ -236,7 +221,6 @@ def _run_rounds(
     say: Callable[[str], None],
 ) -> None:
     random.seed(settings.seed)
-    rng = random.Random(settings.seed)
     test = server_test_set(settings, num_clients)
     assert test is not None  # None only without a data file, refused in run_fast
     recorder.evaluation_rows = len(test.labels)
@@ -254,6 +238,7 @@ def _run_rounds(
                 "evaluation": central_evaluation(settings),
                 "engine": "fast",
                 "workers": spec.workers,
+                "device": spec.device,
             },
         )
     )
@@ -275,20 +260,24 @@ def _run_rounds(
             )
             for c in loaded
         ],
-        (settings.model, int(test.features[0].size), test.num_classes),
+        (settings.model, tuple(test.features.shape[1:]), test.num_classes),  # one example's shape
         spec.workers,
+        spec.device,
         spec.gpus_per_worker,
         private=spec.private,
     )
-    state = Participation()
+    say(f"fast engine: {spec.workers} worker{'s' * (spec.workers != 1)} on {pool.device}")
+    participation = Participation(
+        recorder,
+        seed=settings.seed,
+        fraction_train=settings.fraction_train,
+        fraction_evaluate=settings.fraction_evaluate,
+    )  # every client is there from the start: `run_fast` refused fewer than min-clients
+    indices = [c.index for c in clients]
     optimizer = ServerOptimizer.from_settings(settings)
     try:
         for server_round in range(1, settings.num_server_rounds + 1):
-            state.dropped_now = set()
-            gone = state.exhausted | state.failed
-            eligible = [c.index for c in clients if c.index not in gone]
-            sampled = [clients[i] for i in sample_clients(rng, eligible, settings.fraction_train)]
-            recorder.sampled(server_round, len(sampled))
+            sampled = [clients[i] for i in participation.trainers(server_round, indices)]
             aggregate_and_evaluate = partial(
                 _aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test
             )
@@ -300,24 +289,16 @@ def _run_rounds(
                 run_id,
                 server_round,
                 pool,
-                recorder,
-                state,
+                participation,
                 timings,
                 aggregate_and_evaluate,
                 say,
             )
             for client in sampled:
                 if client.index in replies:
-                    state.failures[client.index] = 0
-                    recorder.trained(server_round, client.name, replies[client.index], client.plan)
-            left_out = state.failed | state.dropped_now
-            evaluated = [
-                i
-                for i in sample_clients(
-                    rng, [c.index for c in clients if c.index not in left_out], settings.fraction_evaluate
-                )
-                if clients[i].local is not None
-            ]
+                    participation.replied(server_round, client.index, client.name, replies[client.index], client.plan)
+            # a client without data is asked in the apps and its evaluation fails: here it is not asked
+            evaluated = [i for i in participation.evaluators(indices) if clients[i].local is not None]
             _evaluate_federated(pool, global_state, evaluated, recorder)
             recorder.evaluated("", accuracy, loss)
             row = recorder.end_round(server_round)
@@ -348,8 +329,7 @@ def _train_round(
     run_id: int,
     server_round: int,
     pool: WorkerPool,
-    recorder: RunRecorder,
-    state: Participation,
+    participation: Participation,
     timings: Timings,
     then: Callable[[list[tuple[Client, int]], WorkerRoundResult], T],
     say: Callable[[str], None],
@@ -379,8 +359,8 @@ def _train_round(
     out_of_budget: list[Client] = []
     events_of: dict[int, tuple[NoiseEvent, ...]] = {}  # one look-up per noise schedule, not per client
     for client in sampled:
-        if client.failure is not None:
-            state.drop(recorder, server_round, client, client.failure)
+        if client.failure is not None:  # an error reply, in the apps
+            participation.dropped(server_round, client.index, client.name, "error", client.failure)
             continue
         events = events_of.get(id(client.schedule))
         if events is None:
@@ -426,10 +406,8 @@ def _train_round(
             if isinstance(outcome, BudgetExceeded):
                 out_of_budget.append(client)
             elif not isinstance(outcome, float):  # a round already recorded: the apps' client refuses it
-                state.drop(recorder, server_round, client, _reason(outcome))
-    exhausted = _exhausted_replies(out_of_budget, ledger)
-    state.exhausted.update(exhausted)
-    replies.update(exhausted)
+                participation.dropped(server_round, client.index, client.name, "error", _reason(outcome))
+    replies.update(_exhausted_replies(out_of_budget, ledger))
     timings.add_round(time.perf_counter() - started - working, training, commit_wait)
     return replies, after
 

@@ -2,9 +2,9 @@
 
 A worker is told, once, its clients (their rows, their noise seed material) and, as they appear,
 their plans; each round it gets the global weights and which of its clients train, and returns
-their new weights stacked in one tensor per parameter. Models the batched stack can train
-(logistic regression, MLPs: `StackShape`) train together; any other model trains client by client
-with the trainer itself (`DPTrainer`), which is slower but the same algorithm.
+their new weights stacked in one tensor per parameter. A round's clients train together, whatever
+the model (`stack.ClientStack`); `batched=False` trains them one by one with the trainer itself
+(`DPTrainer`): the same algorithm, kept as the benchmark's comparison.
 
 `LocalWorker` runs in the caller's process; `ray_worker` wraps the same class as a Ray actor so
 that a run spreads its clients over several processes, GPUs or machines.
@@ -77,20 +77,21 @@ class LocalWorker:
         self,
         clients: list[WorkerClient],
         model: str,
-        num_features: int,
+        input_shape: tuple[int, ...] | int,
         num_classes: int,
         device: str = "cpu",
         threads: int | None = None,
         private: bool = True,
+        batched: bool = True,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
         self.private = private  # False: clipping and noise off (the non-private baseline, a benchmark)
-        self.model_args = (model, num_features, num_classes)
+        self.model_args = (model, input_shape, num_classes)
         self.template = build_model(*self.model_args).to(self.device)
-        self.shape = stack.StackShape.of(self.template)
         self.keys = list(self.template.state_dict())
+        self.stack = stack.ClientStack(self.template) if batched else None
         self.position = {c.index: k for k, c in enumerate(clients)}
         self.clients = clients
         self.train_x, self.train_n = (t.to(self.device) for t in _padded([c.train_x for c in clients], torch.float32))
@@ -103,7 +104,6 @@ class LocalWorker:
         self.plans: dict[int, Plan] = {}
         self.schedules: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # each client's σ_t and η_t
         self._schedule_of: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
-        self.repair = stack.SingleClientRepair(build_model(*self.model_args).to(self.device))
 
     def add_plans(self, plans: dict[int, Plan]) -> None:
         """Learn the plans of clients about to train; their σ_t and η_t are read once per plan."""
@@ -133,9 +133,9 @@ class LocalWorker:
     ) -> WorkerRoundResult:
         if not requests:
             return WorkerRoundResult([], [], [], [])
-        if self.shape is None:
+        if self.stack is None:
             return self._train_one_by_one(global_state, server_round, requests, diagnostics)
-        return self._train_stacked(global_state, server_round, requests, diagnostics)
+        return self._train_stacked(self.stack, global_state, server_round, requests, diagnostics)
 
     def _train_one_by_one(
         self,
@@ -176,6 +176,7 @@ class LocalWorker:
 
     def _train_stacked(
         self,
+        clients: stack.ClientStack,
         global_state: dict[str, Tensor],
         server_round: int,
         requests: list[RoundRequest],
@@ -186,7 +187,7 @@ class LocalWorker:
         firsts = [p.first_step_of_round(server_round) for p in plans]
         counts = [p.steps_in_round(server_round) for p in plans]
         n = self.train_n[positions.cpu()]
-        keep, normals = self._draws(requests, plans, firsts, counts, n)
+        keep, normals = self._draws(requests, plans, firsts, counts, n, clients.noise_count)
         most = max(counts)
         sigma, rate = np.zeros((len(requests), most)), np.zeros((len(requests), most))
         for k, (request, first, count) in enumerate(zip(requests, firsts, counts, strict=True)):
@@ -207,11 +208,10 @@ class LocalWorker:
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
             step = stack.StepInputs(*inputs, normals[:, s], sigma[:, s], clip, expected, steps > s)
-            report = stack.stacked_dp_step(
+            report = clients.step(
                 weights,
                 step,
                 lambda released, s=s, step=step: adaptive.rate(released, step.active, rate[:, s]),
-                self.repair,
                 private=self.private,
             )
             totals = {
@@ -235,10 +235,16 @@ class LocalWorker:
         )
 
     def _draws(
-        self, requests: list[RoundRequest], plans: list[Plan], firsts: list[int], counts: list[int], n: Tensor
+        self,
+        requests: list[RoundRequest],
+        plans: list[Plan],
+        firsts: list[int],
+        counts: list[int],
+        n: Tensor,
+        parameters: int,
     ) -> tuple[Tensor, Tensor]:
-        """Every client's Poisson masks [K, steps, rows] and normals [K, steps, P] for the round."""
-        parameters = sum(int(np.prod(v.shape)) for v in self.template.state_dict().values())
+        """Every client's Poisson masks [K, steps, rows] and normals [K, steps, P] for the round,
+        P = `parameters`, the trained parameters' count."""
         batch = [
             DrawRequest(self.randomness[self.position[r.index]], first, count, int(rows), plan.sampling_rate)
             for r, plan, first, count, rows in zip(requests, plans, firsts, counts, n.tolist(), strict=True)

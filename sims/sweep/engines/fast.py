@@ -1,8 +1,8 @@
 """`--engine fast`: each cell is one `run_fast` on the fast engine (sims.fast: a round's clients
 trained together, the apps' rules for the rest).
 
-The run gets the scenario's `[resources] workers` (1: in the sweep's process; more: Ray actors)
-and `worker-gpus`. The results folder has the apps' format, with `"engine": "fast"` in
+The run gets the scenario's `[resources] workers` (1: in the sweep's process; more: Ray actors),
+`device` and `worker-gpus`. The results folder has the apps' format, with `"engine": "fast"` in
 config.json and summary.json.
 """
 
@@ -34,6 +34,7 @@ class FastCellRunner:
                 {**cell.run_config, "results-dir": str(results_dir)},
                 cell.num_clients,
                 workers=self.resources.workers,
+                device=self.resources.device,
                 gpus_per_worker=self.resources.worker_gpus,
                 on_round=lambda row: on_round(int(row["round"])),
                 say=lambda _: None,

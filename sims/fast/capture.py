@@ -1,0 +1,208 @@
+"""Each trained layer's inputs A and output gradients D for K clients at once, each client with its
+own weights: what the shared clipping (`fedprivacy.training.clipping.clipped_sums`) needs.
+
+The trainer captures A and D with forward hooks on the plain model, one client at a time. Here the
+same hooks run inside `torch.func.vmap` over clients of `torch.func.functional_call(template,
+client's weights)`: every operation is batched over the clients by PyTorch's own batching rules
+(a Linear's product becomes a batched matrix product, a convolution with per-client weights a
+grouped convolution with K·G groups, a norm layer's affine a broadcast), so any model the trainer
+accepts runs as one forward and one backward for the whole stack, with no per-layer code here.
+Each hook returns the layer's output plus a zero "probe" tensor, so that the gradient of the
+summed losses with respect to the probes is D, and returns the layer's input as an extra output
+of the batched function, which is A. The backward forms only the gradients with respect to the
+layers' outputs, never the parameters' (the weights do not require gradients here): the clipped
+sums are formed from A and D by the layer rules.
+
+Chosen by measurement (docs/simulator.md, "The fast engine"): hand-written stacked Linear layers
+(batched products written out, forward and backward) were 3-5% faster per round on logistic
+regression and the MLP on 2 cores, too little to keep a second capture; on a GPU, convolutions
+run as products of patches (`convolution_as_product`), 4× faster than the grouped convolution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from fedprivacy.training.clipping import LayerRecord
+from fedprivacy.training.layers.base import UnsupportedLayerError
+from fedprivacy.training.layers.conv import patches
+
+
+@dataclass
+class Captured:
+    """One step's capture: per trained layer (in the trainer's order) its A and D with K·B
+    client-major rows, and the per-example losses [K, B] (0 on padding rows, whose D is 0 too)."""
+
+    records: list[LayerRecord]
+    losses: Tensor
+
+
+def trained_layers(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
+    """(name, module, names of its trained parameters) of every module holding trainable
+    parameters, in `model.modules()` order and each module's own parameter order: the order of the
+    trainer's `PerExampleClipper.parameters`, of the noise and of the clipped sums."""
+    layers = []
+    for name, module in model.named_modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if own:
+            layers.append((name, module, own))
+    return layers
+
+
+class _Call:
+    """What the hooks see during one forward: the probes (None: only read the output shapes), and
+    the inputs and output shapes recorded so far, by layer position."""
+
+    def __init__(self, probes: Sequence[Tensor] | None) -> None:
+        self.probes = probes
+        self.inputs: dict[int, Tensor] = {}
+        self.shapes: dict[int, torch.Size] = {}
+
+    def recorded(self, layers: list[tuple[str, nn.Module, list[str]]]) -> list[Tensor]:
+        """The inputs in layer order; every trained layer must have been called."""
+        missing = [name for k, (name, _, _) in enumerate(layers) if k not in self.inputs]
+        if missing:
+            raise UnsupportedLayerError(
+                f"layer {missing[0]!r} was not called in the forward pass; freeze its parameters "
+                "(requires_grad=False) if it is not meant to be trained"
+            )
+        return [self.inputs[k] for k in range(len(layers))]
+
+
+class BatchedCapture:
+    """Batched forward and backward of `template` for K clients, each with its own state.
+
+    `keys` are the names of the state (`template.state_dict()` order) whose stacked values
+    [K, *shape] the capture is called with. Hooks on `template` record only while a capture runs,
+    so the template is usable normally otherwise. `conv_as_matmul` computes the template's
+    convolutions as one batched product over patches (`convolution_as_product`), for GPUs.
+    """
+
+    def __init__(self, template: nn.Module, keys: Sequence[str], conv_as_matmul: bool = False) -> None:
+        self.template = template
+        self.keys = list(keys)
+        self.layers = trained_layers(template)
+        if not self.layers:
+            raise UnsupportedLayerError("the model has no trainable parameters")
+        self._position = {id(module): k for k, (_, module, _) in enumerate(self.layers)}
+        self._call: _Call | None = None
+        self._shapes: dict[tuple[Any, ...], tuple[list[torch.Size], int]] = {}
+        for _, module, _ in self.layers:
+            module.register_forward_hook(self._hook)
+        if conv_as_matmul:
+            for module in template.modules():
+                if type(module) in (nn.Conv1d, nn.Conv2d):
+                    module.forward = partial(convolution_as_product, module)
+
+    def _hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
+        call = self._call
+        if call is None:
+            return None
+        k = self._position[id(module)]
+        if k in call.inputs:
+            raise UnsupportedLayerError(
+                f"layer {self.layers[k][0]!r} ({type(module).__name__}) is called more than once per forward "
+                "pass (shared weights): per-example norms would not add up per call"
+            )
+        call.inputs[k] = inputs[0]
+        if call.probes is None:
+            call.shapes[k] = output.shape[1:]
+            return None
+        return output + call.probes[k]
+
+    def _output_shapes(self, example: Tensor) -> list[torch.Size]:
+        """Each trained layer's output shape per example, from one example through the template
+        (a layer's output has one row per example: BatchNorm, which mixes them, is refused)."""
+        return self._probe(example)[0]
+
+    def example_products(self, example: Tensor) -> int:
+        """Multiply-adds of the trained Linear and convolution layers' forward on one example like
+        `example`: a measure of how much arithmetic a row costs."""
+        return self._probe(example)[1]
+
+    def _probe(self, example: Tensor) -> tuple[list[torch.Size], int]:
+        key = (tuple(example.shape), example.dtype, example.device)
+        if key not in self._shapes:
+            call = self._call = _Call(None)
+            try:
+                with torch.no_grad():
+                    self.template(example.unsqueeze(0))
+            finally:
+                self._call = None
+            call.recorded(self.layers)
+            shapes = [call.shapes[k] for k in range(len(self.layers))]
+            products = sum(  # each output element is a dot product of one weight row's length
+                math.prod(shape) * module.weight[0].numel()
+                for (_, module, _), shape in zip(self.layers, shapes, strict=True)
+                if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d)
+            )
+            self._shapes[key] = (shapes, products)
+        return self._shapes[key]
+
+    def __call__(self, state: Sequence[Tensor], features: Tensor, labels: Tensor, valid: Tensor) -> Captured:
+        """A and D of every trained layer and the per-example cross-entropy losses, for the
+        sampled rows `features` [K, B, ...] with `labels` [K, B]; rows where `valid` [K, B] is
+        False are padding: their loss is 0 and so is their D."""
+        clients, batch = labels.shape
+        probes = [
+            torch.zeros(clients, batch, *shape, dtype=features.dtype, device=features.device, requires_grad=True)
+            for shape in self._output_shapes(features[0, 0])
+        ]
+        weights = dict(zip(self.keys, state, strict=True))
+
+        def logits_and_inputs(
+            weights: dict[str, Tensor], probes: list[Tensor], x: Tensor
+        ) -> tuple[Tensor, list[Tensor]]:
+            call = self._call = _Call(probes)
+            try:
+                logits = functional_call(self.template, weights, (x,))
+            finally:
+                self._call = None
+            return logits, call.recorded(self.layers)
+
+        # randomness="different": a dropout layer draws each client's masks on its own
+        logits, inputs = vmap(logits_and_inputs, randomness="different")(weights, probes, features)
+        # the loss outside vmap, on all K·B rows at once (its batching rule cost a third of a logreg capture)
+        losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
+        losses = torch.where(valid, losses, 0.0)
+        deltas = torch.autograd.grad(losses.sum(), probes, allow_unused=True, materialize_grads=True)
+        records = [
+            LayerRecord(module, _rows(a.detach()), _rows(d))
+            for (_, module, _), a, d in zip(self.layers, inputs, deltas, strict=True)
+        ]
+        return Captured(records, losses.detach())
+
+
+def convolution_as_product(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
+    """`module`'s convolution of `x` (batch, channels, *spatial) as a product of its input patches
+    with its weight, per group. Under `vmap` over clients with per-client weights a convolution
+    becomes one grouped convolution with K·G groups, which cuDNN ran as one kernel per group (1,000
+    launches per layer for 1,000 clients: most of a GPU round); this form is one batched product."""
+    a = patches(module, x)  # (B, L, G·C/G·k)
+    groups, out_channels = module.groups, module.out_channels
+    w = module.weight.reshape(groups, out_channels // groups, -1)
+    out = torch.einsum("blgc,goc->blgo", a.reshape(*a.shape[:2], groups, -1), w).reshape(*a.shape[:2], -1)
+    if module.bias is not None:
+        out = out + module.bias
+    pads = module._reversed_padding_repeated_twice  # (left, right) per spatial dimension, the last first
+    spatial = [
+        (size + pads[-2 * i - 2] + pads[-2 * i - 1] - dilation * (kernel - 1) - 1) // stride + 1
+        for i, (size, dilation, kernel, stride) in enumerate(
+            zip(x.shape[2:], module.dilation, module.kernel_size, module.stride, strict=True)
+        )
+    ]
+    return out.transpose(1, 2).reshape(x.shape[0], out_channels, *spatial).contiguous()
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[K, B, ...] as [K·B, ...]: client-major rows, as the layer rules take them."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
