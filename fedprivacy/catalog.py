@@ -5,7 +5,8 @@ without loading torch or dp-accounting (fedprivacy/models.py and fedprivacy/priv
 the models and rules themselves; tests keep their registries equal to these names).
 """
 
-DATASETS = ("digits", "pums", "csv", "synthetic")
-FILE_DATASETS = ("pums", "csv")  # read from a file: a run's data-path, or a deployed node's own file
-MODEL_NAMES = ("logreg", "mlp", "cnn")
+DATASETS = ("digits", "pums", "csv", "synthetic", "npz", "hf", "cifar10")  # fedprivacy.data.registry, in its order
+PATH_DATASETS = ("pums", "csv", "npz", "hf", "cifar10")  # read from a run's data-path (a file or a folder)
+FILE_DATASETS = ("pums", "csv")  # also a deployed node's own file: its node config's `dataset`
+MODEL_NAMES = ("logreg", "mlp", "cnn")  # the built-ins; users register more (fedprivacy/model_registry.py)
 RULE_NAMES = ("proactive", "calibrated", "calibrated-rdp", "adp")  # fedprivacy.privacy.rules.RULES, in its order

@@ -1,86 +1,175 @@
-"""The model zoo: logistic regression, a small MLP and a small CNN, built by name.
+"""The built-in models (logistic regression, a small MLP, a small CNN) and `build_model`, the one
+way every engine turns a model's name into a module.
 
-Every model here is made only of layers the DP trainer can clip per example (Linear, Conv2d and
-parameter-free layers), and none mixes examples within a batch (no BatchNorm), so per-example
-gradients are well defined.
+A factory takes one example's shape and the number of classes: `factory(input_shape, num_classes)`,
+with `(d,)` for a table row and `(C, H, W)` for an image. Users add their own by name
+(fedprivacy/model_registry.py: an entry point or `register_model`). Every built-in is made only
+of layers the DP trainer can clip per example (Linear, Conv2d and parameter-free layers), and none
+mixes examples within a batch (no BatchNorm), so per-example gradients are well defined.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import numbers
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from fedprivacy.data.types import Dataset
+from fedprivacy.errors import InputError
+from fedprivacy.model_registry import InputShape, ModelFactory, model_factory, register_model
+from fedprivacy.training import UnsupportedLayerError, check_supported
+
+__all__ = [
+    "MODELS",
+    "AsImage",
+    "build_model",
+    "cnn",
+    "evaluate_model",
+    "input_shape",
+    "logreg",
+    "mlp",
+    "register_model",
+]
+
+
+def input_shape(value: Sequence[int] | int) -> InputShape:
+    """One example's shape as a tuple: an int d (the older form, a flat row) is (d,)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy's integers too
+        shape: tuple[object, ...] = (value,)
+    else:
+        shape = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else ()
+    if not shape or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ValueError(
+            f"input_shape={value!r}: must be a feature count >= 1 or a shape of sizes >= 1, e.g. (1, 8, 8)"
+        )
+    return tuple(int(n) for n in shape)
 
 
 class AsImage(nn.Module):
-    """Reshape flat rows of side² features to 1×side×side images; pass images through.
+    """Reshape each example to `shape` (C, H, W): flat rows of C·H·W features become images and
+    images pass through, so tabular loaders (64 pixels a row) and image loaders (1×8×8) feed one CNN."""
 
-    Lets tabular loaders (one row of 64 pixels) and image loaders (1×8×8) feed the same CNN.
-    """
-
-    def __init__(self, side: int) -> None:
+    def __init__(self, shape: InputShape) -> None:
         super().__init__()
-        self.side = side
+        self.shape = shape
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 2:
-            return x.reshape(x.shape[0], 1, self.side, self.side)
-        return x
+        return x.reshape(x.shape[0], *self.shape)
 
 
-def logreg(num_features: int, num_classes: int) -> nn.Module:
+def logreg(input_shape_or_features: Sequence[int] | int, num_classes: int) -> nn.Module:
     """Multinomial logistic regression: one Linear layer on the flattened input."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(num_features, num_classes))
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape(input_shape_or_features)), num_classes))
 
 
-def mlp(num_features: int, num_classes: int, hidden: int = 64) -> nn.Module:
+def mlp(input_shape_or_features: Sequence[int] | int, num_classes: int, hidden: int = 64) -> nn.Module:
     """One hidden ReLU layer: the smallest model that is not linear in its input."""
     return nn.Sequential(
         nn.Flatten(),
-        nn.Linear(num_features, hidden),
+        nn.Linear(math.prod(input_shape(input_shape_or_features)), hidden),
         nn.ReLU(),
         nn.Linear(hidden, num_classes),
     )
 
 
-def cnn(num_features: int, num_classes: int) -> nn.Module:
-    """Two 3×3 conv blocks for small square one-channel images (8×8 digits: 64 features)."""
-    side = math.isqrt(num_features)
-    if side * side != num_features or side < 4 or side % 4:
+def _image_shape(shape: InputShape) -> InputShape:
+    """(C, H, W) for the cnn: a flat row of side² features is one channel of side×side."""
+    if len(shape) == 1:
+        side = math.isqrt(shape[0])
+        image = (1, side, side) if side * side == shape[0] else shape
+    else:
+        image = shape
+    if len(image) != 3 or image[1] % 4 or image[2] % 4:
         raise ValueError(
-            f"num_features={num_features}: the cnn needs a square image whose side is a "
-            "multiple of 4 (e.g. 64 for 8×8 digits)"
+            f"input_shape={shape}: the cnn needs an image (C, H, W) with H and W multiples of 4, or a square "
+            "one-channel image as a flat row (e.g. (64,) or (1, 8, 8) for 8×8 digits)"
         )
+    return image
+
+
+def cnn(input_shape_or_features: Sequence[int] | int, num_classes: int) -> nn.Module:
+    """Two 3×3 conv blocks for small images (8×8 digits: (1, 8, 8), or 64 features)."""
+    channels, height, width = _image_shape(input_shape(input_shape_or_features))
     return nn.Sequential(
-        AsImage(side),
-        nn.Conv2d(1, 16, kernel_size=3, padding=1),
+        AsImage((channels, height, width)),
+        nn.Conv2d(channels, 16, kernel_size=3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Conv2d(16, 32, kernel_size=3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(32 * (side // 4) ** 2, num_classes),
+        nn.Linear(32 * (height // 4) * (width // 4), num_classes),
     )
 
 
-MODELS: dict[str, Callable[[int, int], nn.Module]] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}
+MODELS: dict[str, ModelFactory] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}  # the built-ins (catalog.MODEL_NAMES)
 
 
-def build_model(name: str, num_features: int, num_classes: int) -> nn.Module:
-    """The model called `name` for inputs of `num_features` and `num_classes` classes.
+def build_model(name: str, input_shape_or_num_features: Sequence[int] | int, num_classes: int) -> nn.Module:
+    """The model called `name` for examples of the given shape (or feature count) and `num_classes`.
 
-    Binary problems use num_classes=2 (two-class cross-entropy), so one loss serves all.
+    Binary problems use num_classes=2 (two-class cross-entropy), so one loss serves all. Whatever
+    the factory, the result must be a module the trainer can clip per example and give one logit
+    per class; every failure names the model, so a user's factory is never blamed on the run.
     """
-    if name not in MODELS:
-        raise ValueError(f"model={name!r}: unknown model; known models are {', '.join(MODELS)}")
-    if num_features < 1 or num_classes < 2:
-        raise ValueError(f"num_features={num_features}, num_classes={num_classes}: need >= 1 feature and >= 2 classes")
-    return MODELS[name](num_features, num_classes)
+    shape = input_shape(input_shape_or_num_features)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"num_classes={num_classes!r}: need an integer >= 2")
+    factory, target = model_factory(name)
+    try:
+        model = factory(shape, num_classes)
+    except Exception as error:  # a factory's own failure, for this shape: say which model and which factory
+        raise InputError(
+            "model",
+            name,
+            f"its factory {target} failed for input_shape={shape}, num_classes={num_classes}: "
+            f"{type(error).__name__}: {error}",
+        ) from error
+    if not isinstance(model, nn.Module):
+        raise InputError(
+            "model", name, f"its factory {target} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    try:
+        check_supported(model)
+    except UnsupportedLayerError as error:
+        raise UnsupportedLayerError(f"model={name!r} (factory {target}): {error}") from None
+    if (factory, shape, num_classes) not in _GIVES_LOGITS:  # once per process: engines rebuild per client
+        _check_logits(name, target, model, shape, num_classes)
+        _GIVES_LOGITS.add((factory, shape, num_classes))
+    return model
+
+
+_GIVES_LOGITS: set[tuple[ModelFactory, InputShape, int]] = set()
+
+
+def _check_logits(name: str, target: str, model: nn.Module, shape: InputShape, num_classes: int) -> None:
+    """Two zero examples must give two rows of `num_classes` logits: a factory that ignores its
+    arguments fails here, naming itself, rather than as a shape error inside a client's round."""
+    training = model.training
+    parameter = next(model.parameters(), None)
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros((2, *shape), device=None if parameter is None else parameter.device))
+    except Exception as error:
+        raise InputError(
+            "model",
+            name,
+            f"the model from {target} cannot take a batch of input_shape={shape}: {type(error).__name__}: {error}",
+        ) from error
+    finally:
+        model.train(training)
+    if not isinstance(out, Tensor) or tuple(out.shape) != (2, num_classes):
+        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise InputError(
+            "model",
+            name,
+            f"the model from {target} gives {got} for 2 examples; need (2, {num_classes}): one logit per class",
+        )
 
 
 def evaluate_model(model: nn.Module, dataset: Dataset) -> tuple[float, float]:

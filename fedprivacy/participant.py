@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_client
+from fedprivacy.data.registry import find_source
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
 from fedprivacy.ledger import Budget, BudgetExceeded, DataMismatch, Ledger, RoundRepeated, round_events
@@ -43,6 +43,7 @@ from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client, with_rule_comparison
 from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig import DEFAULTS, NodeSettings, RunSettings, default_ledger_path
+from fedprivacy.runconfig_keys import RUN_KEYS
 from fedprivacy.training.trainer import DPTrainer, check_finite
 
 logger = logging.getLogger(__name__)
@@ -86,13 +87,11 @@ class LocalClient:
 
 
 def _data_options(settings: RunSettings) -> dict[str, Any]:
-    if settings.dataset == "csv":
-        return {"label": settings.label_column}
-    if settings.dataset == "synthetic":
-        return {"num_examples": settings.synthetic_examples, "num_features": settings.synthetic_features}
-    if settings.dataset == "pums":
-        return {"age": settings.pums_age}
-    return {}
+    """The loader options the run config sets for its source (fedprivacy/data/registry.py maps each
+    option to its key); a key left at '' keeps the loader's own default."""
+    fields = {key.name: key.field for key in RUN_KEYS}
+    values = {option: getattr(settings, fields[key]) for option, key in find_source(settings.dataset).run_keys.items()}
+    return {option: value for option, value in values.items() if value != ""}
 
 
 def _scheme(settings: RunSettings) -> tuple[str, str | None]:
@@ -128,19 +127,19 @@ def partition_kwargs(settings: RunSettings, num_clients: int) -> dict[str, Any]:
 
 
 def data_file_missing(settings: RunSettings) -> bool:
-    """A file-based data set whose run-config data-path is not a file on this machine."""
-    return settings.dataset in FILE_DATASETS and (settings.data_path is None or not settings.data_path.is_file())
+    """A data set read from data-path (a file or a folder) whose data-path is not one on this machine."""
+    return not find_source(settings.dataset).path_present(settings.data_path)
 
 
 def require_data_file(settings: RunSettings) -> None:
-    """Refuse a simulation whose pums or csv file is not on this machine: each simulated client
+    """Refuse a simulation whose data file (or folder) is not on this machine: each simulated client
     checks before it reads, and the simulators before anything runs."""
     if data_file_missing(settings):
         raise InputError(
             "data-path",
             "" if settings.data_path is None else str(settings.data_path),
-            f"dataset {settings.dataset!r} needs a CSV file: in a simulation every client reads "
-            "the run config's data-path (an absolute path on this machine)",
+            f"dataset {settings.dataset!r} needs {find_source(settings.dataset).path_help}: in a simulation "
+            "every client reads the run config's data-path (an absolute path on this machine)",
         )
 
 
@@ -160,9 +159,18 @@ def file_digest(path: Path) -> str:
     return _DIGESTS[key]
 
 
+def folder_digest(path: Path) -> str:
+    """The first 16 hex digits of a SHA-256 over a folder's files: each one's path inside it and digest."""
+    files = sorted(f for f in path.rglob("*") if f.is_file())
+    listing = "\n".join(f"{f.relative_to(path).as_posix()} {file_digest(f)}" for f in files)
+    return hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+
 def dataset_identity(settings: RunSettings) -> str:
-    """What the records are: a file's content, or a built-in data set's arrays."""
-    if settings.dataset in FILE_DATASETS and settings.data_path is not None:
+    """What the records are: a file's or a folder's content, or a built-in data set's arrays."""
+    if find_source(settings.dataset).reads is not None and settings.data_path is not None:
+        if settings.data_path.is_dir():
+            return f"folder:{folder_digest(settings.data_path)}"
         return f"file:{file_digest(settings.data_path)}"
     return f"{settings.dataset}:{_arrays_digest(load_dataset(settings.dataset, None, **_data_options(settings)))}"
 
@@ -179,7 +187,7 @@ def simulated_account(dataset_id: str, client_id: str) -> str:
 
 
 # Loader options that change how a row is encoded, not which rows a client holds or trains on.
-_ENCODING_ONLY = ("age",)
+_ENCODING_ONLY = ("age", "image_column")
 
 
 def partitioning_of(settings: RunSettings, num_clients: int) -> dict[str, Any]:
@@ -394,7 +402,7 @@ def device() -> torch.device:
 
 
 def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> nn.Module:
-    return build_model(settings.model, int(np.prod(features.shape[1:])), num_classes)
+    return build_model(settings.model, features.shape[1:], num_classes)  # one example's shape: (d,) or (C, H, W)
 
 
 def plan_from_settings(

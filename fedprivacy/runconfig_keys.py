@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.aggregation import AGGREGATIONS
-from fedprivacy.catalog import DATASETS, MODEL_NAMES, RULE_NAMES
+from fedprivacy.catalog import DATASETS, PATH_DATASETS, RULE_NAMES
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
 from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
+from fedprivacy.model_registry import check_model_name
 from fedprivacy.privacy import limits
 from fedprivacy.privacy.plan import LR_SCHEDULES
 
@@ -91,6 +92,12 @@ def _folder(field: str, value: Any) -> Path:
 def _column(field: str, value: Any) -> str:
     if not isinstance(value, str):
         raise InputError(field, value, "must be a string (a column name, or '' for none)")
+    return value
+
+
+def _split(field: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InputError(field, value, "must be a string (a split name such as 'train', or '' for every split)")
     return value
 
 
@@ -164,11 +171,18 @@ RUN_KEYS = (
         "dataset",
         "digits",
         _one_of(DATASETS),
-        "`digits` (embedded), `pums`, `csv` or `synthetic` (simulations; a deployed node reads its file "
-        "as its node config says)",
+        "`digits` (embedded), `synthetic`, or one read from data-path: "
+        + ", ".join(f"`{name}`" for name in PATH_DATASETS)
+        + " ([data.md](data.md); simulations: a deployed node reads its file as its node config says)",
         "data",
     ),
-    RunKey("data-path", "", resolve_path, "the data file, an absolute path (`~` and `$VARS` expand)", "data"),
+    RunKey(
+        "data-path",
+        "",
+        resolve_path,
+        "the data file (or folder: `hf`, `cifar10`), an absolute path (`~` and `$VARS` expand)",
+        "data",
+    ),
     RunKey(
         "synthetic-examples",
         2000,
@@ -189,7 +203,24 @@ RUN_KEYS = (
         "label-column",
         "",
         _column,
-        "the label's column, for `csv` (simulations only: a deployed node's node config names its columns)",
+        "the label's column: `csv` (required) and `hf` (`''`: `label`) (simulations only: a deployed node's "
+        "node config names its columns)",
+        "data",
+    ),
+    RunKey(
+        "image-column",
+        "",
+        _column,
+        "`hf` only: the feature column, an Image feature (decoded to [C, H, W] in [0, 1]) or numeric arrays "
+        "(`''`: `image`, else `img`)",
+        "data",
+    ),
+    RunKey(
+        "data-split",
+        "",
+        _split,
+        "`hf` (a saved DatasetDict) and `cifar10` only: read one split of the files, e.g. `train`; `''` pools "
+        "every split (each client then holds out its own test rows, as with any source)",
         "data",
     ),
     RunKey(
@@ -199,7 +230,13 @@ RUN_KEYS = (
         "`auto` (natural if `partition-by` is set, else iid), `iid`, `dirichlet`, `natural` or `size`",
         "data",
     ),
-    RunKey("partition-by", "", _column, "the client column of natural partitions, e.g. `puma`", "data"),
+    RunKey(
+        "partition-by",
+        "",
+        _column,
+        "the client column of natural partitions, e.g. `puma` (`npz`: its `client_ids` array)",
+        "data",
+    ),
     RunKey("dirichlet-alpha", 0.5, positive, "label skew of `dirichlet` (smaller: more skewed)", "data"),
     RunKey(
         "size-skew",
@@ -231,7 +268,14 @@ RUN_KEYS = (
         "data",
     ),
     # model and training
-    RunKey("model", "logreg", _one_of(MODEL_NAMES), "`logreg`, `mlp` or `cnn`", "model and training"),
+    RunKey(
+        "model",
+        "logreg",
+        check_model_name,
+        "`logreg`, `mlp`, `cnn`, or a model installed on the node under its registered name "
+        "([Registering a model](training.md#registering-a-model))",
+        "model and training",
+    ),
     RunKey("clip-norm", 1.0, limits.clip_norm, "the per-example clipping norm C", "model and training"),
     RunKey("learning-rate", 1.0, positive, "the step size η", "model and training"),
     RunKey(

@@ -1,0 +1,1 @@
+"""A GroupNorm CNN that fedprivacy finds by its entry point, gn-cnn."""
