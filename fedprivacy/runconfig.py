@@ -59,6 +59,8 @@ class RunSettings:
     synthetic_features: int
     pums_age: str
     label_column: str
+    image_column: str
+    data_split: str
     partitioning: str
     partition_by: str
     dirichlet_alpha: float
@@ -142,6 +144,17 @@ def _client_value(field: str, values: tuple[float, ...], common: float, index: i
     if not values:
         return common
     return one_per_client(field, values, num_clients)[index]
+
+
+def first_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """The first key (sorted) whose value differs between two run configs, or None when they agree.
+
+    A key missing from one side counts as its default: a results folder written before a key was
+    added ran with that key's default, so resuming it must not be refused for the new key alone."""
+    for key in sorted({*old, *new}):
+        if old.get(key, DEFAULTS.get(key)) != new.get(key, DEFAULTS.get(key)):
+            return key
+    return None
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:

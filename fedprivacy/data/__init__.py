@@ -1,4 +1,6 @@
-"""Datasets (embedded digits, PUMS census CSV, any CSV, synthetic logistic) and federated partitions.
+"""Data sets by name (the registry, fedprivacy/data/registry.py: embedded digits, PUMS census CSV,
+any CSV, synthetic logistic, npz arrays, Hugging Face datasets on disk, CIFAR-10 batches) and
+federated partitions.
 
 Start with `load_dataset(name, path, **options)`, `partition(dataset, scheme, ...)`, or
 `load_client(partition_id, name, ...)` inside a ClientApp.

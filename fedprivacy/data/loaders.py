@@ -1,20 +1,22 @@
-"""The four data sources, chosen by name through `load_dataset`, and their per-process cache.
+"""`load_dataset`, the one way a data set is loaded by name, its per-process cache, and the loaders
+of the four built-in sources (digits, pums, csv, synthetic; fedprivacy/data/sources/ registers
+them beside the others).
 
 A Flower ClientApp may be started once per message, so every load goes through a module-level
-cache keyed by (name, file and its modification time, options): a second load costs a lookup.
+cache keyed by (name, file or folder and its modification time, options): a second load costs a lookup.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from fedprivacy.data.registry import find_source, path_key
 from fedprivacy.data.tables import cell, class_labels, numeric_column, read_table, readable_rows
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError, integer_at_least
@@ -270,12 +272,6 @@ def load_synthetic(
     )
 
 
-LOADERS: dict[str, Callable[..., Dataset]] = {
-    "digits": load_digits,
-    "pums": load_pums,
-    "csv": load_csv,
-    "synthetic": load_synthetic,
-}
 _CACHE: dict[tuple[Any, ...], Dataset] = {}
 
 
@@ -286,37 +282,22 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _file_key(path: Path | None) -> tuple[str, int] | None:
-    """The resolved file and its mtime, so an edited file is read again."""
-    if path is None:
-        return None
-    file = path.expanduser().resolve()
-    return (str(file), file.stat().st_mtime_ns if file.is_file() else -1)
-
-
 def load_dataset(name: str, path: str | Path | None = None, **options: Any) -> Dataset:
-    """Load `name` ("digits", "pums", "csv", "synthetic") with its options, through the cache.
+    """Load the registered source `name` (fedprivacy/data/registry.py) with its options, through the cache.
 
     The returned arrays are shared by every caller and therefore read-only; `Dataset.subset`
     (and so every partition) returns writable copies.
     """
-    loader = LOADERS.get(name)
-    if loader is None:
-        raise InputError("dataset", name, f"must be one of: {', '.join(LOADERS)}")
+    source = find_source(name)
     file = None if path is None else Path(path)
-    key = (name, _file_key(file), tuple(sorted((k, _freeze(v)) for k, v in options.items())))
+    where = None if file is None or not file.exists() else path_key(file)
+    key = (name, str(file), where, tuple(sorted((k, _freeze(v)) for k, v in options.items())))
     if key in _CACHE:
         return _CACHE[key]
-    try:
-        inspect.signature(loader).bind(file, **options)
-    except TypeError:
-        accepted = [p for p in inspect.signature(loader).parameters if p != "path"]
-        unknown = sorted(set(options) - set(accepted))
-        raise InputError("option", unknown, f"the {name} dataset accepts: {', '.join(accepted)}") from None
-    if key not in _CACHE:
-        dataset = loader(file, **options)
-        for array in (dataset.features, dataset.labels, dataset.groups):
-            if array is not None:
-                array.setflags(write=False)
-        _CACHE[key] = dataset
-    return _CACHE[key]
+    source.check_options(options)
+    dataset = source.loader(file, **options)
+    for array in (dataset.features, dataset.labels, dataset.groups):
+        if array is not None:
+            array.setflags(write=False)
+    _CACHE[key] = dataset
+    return dataset

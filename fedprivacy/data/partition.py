@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import load_dataset
+from fedprivacy.data.registry import find_source
 from fedprivacy.data.splits import (
     check_test_fraction,
     check_validation_fraction,
@@ -222,9 +222,11 @@ def partition(
 
 
 def _load(name: str, path: str | Path | None, by: str | None, options: dict[str, Any]) -> Dataset:
-    """The dataset, with `by` as the client column of the file-based sources."""
-    if by is not None and name in FILE_DATASETS:
-        options = {**options, "client_column": by}
+    """The dataset, with `by` as its client column where the source takes one by name (an npz file's
+    clients are its `client_ids` array, whatever `by` says; `_natural` then checks the name)."""
+    client_option = find_source(name).client_option
+    if by is not None and client_option is not None:
+        options = {**options, client_option: by}
     return load_dataset(name, path, **options)
 
 
