@@ -4,24 +4,23 @@ What it adds to FedAvg:
 - the average weighs each update by its client's examples, or by the inverse of its noise
   variance (`aggregation`, from the client's public plan: `fedprivacy.aggregation`), and a server
   optimiser (Flower's FedAvgM or FedAdam, `server.optimizers`) may then step to it;
-- seeded sampling (its own `random.Random`, not Python's global RNG that FedAvg uses);
+- the round's participation rules (`fedprivacy.participation`, shared with the fast engine): seeded
+  sampling (its own `random.Random`, not Python's global RNG that FedAvg uses) of the clients that
+  can still train, and of those asked to evaluate;
 - every reply is checked (`fedprivacy.replies`) against the global model's keys, shapes and dtypes,
   for finite numbers, public keys only, and a `num-examples` no larger than the client's own plan N;
   a bad reply, an error reply and a missing reply (no answer within the round timeout) are each
   dropped from aggregation with a logged reason that names the client, and recorded per round;
-- a client whose replies were dropped in `MAX_CONSECUTIVE_FAILURES` rounds in a row, or that did not
-  answer at all (its SuperNode is gone: a restarted one comes back under a new node id), is not
-  sampled again in this run; one bad round alone is retried;
+- a client whose replies were dropped too often, or that did not answer at all, is not sampled
+  again in this run (`fedprivacy.participation` says when);
 - clients that said they cannot afford a round are not sampled for training again, and their
   zero-weight replies never reach aggregation (no division by zero);
-- clients that release no evaluation (deployed ones) are not asked to evaluate again;
 - an aggregate that is not finite is discarded (the global model stays as it was).
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Iterable
 
@@ -33,9 +32,9 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
 from fedprivacy.aggregation import aggregation_weight
 from fedprivacy.errors import error_summary
+from fedprivacy.participation import Outcome, Participation
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.replies import (
-    MAX_CONSECUTIVE_FAILURES,
     InvalidReply,
     TrainReply,
     check_evaluate_reply,
@@ -43,7 +42,6 @@ from fedprivacy.replies import (
     model_spec,
 )
 from fedprivacy.results import RunRecorder
-from fedprivacy.sampling import sample_clients
 from server.optimizers import WEIGHT_KEY, ServerOptimizer
 
 logger = logging.getLogger(__name__)
@@ -109,14 +107,16 @@ class PrivacyFedAvg(FedAvg):
             train_metrics_aggr_fn=aggregate_train_metrics,
         )
         self.recorder = recorder
-        self.rng = random.Random(seed)
+        self.participation = Participation(
+            recorder,
+            seed=seed,
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_clients=min_available_nodes,
+            logger=logger,
+        )
         self.client_config = dict(client_config)
         self.wait_timeout = wait_timeout
-        self.exhausted: set[int] = set()
-        self.failed: set[int] = set()  # not sampled again in this run
-        self.failures: dict[int, int] = {}  # consecutive rounds with a dropped reply
-        self.dropped_now: set[int] = set()  # dropped in the current round: not asked to evaluate
-        self.evaluation_off: set[int] = set()  # deployed clients, which release no evaluation
         self.names: dict[int, str] = {}
         self.plans: dict[int, Plan] = {}
         self.sampled: dict[str, list[int]] = {}  # message type -> nodes asked this round
@@ -126,19 +126,16 @@ class PrivacyFedAvg(FedAvg):
         self.current: ArrayRecord | None = None  # the global model this round's clients started from
 
     def connected_nodes(self, grid: Grid) -> list[int]:
-        """Node ids once `min_available_nodes` are connected (sorted, so seeded sampling repeats)."""
+        """Node ids once enough are connected (`min-clients`; sorted, so seeded sampling repeats)."""
         deadline = time.monotonic() + self.wait_timeout
-        while len(nodes := sorted(grid.get_node_ids())) < self.min_available_nodes:
+        while not self.participation.enough(nodes := sorted(grid.get_node_ids())):
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"only {len(nodes)} of min-clients={self.min_available_nodes} SuperNodes connected "
+                    f"only {len(nodes)} of min-clients={self.participation.min_clients} SuperNodes connected "
                     f"within {self.wait_timeout:g} s"
                 )
             time.sleep(1.0)
         return nodes
-
-    def _sample(self, nodes: list[int], fraction: float) -> list[int]:
-        return sample_clients(self.rng, nodes, fraction)
 
     def _messages(self, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord, kind: str) -> list[Message]:
         # A fresh ConfigRecord per message: FedAvg shares one RecordDict between all of them.
@@ -160,43 +157,22 @@ class PrivacyFedAvg(FedAvg):
     ) -> Iterable[Message]:
         self.model = model_spec(_numpy(arrays))
         self.current = arrays
-        self.dropped_now = set()
-        eligible = [n for n in self.connected_nodes(grid) if n not in self.exhausted | self.failed]
-        if not eligible:
-            logger.warning("round %d: no client can still train (budgets spent or clients failed)", server_round)
-        nodes = self._sample(eligible, self.fraction_train)
-        logger.info("configure_train: sampled %d of %d clients that can still train", len(nodes), len(eligible))
-        self.recorder.sampled(server_round, len(nodes))
+        nodes = self.participation.trainers(server_round, self.connected_nodes(grid))
         return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.TRAIN)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        left_out = self.failed | self.evaluation_off | self.dropped_now
-        eligible = [n for n in self.connected_nodes(grid) if n not in left_out]
-        nodes = self._sample(eligible, self.fraction_evaluate)
+        nodes = self.participation.evaluators(self.connected_nodes(grid))
         return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.EVALUATE)
 
     def _name(self, node: int) -> str:
         """The client's id once it has sent a valid reply; its node id until then."""
         return self.names.get(node, f"node-{node}")
 
-    def _drop(self, server_round: int, node: int, outcome: str, reason: str) -> None:
-        """Leave a reply out of this round, say why, and stop sampling a client that keeps failing."""
-        self.dropped_now.add(node)
-        self.failures[node] = self.failures.get(node, 0) + 1
-        gone = outcome == "no reply" or self.failures[node] >= MAX_CONSECUTIVE_FAILURES
-        if gone:
-            self.failed.add(node)
-        self.recorder.dropped(server_round, self._name(node), outcome, reason, excluded=gone)
-        logger.warning(
-            "round %d: reply of client %s dropped (%s): %s%s",
-            server_round,
-            self._name(node),
-            outcome,
-            reason,
-            "; not sampled again in this run" if gone else "",
-        )
+    def _drop(self, server_round: int, node: int, outcome: Outcome, reason: str) -> None:
+        """Leave a reply out of this round (the participation rules say whether the client is asked again)."""
+        self.participation.dropped(server_round, node, self._name(node), outcome, reason)
 
     def _accept(self, server_round: int, node: int, reply: Message) -> TrainReply:
         metrics, client, weights = _train_content(reply)
@@ -232,16 +208,8 @@ class PrivacyFedAvg(FedAvg):
             except InvalidReply as error:
                 self._drop(server_round, node, "invalid", str(error))
                 continue
-            self.failures[node] = 0
-            self.recorder.trained(server_round, checked.client_id, checked.metrics, checked.plan)
-            if checked.exhausted:
-                self.exhausted.add(node)
-                logger.info(
-                    "client %s cannot afford round %d: budget spent, not sampled again",
-                    checked.client_id,
-                    server_round,
-                )
-            else:
+            self.participation.replied(server_round, node, checked.client_id, checked.metrics, checked.plan)
+            if not checked.exhausted:
                 weight = aggregation_weight(
                     self.aggregation, checked.plan, server_round, int(checked.metrics["num-examples"])
                 )
@@ -288,10 +256,14 @@ class PrivacyFedAvg(FedAvg):
                 )
                 continue
             if values.get("evaluation-off"):
-                self.evaluation_off.add(node)
+                self.participation.releases_no_evaluation(node)
             else:
                 evaluated.append(RecordDict({"metrics": MetricRecord(values)}))
-        if replies and len(self.evaluation_off) == len({r.metadata.src_node_id for r in replies}) and not evaluated:
+        if (
+            replies
+            and len(self.participation.evaluation_off) == len({r.metadata.src_node_id for r in replies})
+            and not evaluated
+        ):
             logger.info(
                 "clients release no evaluation (deployed clients keep their test rows private): "
                 "federated evaluation stops"
