@@ -15,6 +15,7 @@ import pytest
 from harness import load_scenario
 
 from fedprivacy import cli
+from fedprivacy.runconfig import DEFAULTS
 from fedprivacy.sweepfiles import RESULT_COLUMNS
 from sims.runner import read_results
 from sims.sweep.driver import run_sweep
@@ -453,6 +454,25 @@ def test_a_finished_sweep_refuses_to_resume_with_other_settings(tiny_sweep, tmp_
         f"error: out='{tiny_sweep}': its cell {TINY_CELLS[0]} ran with num-server-rounds=2"
     )
     assert (tiny_sweep / "sweep.csv").read_text() == before
+
+
+def test_a_sweep_finished_before_a_run_config_key_existed_resumes_with_that_key_at_its_default(
+    tiny_sweep, capsys, monkeypatch
+):
+    """Cells recorded without a key (added to the run config later) ran with its default: resuming
+    the same scenario neither refuses nor reruns them; a non-default value for that key is refused."""
+    for record_file in (tiny_sweep / "cells").glob("*/cell.json"):
+        record = json.loads(record_file.read_text())
+        assert record["run_config"].pop("data-split") == DEFAULTS["data-split"]
+        record_file.write_text(json.dumps(record))
+    before = (tiny_sweep / "sweep.csv").read_text()
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tiny_sweep))
+    assert code == 0, err
+    assert (tiny_sweep / "sweep.csv").read_text() == before
+    changed = tiny_sweep.parent / "changed.toml"
+    changed.write_text(TINY.read_text().replace("[run]\n", '[run]\ndata-split = "train"\n', 1))
+    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(changed), "--out", str(tiny_sweep))
+    assert code == 2 and "ran with data-split=''" in err
 
 
 def test_a_sweep_refuses_a_folder_holding_another_scenarios_cells(tiny_sweep, tmp_path, capsys, monkeypatch):

@@ -30,6 +30,7 @@ from sims.sweep.tuning import candidates, plan_tuning
 TINY_LR = 1e-6  # cannot move the model in one round: it must lose to a sensible step
 GOOD_LR = 1.0
 ARM = "epsilon=1"
+BASELINE = "baseline-learning-rate"
 
 
 def scenario(**sweep: Any) -> dict[str, Any]:
@@ -108,6 +109,41 @@ BAD = {
         {**with_tables(run={"dataset": "digits", "split-seed": 3}), "sweep": {"split-seed": 4}},
         "sweep.split-seed",
         "also in run.split-seed",
+    ),
+    "baseline candidates beside a fixed baseline η": (
+        {**scenario(**{"baseline-learning-rate": 0.5}), "tune": {"learning-rate": [1.0], BASELINE: [0.1, 1.0]}},
+        f"tune.{BASELINE}",
+        "sweep.baseline-learning-rate = 0.5 also sets the baseline's η",
+    ),
+    "baseline candidates without a baseline": (
+        {**scenario(baseline=False), "tune": {"learning-rate": [1.0], BASELINE: [0.1, 1.0]}},
+        f"tune.{BASELINE}",
+        "sweep.baseline = false runs none",
+    ),
+    "an empty baseline candidate list": (
+        with_tables(tune={"learning-rate": [1.0], BASELINE: []}),
+        f"tune.{BASELINE}",
+        "non-empty list of learning rates > 0",
+    ),
+    "a baseline candidate that is not a number": (
+        with_tables(tune={"learning-rate": [1.0], BASELINE: [0.1, "1"]}),
+        f"tune.{BASELINE}",
+        "'1' is not a number",
+    ),
+    "a baseline candidate of zero": (
+        with_tables(tune={"learning-rate": [1.0], BASELINE: [0.1, 0]}),
+        f"tune.{BASELINE}",
+        "0: every candidate must be a finite number > 0",
+    ),
+    "a baseline candidate listed twice": (
+        with_tables(tune={"learning-rate": [1.0], BASELINE: [0.1, 0.1]}),
+        f"tune.{BASELINE}",
+        "lists 0.1 twice",
+    ),
+    "baseline candidates alone in [tune]": (
+        with_tables(tune={BASELINE: [0.1, 1.0]}),
+        "tune",
+        "tunes only the baseline",
     ),
     "evaluate-on beside [tune]": (
         with_tables(run={"dataset": "digits", "evaluate-on": "validation"}),
@@ -265,6 +301,42 @@ def test_the_baseline_tunes_its_own_learning_rate(tuned_sweep, tmp_path):
     jobs = baseline_jobs(grid, spec.baseline_learning_rate, {cell.name: {"learning-rate": GOOD_LR} for cell in grid})
     assert not tunes_baseline(spec.tune, spec.baseline_learning_rate)
     assert [(job.run_config["learning-rate"], job.tuned) for job in jobs] == [(0.05, {}), (0.05, {})]
+
+
+def test_the_baseline_tunes_over_its_own_candidates_when_tune_lists_them(tmp_path):
+    # the cells' only η candidate is GOOD_LR; the baseline's own list holds neither it nor anything the
+    # cells' list holds, so it can only have run these candidates if it read baseline-learning-rate
+    own = [TINY_LR, 0.5]
+    raw = {**scenario(), "grid": {"epsilon": [1.0], "seed": [0]}, "tune": {"learning-rate": [GOOD_LR], BASELINE: own}}
+    spec = spec_of(raw, tmp_path)
+    assert spec.tune.space == {"learning-rate": (GOOD_LR,)} and spec.tune.baseline_learning_rates == (TINY_LR, 0.5)
+    assert spec.to_dict()["tune"]["baseline_learning_rate"] == own
+    out = tmp_path / "out"
+    assert run_sweep(spec, cells(spec), out).failures == []
+    choice = json.loads((out / "tuning" / "baseline" / "default" / "choice.json").read_text())
+    assert [c["name"] for c in choice["candidates"]] == ["learning-rate=1e-06", "learning-rate=0.5"]
+    assert choice["chosen"]["values"] == {"learning-rate": 0.5}  # the tiny step cannot win
+    baseline = json.loads((out / "baseline" / "seed=0" / "baseline.json").read_text())
+    assert baseline["run_config"]["learning-rate"] == 0.5 and baseline["tuned"] == {"learning-rate": 0.5}
+    cell = json.loads((out / "cells" / "epsilon=1_seed=0" / "cell.json").read_text())
+    assert cell["run_config"]["learning-rate"] == GOOD_LR  # the cells keep their own
+    section = write_report(out, tmp_path / "report")[-1].read_text()
+    baseline_part = section[section.index("### The non-private baseline's learning rate") :]
+    assert "among its own candidates ([tune] baseline-learning-rate): learning-rate ∈ {1e-06, 0.5}" in baseline_part
+    assert "- default: learning-rate = 0.5, the largest candidate" in baseline_part
+    assert _table_rows(baseline_part, "### The non-private baseline's learning rate")[0][:2] == ["default", "0.5"]
+
+
+def test_baseline_candidates_tune_the_baseline_even_when_the_cells_tune_no_learning_rate(tmp_path):
+    from sims.sweep.baseline_tuning import baseline_candidates, tuning_runs
+
+    spec = spec_of(with_tables(tune={"clip-norm": [0.5, 1.0], BASELINE: [0.3, 3]}), tmp_path)
+    assert tunes_baseline(spec.tune, spec.baseline_learning_rate)
+    assert [c.values for c in baseline_candidates(spec.tune)] == [{"learning-rate": 0.3}, {"learning-rate": 3.0}]
+    # 1 baseline arm (seeds 0 and 1) × 2 candidates × 2 tune seeds
+    assert tuning_runs(baseline_jobs(cells(spec)), spec.tune) == 4
+    without = spec_of(with_tables(tune={"clip-norm": [0.5, 1.0]}), tmp_path)
+    assert not tunes_baseline(without.tune, without.baseline_learning_rate)  # nothing to tune it over: as before
 
 
 def test_a_rerun_resumes_without_rerunning_finished_tuning_runs(tuned_sweep, tmp_path):

@@ -2,8 +2,9 @@
 
 It reads the choice.json files the sweep wrote (sims.sweep.tuning for the cells' arms, that is
 their cells but the seed; sims.sweep.baseline_tuning for the non-private baseline's learning
-rate) and sweep.json's `tune`, so a reader sees per arm the values chosen and every candidate's
-validation score, and reads plainly that the tuning's privacy cost is not in the reported ε.
+rate, among its own candidates or the cells') and sweep.json's `tune`, so a reader sees per arm
+the values chosen and every candidate's validation score, and reads plainly that the tuning's
+privacy cost is not in the reported ε.
 """
 
 from __future__ import annotations
@@ -134,15 +135,25 @@ def tuning_markdown(sweep_dir: Path) -> str:
         "",
     ]
     if baselines:
-        lines += [
-            "### The non-private baseline's learning rate",
-            "",
-            "Chosen the same way, on the same validation rows, among the learning rates of [tune]; each baseline "
-            "then ran it on the test rows with its own seed.",
-            "",
-            _markdown(chosen_table(baselines)),
-            "",
-            _markdown(scores_table(baselines)),
-            "",
-        ]
+        lines += _baseline_lines(baselines, tune)
     return "\n".join(lines)
+
+
+def _baseline_lines(baselines: list[dict[str, Any]], tune: dict[str, Any]) -> list[str]:
+    """The baseline's η: its own candidates ([tune] baseline-learning-rate) or the cells' learning rates."""
+    own = tune.get("baseline_learning_rate") or []
+    rates = own or tune["space"].get("learning-rate", [])
+    source = "its own candidates ([tune] baseline-learning-rate)" if own else "the cells' learning rates of [tune]"
+    edges = edge_notes(baselines, {"learning-rate": rates})
+    return [
+        "### The non-private baseline's learning rate",
+        "",
+        f"Chosen the same way, on the same validation rows, among {source}: learning-rate ∈ "
+        f"{{{', '.join(map(_text, rates))}}}; each baseline then ran it on the test rows with its own seed.",
+        "",
+        _markdown(chosen_table(baselines)),
+        "",
+        *(["At the edge of its candidates:", "", *edges, ""] if edges else []),
+        _markdown(scores_table(baselines)),
+        "",
+    ]

@@ -2,8 +2,9 @@
 
 A step size tuned for clipped, noisy updates can be far too large (or too small) for plain SGD,
 which would put the baseline below the private cells it is meant to bound. So when [tune] has
-learning-rate and the sweep sets no baseline-learning-rate, each baseline arm (its baselines but
-the seed) tries every learning-rate candidate of [tune] with every tune seed, through
+baseline-learning-rate (its own candidates) or learning-rate (then the cells' candidates), and the
+sweep sets no fixed [sweep] baseline-learning-rate, each baseline arm (its baselines but the seed)
+tries every candidate with every tune seed, through
 `sims.baseline.nonprivate_baseline` on validation rows (`evaluate-on = "validation"`), and its
 baselines then run the winner on the test rows with their own seed. The rest of a baseline's run
 config, the other tuned values included, is its schedule_from cell's.
@@ -31,11 +32,18 @@ KEY = "learning-rate"
 
 
 def tunes_baseline(tune: TuneSpec | None, baseline_learning_rate: float | None) -> bool:
-    return tune is not None and KEY in tune.space and baseline_learning_rate is None
+    return (
+        tune is not None and bool(tune.baseline_learning_rates or KEY in tune.space) and baseline_learning_rate is None
+    )
+
+
+def baseline_rates(tune: TuneSpec) -> tuple[float, ...]:
+    """The baseline's η candidates: [tune] baseline-learning-rate, else the cells' learning-rate list."""
+    return tune.baseline_learning_rates or tune.space[KEY]
 
 
 def baseline_candidates(tune: TuneSpec) -> tuple[Candidate, ...]:
-    return tuple(Candidate(cell_name({KEY: value}), {KEY: value}) for value in tune.space[KEY])
+    return tuple(Candidate(cell_name({KEY: value}), {KEY: value}) for value in baseline_rates(tune))
 
 
 def baseline_arms(jobs: list[BaselineJob]) -> dict[str, list[BaselineJob]]:
@@ -47,7 +55,7 @@ def baseline_arms(jobs: list[BaselineJob]) -> dict[str, list[BaselineJob]]:
 
 
 def tuning_runs(jobs: list[BaselineJob], tune: TuneSpec) -> int:
-    return len(baseline_arms(jobs)) * len(tune.space[KEY]) * len(tune.seeds)
+    return len(baseline_arms(jobs)) * len(baseline_rates(tune)) * len(tune.seeds)
 
 
 def _is_done(path: Path, config: dict[str, Any]) -> bool:

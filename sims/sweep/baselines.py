@@ -10,8 +10,8 @@ Like the cells, a baseline is written to a hidden folder and renamed into place 
 rerun skips the baselines already there with the same run config.
 
 With [tune], a baseline takes its schedule_from cell's tuned values, and, when [tune] has
-learning-rate and the sweep sets no baseline-learning-rate, its own η chosen on validation rows
-(sims.sweep.baseline_tuning): baseline.json's `tuned` holds them.
+learning-rate or baseline-learning-rate and [sweep] sets no baseline-learning-rate, its own η chosen
+on validation rows (sims.sweep.baseline_tuning): baseline.json's `tuned` holds them.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import pandas as pd
 from rich.console import Console
 
 from fedprivacy.errors import InputError, error_summary
+from fedprivacy.runconfig import DEFAULTS, first_difference
 from fedprivacy.sweepfiles import (
     BASELINE,
     BASELINE_JSON,
@@ -96,13 +97,13 @@ def check_resumable(out: Path, cells: list[Cell], ignored: frozenset[str] = froz
             continue
         old = {k: v for k, v in record["run_config"].items() if k not in ignored}
         new = {k: v for k, v in cell.run_config.items() if k not in ignored}
-        if old == new:
+        key = first_difference(old, new)
+        if key is None:
             continue
-        key = next(k for k in sorted({*old, *new}) if old.get(k) != new.get(k))
         raise InputError(
             "out",
             str(out),
-            f"its cell {cell.name} ran with {key}={old.get(key)!r}, this scenario has "
+            f"its cell {cell.name} ran with {key}={old.get(key, DEFAULTS.get(key))!r}, this scenario has "
             f"{cell.run_config.get(key)!r}: resume with the same scenario or use another --out",
         )
 

@@ -14,9 +14,11 @@ A scenario's tables ([grid] or [linked] is required):
     [linked.<name>]  run-config keys with lists of one length: ONE axis of the grid whose i-th step
                  sets every key to its i-th value (ε with its own k, η with C so that η·C is held)
     [tune]       run-config key = [candidates]: each cell's setting chosen on validation rows before
-                 it runs, with [sweep] tune-seeds, tune-select, tune-trials, split-seed (sims.sweep.tune_spec)
+                 it runs, with [sweep] tune-seeds, tune-select, tune-trials, split-seed (sims.sweep.tune_spec);
+                 baseline-learning-rate = [candidates]: the non-private baseline's own η candidates
     [resources]  client-cpus, client-gpus: what each simulated client gets under the flower engine;
-                 workers, worker-gpus: the fast engine's workers and each one's share of a GPU
+                 workers, device, worker-gpus: the fast engine's workers, their device (cpu, cuda or
+                 auto) and each one's share of a GPU (0: the GPUs shared evenly)
 
 Everything is checked before anything runs, and the first problem is one `InputError` naming the
 field (`grid.epsilon`), the value and what is allowed: an unknown table or key, a value of the
@@ -57,7 +59,8 @@ SWEEP_KEYS = (
     "matched-schedule",
     *TUNE_OPTIONS,
 )
-RESOURCE_KEYS = ("client-cpus", "client-gpus", "workers", "worker-gpus")
+RESOURCE_KEYS = ("client-cpus", "client-gpus", "workers", "device", "worker-gpus")
+FAST_DEVICES = ("cpu", "cuda", "auto")  # sims.fast.pool.DEVICES, without importing torch here
 SET_BY_THE_SWEEP = ("results-dir", "ledger-path")
 PATH_KEYS = ("data-path",)
 
@@ -65,12 +68,14 @@ PATH_KEYS = ("data-path",)
 @dataclass(frozen=True)
 class Resources:
     """What Flower's simulation gives each client (flower engine): whole CPUs, a fraction of a GPU;
-    and the fast engine's workers (1: in the sweep's process; more: Ray actors) and GPU share each."""
+    and the fast engine's workers (1: in the sweep's process; more: Ray actors), their device and
+    GPU share each (0: the GPUs shared evenly, `sims.fast.pool.gpu_share`)."""
 
     client_cpus: int = 1
     client_gpus: float = 0.0
     workers: int = 1
     worker_gpus: float = 0.0
+    device: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -337,7 +342,14 @@ def _resources(raw: Mapping[str, Any]) -> Resources:
             worker_gpus,
             "must be a fraction of a GPU in [0, 1], e.g. 0.5 for two workers per GPU",
         )
-    return Resources(client_cpus=cpus, client_gpus=float(gpus), workers=workers, worker_gpus=float(worker_gpus))
+    device = table.get("device", "auto")
+    if device not in FAST_DEVICES:
+        raise InputError("resources.device", device, f"must be one of {', '.join(FAST_DEVICES)}")
+    if device == "cpu" and worker_gpus > 0:
+        raise InputError("resources.worker-gpus", worker_gpus, "a GPU share needs device cuda or auto, not cpu")
+    return Resources(
+        client_cpus=cpus, client_gpus=float(gpus), workers=workers, worker_gpus=float(worker_gpus), device=device
+    )
 
 
 def _known(table: Mapping[str, Any], prefix: str, keys: tuple[str, ...]) -> None:

@@ -1,7 +1,9 @@
 """A scenario's `[tune]` table and its `[sweep] tune-*` options, validated (sims.sweep.spec calls it).
 
     [tune]    run-config key = [candidate values], e.g. learning-rate = [0.3, 1, 3]: every cell's
-              setting is chosen among these on validation rows before the cell runs (sims.sweep.tuning)
+              setting is chosen among these on validation rows before the cell runs (sims.sweep.tuning);
+              and baseline-learning-rate = [candidates]: the non-private baseline's own η candidates
+              (default: [tune]'s learning-rate list, which is sized for clipped, noisy steps)
     [sweep]   tune-seeds (the tuning runs' seeds, default [1000, 1001]: never a cell's seed),
               tune-select ("final": the mean final validation accuracy; "best-round": the mean of
               each run's best round), tune-trials (0: every combination; n: n combinations drawn at
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedprivacy.errors import InputError
+from fedprivacy.errors import InputError, positive
 from fedprivacy.runconfig import DEFAULTS
 
 TUNE_OPTIONS = ("tune-seeds", "tune-select", "tune-trials", "split-seed")
@@ -32,6 +34,9 @@ NOT_TUNABLE = ("seed", "noise-seed", "split-seed", "evaluate-on", "validation-fr
 # Fixed or varied elsewhere, these would contradict the tuning: cells evaluate on test rows, and a
 # split-seed of -1 (the run's seed) would cut the tuning runs' rows from other data than the cells'.
 REFUSED_BESIDE_TUNE = ("evaluate-on",)
+# Not a run-config key: the non-private baseline's own η candidates (sims.sweep.baseline_tuning). Plain
+# SGD tolerates other steps than clipped, noisy SGD, so the cells' learning-rate list can miss its best.
+BASELINE_KEY = "baseline-learning-rate"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class TuneSpec:
     select: str = "final"
     trials: int = 0  # 0: every combination of the space
     split_seed: int = 0
+    baseline_learning_rates: tuple[float, ...] = ()  # empty: the baseline tunes over space["learning-rate"]
 
     @property
     def combinations(self) -> int:
@@ -55,6 +61,7 @@ class TuneSpec:
             "select": self.select,
             "trials": self.trials,
             "split_seed": self.split_seed,
+            "baseline_learning_rate": list(self.baseline_learning_rates),
         }
 
 
@@ -86,6 +93,36 @@ def _space(
             raise InputError(name, values, f"lists {repeated!r} twice: every candidate must be different")
         space[key] = tuple(typed)
     return space
+
+
+def _baseline_rates(candidates: Any, sweep: Mapping[str, Any]) -> tuple[float, ...]:
+    """[tune] baseline-learning-rate: learning rates > 0, each once, for a baseline the sweep runs."""
+    name = f"tune.{BASELINE_KEY}"
+    if candidates is None:
+        return ()
+    if "baseline-learning-rate" in sweep:
+        raise InputError(
+            name,
+            candidates,
+            f"sweep.baseline-learning-rate = {sweep['baseline-learning-rate']!r} also sets the baseline's η: give "
+            "one fixed η there or candidates here, not both",
+        )
+    if sweep.get("baseline") is False:
+        raise InputError(name, candidates, "tunes the non-private baseline, but sweep.baseline = false runs none")
+    if not isinstance(candidates, list) or not candidates:
+        raise InputError(name, candidates, "must be a non-empty list of learning rates > 0, e.g. [0.3, 1, 3]")
+    rates = []
+    for candidate in candidates:
+        if isinstance(candidate, bool) or not isinstance(candidate, int | float):
+            raise InputError(name, candidates, f"{candidate!r} is not a number: every candidate must be a number > 0")
+        try:
+            rates.append(positive(name, candidate))
+        except InputError:
+            raise InputError(name, candidates, f"{candidate!r}: every candidate must be a finite number > 0") from None
+    repeated = next((rate for i, rate in enumerate(rates) if rate in rates[:i]), None)
+    if repeated is not None:
+        raise InputError(name, candidates, f"lists {repeated!r} twice: every candidate must be different")
+    return tuple(rates)
 
 
 def _seeds(sweep: Mapping[str, Any], placed: Placed) -> tuple[int, ...]:
@@ -154,7 +191,15 @@ def read_tune(
         raise InputError(
             "tune", table, "must be a table of run-config keys with candidate lists, e.g. learning-rate = [0.3, 1, 3]"
         )
-    space = _space(table, placed, value)
+    baseline_rates = _baseline_rates(table.get(BASELINE_KEY), sweep)
+    space = _space({key: values for key, values in table.items() if key != BASELINE_KEY}, placed, value)
+    if not space:
+        raise InputError(
+            "tune",
+            table,
+            f"tunes only the baseline: [tune] needs a run-config key for the cells beside {BASELINE_KEY} "
+            "(for a baseline η of your own, give [sweep] baseline-learning-rate = <η>)",
+        )
     beside = next((key for key in REFUSED_BESIDE_TUNE if key in placed), None)
     if beside is not None:
         field_name, values = placed[beside]
@@ -176,4 +221,4 @@ def read_tune(
         f"must be an integer in [0, {combinations}]: 0 tries all {combinations} combinations of [tune], "
         "n > 0 draws n of them at random",
     )
-    return TuneSpec(space, _seeds(sweep, placed), select, trials, _split_seed(sweep, placed))
+    return TuneSpec(space, _seeds(sweep, placed), select, trials, _split_seed(sweep, placed), baseline_rates)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fedprivacy.errors import InputError
-from fedprivacy.runconfig import parse_run_config
+from fedprivacy.runconfig import DEFAULTS, first_difference, parse_run_config
 from fedprivacy.sweepfiles import (
     CELL_JSON,
     CHOICE_JSON,
@@ -195,13 +195,14 @@ def check_resumable(out: Path, plan: TuningPlan) -> None:
                 _refuse_foreign(out, f"{TUNING}/{folder.name}/{path.name}", "other candidates or tune seeds")
             record = read_json(path / CELL_JSON) if (path / CELL_JSON).is_file() else None
             expected = runs[path.name].run_config
-            if record is not None and record["run_config"] != expected:
-                old = record["run_config"]
-                key = next(k for k in sorted({*old, *expected}) if old.get(k) != expected.get(k))
+            old = record["run_config"] if record is not None else expected
+            key = first_difference(old, expected)
+            if key is not None:
                 raise InputError(
                     "out",
                     str(out),
-                    f"its tuning run {TUNING}/{folder.name}/{path.name} ran with {key}={old.get(key)!r}, this "
+                    f"its tuning run {TUNING}/{folder.name}/{path.name} ran with "
+                    f"{key}={old.get(key, DEFAULTS.get(key))!r}, this "
                     f"scenario has {expected.get(key)!r}: resume with the same scenario or use another --out",
                 )
 
