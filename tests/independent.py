@@ -26,6 +26,7 @@ import dp_accounting
 from dp_accounting import dp_event, pld, rdp
 
 ADD_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 CERTIFICATE_REL_TOL = 1e-5
 
 
@@ -34,9 +35,13 @@ def _step(sigma: float, q: float) -> dp_event.DpEvent:
     return gaussian if q >= 1 else dp_event.PoissonSampledDpEvent(q, gaussian)
 
 
-def pld_epsilon(events: Iterable[tuple[float, float, int]], delta: float) -> float:
-    """PLD ε of (σ, q, count) runs of Poisson-subsampled Gaussian steps, add/remove-one."""
-    accountant = pld.PLDAccountant(ADD_REMOVE, value_discretization_interval=1e-4)
+def pld_epsilon(
+    events: Iterable[tuple[float, float, int]],
+    delta: float,
+    relation: dp_accounting.NeighboringRelation = ADD_REMOVE,
+) -> float:
+    """PLD ε of (σ, q, count) runs of Poisson-subsampled Gaussian steps, add/remove-one by default."""
+    accountant = pld.PLDAccountant(relation, value_discretization_interval=1e-4)
     for sigma, q, count in events:
         if count:
             accountant.compose(_step(sigma, q), count)

@@ -43,7 +43,8 @@ def _write_sheets(plans: list[Any], out: Path, **options: Any) -> list[Path]:
         raise InputError("out", str(out), f"cannot write the sheets there: {error.strerror or error}") from None
 
 
-def _plan_table(plan: Any) -> Table:
+def _plan_table(plan: Any, spent: dict[str, float]) -> Table:
+    """The plan, with `spent`: its PLD ε under each neighbour relation (the one it was planned for marked)."""
     table = Table(title=f"{plan.rule.capitalize()} plan for {plan.client_id}", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")
@@ -58,6 +59,13 @@ def _plan_table(plan: Any) -> Table:
             f"{plan.epsilon_pld:.4f} / " + ("n/a" if plan.epsilon_rdp is None else f"{plan.epsilon_rdp:.4f}"),
         ),
         ("budget unused", f"{plan.budget_unused:.4f}"),
+        *(
+            (
+                f"ε of this plan, {relation} (PLD)",
+                f"{epsilon:.4f}" + (" (planned)" if relation == plan.neighbours else ""),
+            )
+            for relation, epsilon in spent.items()
+        ),
         ("noise std on averaged gradient", f"{plan.noise_std_on_mean:.4g}"),
     ]
     rows += [(f"σ {name}", "n/a" if v is None else f"{v:.4g}") for name, v in plan.sigma_by_rule.items()]
@@ -110,9 +118,11 @@ def plan(
         typer.Option("--out", help="also write the planning sheet (md, html, png, json) into this folder"),
     ] = None,
 ) -> None:
-    """Plan, certify and explain one client's DP-SGD parameters."""
+    """Plan, certify and explain one client's DP-SGD parameters, and the ε the plan spends under each
+    neighbour relation (add/remove and replace-one) without recalibrating it."""
     from fedprivacy.privacy import limits
     from fedprivacy.privacy.planner import plan_client
+    from fedprivacy.privacy.relations import epsilon_by_neighbours
 
     the_plan = guarded(
         lambda: plan_client(
@@ -134,12 +144,13 @@ def plan(
             neighbours=value(adjacency),
         )
     )
+    spent = epsilon_by_neighbours(the_plan)
     written = guarded(lambda: _write_sheets([the_plan], out, index=False)) if out is not None else []
     if as_json:
-        sys.stdout.write(the_plan.to_json() + "\n")
+        sys.stdout.write(json.dumps({**the_plan.to_dict(), "epsilon_by_neighbours": spent}, allow_nan=False) + "\n")
         return
     console = Console()
-    console.print(_plan_table(the_plan))
+    console.print(_plan_table(the_plan, spent))
     if written:
         console.print(f"planning sheet: {out / (written[0].stem + '.html')}")
 
