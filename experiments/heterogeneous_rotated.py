@@ -11,10 +11,14 @@ every client at the smallest ε); per PUMA, the mean accuracy at each own ε, th
 test rows and the paired differences own largest − own smallest ε and all at largest − all at
 smallest; the additive least-squares model accuracy ~ PUMA + own-ε level (one fit per seed,
 coefficients' mean ± 95% t half-width, R² and residual sd of the pooled fit; then with a rotation
-term); and each other arm against the main one, globally and per PUMA. Draws each PUMA's accuracy
-against its own ε. † marks an interval that holds 0 (not resolved).
+term); and each other arm against the main one, globally and per PUMA. With `--local-only` (the
+CSV `experiments/local_only.py` writes: each client trained alone on its own rows at its own ε),
+each PUMA's local-only accuracy per own ε and the federation's gain over it, paired by seed. Draws
+each PUMA's accuracy against its own ε (beside it, local-only). † marks an interval that holds 0
+(not resolved).
 
 Usage: python experiments/heterogeneous_rotated.py [MAIN_SWEEP_DIR [OTHER_SWEEP_DIR ...]]
+       [--local-only MAIN_SWEEP_DIR/local_only.csv]
        [--out docs/figures/experiments/heterogeneous_rotated_per_client.png]
 """
 
@@ -25,6 +29,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -252,48 +257,100 @@ def arm_comparison(main: Arm, other: Arm) -> list[str]:
     return lines
 
 
-def draw(arm: Arm, out: Path) -> Path:
-    """Each PUMA's accuracy against its own ε over the rotations (o, mean ± 95% t), and in the uniform arms (x)."""
-    rot, clients = rotated(arm), arm.clients
-    uniform = clients[clients[SETTING].map(is_uniform)]
+def local_only_lines(arm: Arm, local: pd.DataFrame) -> list[str]:
+    """Each PUMA alone at each own ε (mean over seeds), and federated − local-only paired by seed (the
+    federated accuracy of a (PUMA, own ε, seed) is its mean over the rotations that give it that ε)."""
+    rot = rotated(arm)
     levels = sorted(rot[OWN].unique())
-    figure = Figure(figsize=(7.5, 4.8))
-    axes = figure.subplots()
-    for i, (client, rows) in enumerate(rot.groupby("client")):
-        shift = 1 + 0.03 * (i - 3)
-        per_seed = rows.groupby([OWN, "seed"])["accuracy"].mean().unstack()
+    header = [
+        "PUMA",
+        *(f"own ε = {e:g}: local-only" for e in levels),
+        *(f"federated − local-only at {e:g}" for e in levels),
+    ]
+    rows, gains = [], {e: {} for e in levels}
+    for client, own in rot.groupby("client"):
+        alone = local[local["client"] == client]
+        row, gained = [client], []
+        for level in levels:
+            solo = alone[alone[OWN] == level].set_index("seed")["accuracy"].to_dict()
+            federated = by_seed(own[own[OWN] == level], "accuracy")
+            row.append(f"{np.mean(list(solo.values())):.3f}")
+            difference = paired_difference(solo, federated)
+            gained.append(half_text(difference.interval, sign=True) if difference else "—")
+            for seed in difference.seeds if difference else ():
+                gains[level].setdefault(seed, []).append(federated[seed] - solo[seed])
+        rows.append(row + gained)
+    lines = [markdown(header, rows), "", "Mean over the PUMAs, federated − local-only, paired by seed:"]
+    lines += [
+        f"  own ε = {level:g}: {range_text(t_interval([float(np.mean(v)) for v in by.values()]))}"
+        for level, by in gains.items()
+    ]
+    return lines
+
+
+def _shift(i: int) -> float:
+    """The i-th PUMA's points, spread a little along the log ε axis so that their bars do not overlap."""
+    return 1 + 0.03 * (i - 3)
+
+
+def _per_client_axes(axes: Any, rows: pd.DataFrame, levels: list[float], column: str = OWN) -> dict[str, Any]:
+    """Each PUMA's accuracy against its own ε (mean ± 95% t over seeds) on `axes`; the lines by PUMA."""
+    lines = {}
+    for i, (client, mine) in enumerate(rows.groupby("client")):
+        per_seed = mine.groupby([column, "seed"])["accuracy"].mean().unstack()
         intervals = [t_interval(per_seed.loc[e].dropna().tolist()) for e in levels]
         halves = [0.0 if v.high is None else v.high - v.mean for v in intervals]
-        line = axes.errorbar(
-            np.array(levels) * shift,
+        lines[client] = axes.errorbar(
+            np.array(levels) * _shift(i),
             [v.mean for v in intervals],
             yerr=halves,
             marker="o",
             capsize=3,
             label=f"PUMA {client}",
         )
+    axes.set_xscale("log")
+    axes.set_xticks(levels, [f"{v:g}" for v in levels])
+    axes.grid(True, alpha=0.3)
+    return lines
+
+
+def draw(arm: Arm, out: Path, local: pd.DataFrame | None = None) -> Path:
+    """Each PUMA's accuracy against its own ε over the rotations (o, mean ± 95% t), and in the uniform arms
+    (x); with `local`, a second panel: each PUMA trained alone at its own ε."""
+    rot, clients = rotated(arm), arm.clients
+    uniform = clients[clients[SETTING].map(is_uniform)]
+    levels = sorted(rot[OWN].unique())
+    figure = Figure(figsize=(13, 4.8) if local is not None else (7.5, 4.8))
+    panels = figure.subplots(1, 2, sharey=True) if local is not None else [figure.subplots()]
+    axes = panels[0]
+    for i, (client, line) in enumerate(_per_client_axes(axes, rot, levels).items()):
         own_uniform = uniform[uniform["client"] == client].groupby(OWN)["accuracy"].mean()
         axes.plot(
-            np.array(own_uniform.index) * shift,
+            np.array(own_uniform.index) * _shift(i),
             own_uniform.to_numpy(),
             linestyle="none",
             marker="x",
             markersize=9,
             color=line[0].get_color(),
         )
-    axes.set_xscale("log")
-    axes.set_xticks(levels, [f"{v:g}" for v in levels])
     axes.set(
         xlabel="the client's own ε (k = 16, so T = 1024 … 64)",
-        ylabel="client's test accuracy of the global model",
+        ylabel="client's test accuracy",
     )
     axes.set_title(
-        "Rotated budgets: per-client accuracy by own ε (o: rotations, mean ± 95% t over "
+        "Federated: the global model on each client's test rows (o: rotations, mean ± 95% t over "
         f"{arm.seeds} seeds;\nx: every client at {levels[0]:g} or at {levels[-1]:g})",
         fontsize=9,
     )
-    axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8, ncol=2, loc="lower left")
+    if local is not None:
+        _per_client_axes(panels[1], local, levels)
+        panels[1].set(xlabel="the client's own ε (the same plan: T = 1024 … 64)")
+        panels[1].set_title(
+            "Local-only: each client alone on its own rows, its own model on its own test rows\n"
+            f"(mean ± 95% t over {local['seed'].nunique()} seeds)",
+            fontsize=9,
+        )
     return save_png(figure, out)
 
 
@@ -306,6 +363,7 @@ def main() -> None:
         default=list(SWEEPS),
         help=f"sweep folders, the main arm first (default: {' '.join(map(str, SWEEPS))})",
     )
+    parser.add_argument("--local-only", type=Path, help="experiments/local_only.py's CSV for the main sweep")
     parser.add_argument("--out", type=Path, default=FIGURE, help="the per-client figure (PNG)")
     args = parser.parse_args()
     arms = [load_arm(folder) for folder in args.sweeps]
@@ -324,7 +382,13 @@ def main() -> None:
     for other in arms[1:]:
         print(f"\n{other.label} − {main_arm.label}, paired by seed (mean and 95% t-interval):")
         print("\n".join(arm_comparison(main_arm, other)))
-    print(f"\nwrote {draw(main_arm, args.out)}")
+    local = None
+    if args.local_only is not None:
+        local = pd.read_csv(args.local_only, dtype={"client": str})
+        print(f"\nLocal-only ({local['seed'].nunique()} seeds): each client alone on its own rows at its own ε,")
+        print("mean accuracy on its own test rows; federated − local-only: mean ± 95% t half-width over seeds\n")
+        print("\n".join(local_only_lines(main_arm, local)))
+    print(f"\nwrote {draw(main_arm, args.out, local)}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ clients train on; never a test row) to a new CSV of the same layout. A run confi
 `data-path` at that file makes every client split its training rows again, by the same seeded
 rule, into a smaller training part and a validation part; the server then evaluates on the union
 of the validation parts. The test set the reported numbers use is never read.
+
+The rows are cut by the run config's data seed (`split-seed`, or `seed` when it is -1), as every
+run cuts them. New tuning should use a sweep's `[tune]` instead (validation rows cut inside each
+run, docs/simulator.md#tuning-per-cell); this file reproduces the earlier searches of
+scenarios/pums_tuning*.toml, whose validation rows the built-in split does not cut the same way.
 """
 
 from __future__ import annotations
@@ -39,15 +44,14 @@ def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
     if kwargs["by"] is not None:
         options["client_column"] = kwargs["by"]
     dataset = load_dataset(settings.dataset, settings.data_path, **options)
-    parts = partition_rows(dataset, "natural", kwargs["num_partitions"], settings.seed, kwargs["by"])
+    seed = settings.data_seed  # the partitions' and splits' seed, as in fedprivacy.data.partition
+    parts = partition_rows(dataset, "natural", kwargs["num_partitions"], seed, kwargs["by"])
     table = pd.read_csv(settings.data_path)
     if len(table) != len(dataset):
         raise ValueError(f"{settings.data_path}: {len(table)} rows in the file, {len(dataset)} loaded")
     keep = []
     for position, (_, rows) in enumerate(parts):  # the same split as fedprivacy.data.partition._client
-        train, _ = split_indices(
-            dataset.labels[rows], settings.test_fraction, np.random.default_rng([settings.seed, position])
-        )
+        train, _ = split_indices(dataset.labels[rows], settings.test_fraction, np.random.default_rng([seed, position]))
         keep.append(rows[train])
     rows = np.sort(np.concatenate(keep))
     out = Path(out)
@@ -57,7 +61,7 @@ def training_rows_file(run_config: dict[str, Any], out: Path) -> Path:
     originals = load_clients(**kwargs)
     carved = load_dataset(settings.dataset, out, **options)
     for client, (_, part) in zip(
-        originals, partition_rows(carved, "natural", len(originals), settings.seed, kwargs["by"]), strict=True
+        originals, partition_rows(carved, "natural", len(originals), seed, kwargs["by"]), strict=True
     ):
         mine = np.sort(carved.features[part].sum(axis=1))
         theirs = np.sort(client.train.features.sum(axis=1))
@@ -77,7 +81,10 @@ def main() -> None:
     parser.add_argument("--dataset", default="pums", choices=FILE_DATASETS)
     parser.add_argument("--partition-by", required=True, help="the client column (natural partitions)")
     parser.add_argument("--label-column", default="", help="csv only")
-    parser.add_argument("--seed", type=int, default=0, help="the run config's seed (it decides the train/test split)")
+    parser.add_argument("--seed", type=int, default=0, help="the run config's seed (the split's, without --split-seed)")
+    parser.add_argument(
+        "--split-seed", type=int, default=-1, help="the run config's split-seed (-1: the seed decides the split)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     config = {
@@ -86,6 +93,7 @@ def main() -> None:
         "partition-by": args.partition_by,
         "label-column": args.label_column,
         "seed": args.seed,
+        "split-seed": args.split_seed,
     }
     print(training_rows_file(config, args.out))
 

@@ -97,6 +97,16 @@ def test_the_validation_file_holds_only_training_rows(tmp_path):
     assert carved.merge(full, how="left", indicator=True)["_merge"].eq("both").all()
 
 
+@pytest.mark.skipif(not PUMS_SAMPLE.is_file(), reason=f"PUMS sample missing: {PUMS_SAMPLE}")
+def test_the_validation_file_is_cut_by_the_split_seed_as_the_runs_cut_their_rows(tmp_path):
+    base = {"dataset": "pums", "data-path": str(PUMS_SAMPLE), "partition-by": "puma"}
+    split_seed = pd.read_csv(training_rows_file({**base, "seed": 3, "split-seed": 0}, tmp_path / "a.csv"))
+    seed_zero = pd.read_csv(training_rows_file({**base, "seed": 0}, tmp_path / "b.csv"))
+    seed_three = pd.read_csv(training_rows_file({**base, "seed": 3}, tmp_path / "c.csv"))
+    assert split_seed.equals(seed_zero)  # split-seed 0 decides the rows, whatever the seed
+    assert not split_seed.equals(seed_three)
+
+
 def test_the_one_flower_internal_the_in_process_engine_needs_is_still_there():
     """If a Flower upgrade moves the sender identity `Message(...)` reads, this fails first, naming it."""
     from flwr.app import ConfigRecord, Message, RecordDict
