@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import subprocess
 import sys
@@ -52,7 +51,7 @@ import fedprivacy  # noqa: F401  # before anything loads PyTorch, here and in th
 from fedprivacy.models import register_model
 
 if TYPE_CHECKING:
-    from torch import Tensor, nn
+    from torch import Tensor
 
 PROJECT = Path(__file__).resolve().parents[1]
 ROWS_PER_CLIENT = 200
@@ -60,26 +59,13 @@ IMAGE_FEATURES = 64  # 8×8 one-channel images, as the digits
 FEATURES = {"cnn": IMAGE_FEATURES, "bench-gn-cnn": IMAGE_FEATURES}  # any other model: 15 tabular features
 
 
-@register_model("bench-gn-cnn")
-def gn_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """A user-style CNN for small square images: the digits CNN with a GroupNorm after each
-    convolution (the layer a user picks when BatchNorm is refused)."""
-    from torch import nn
+# The user-registered model of the batched rows: the GroupNorm CNN of examples/custom_model (the layer
+# a user picks when BatchNorm is refused), registered here by decorator so that the benchmark needs
+# no install; the children this script starts run this module too, so they register it as well.
+sys.path.insert(0, str(PROJECT / "examples" / "custom_model" / "src"))
+from fedprivacy_gn_cnn.models import gn_cnn  # noqa: E402  (found through the path above)
 
-    side = math.isqrt(math.prod(input_shape))
-    return nn.Sequential(
-        nn.Unflatten(1, (1, side, side)),
-        nn.Conv2d(1, 16, kernel_size=3, padding=1),
-        nn.GroupNorm(4, 16),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, kernel_size=3, padding=1),
-        nn.GroupNorm(8, 32),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * (side // 4) ** 2, num_classes),
-    )
+register_model("bench-gn-cnn")(gn_cnn)
 
 
 def scenario(model: str, clients: int, rounds: int, results: Path) -> dict[str, Any]:
@@ -215,19 +201,13 @@ def mixed_budgets(clients: int, budgets: int) -> dict[str, str]:
 
 
 # ----- the mechanism's cost inside the fast engine -----
-def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
-    """Rounds of the fast engine's worker with DP and with clipping and noise off, interleaved."""
-    import statistics
-    import warnings
-
-    import torch
-
+def worker_clients(model: str, clients: int, rounds: int) -> tuple[list[Any], dict[int, Any]]:
+    """The scenario's clients as a worker takes them (seeded noise) and their plans (ε = 1)."""
     from fedprivacy.data.partition import load_clients
     from fedprivacy.participant import partition_kwargs, plan_from_settings
     from fedprivacy.runconfig import DEFAULTS, parse_run_config
-    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+    from sims.fast.worker import WorkerClient
 
-    warnings.filterwarnings("ignore")
     settings = parse_run_config({**DEFAULTS, **scenario(model, clients, rounds, Path(tempfile.gettempdir()))})
     data = load_clients(**partition_kwargs(settings, clients))
     shared = [
@@ -238,6 +218,20 @@ def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
         i: plan_from_settings(settings, c.num_examples, 1.0, 1e-5, c.client_id, compare=False)
         for i, c in enumerate(data)
     }
+    return shared, plans
+
+
+def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
+    """Rounds of the fast engine's worker with DP and with clipping and noise off, interleaved."""
+    import statistics
+    import warnings
+
+    import torch
+
+    from sims.fast.worker import LocalWorker, RoundRequest
+
+    warnings.filterwarnings("ignore")
+    shared, plans = worker_clients(model, clients, rounds)
     workers = {private: LocalWorker(shared, model, 15, 2, private=private) for private in (True, False)}
     for worker in workers.values():
         worker.add_plans(plans)
@@ -274,23 +268,11 @@ def batched_cost(model: str, clients: int, rounds: int, one_by_one: int, device:
     import torch
     import torch.nn.functional as F
 
-    from fedprivacy.data.partition import load_clients
     from fedprivacy.models import build_model
-    from fedprivacy.participant import partition_kwargs, plan_from_settings
-    from fedprivacy.runconfig import DEFAULTS, parse_run_config
-    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+    from sims.fast.worker import LocalWorker, RoundRequest
 
     warnings.filterwarnings("ignore")
-    settings = parse_run_config({**DEFAULTS, **scenario(model, clients, rounds, Path(tempfile.gettempdir()))})
-    data = load_clients(**partition_kwargs(settings, clients))
-    shared = [
-        WorkerClient(i, c.train.features, c.train.labels, c.test.features, c.test.labels, f"7:{i}")
-        for i, c in enumerate(data)
-    ]
-    plans = {
-        i: plan_from_settings(settings, c.num_examples, 1.0, 1e-5, c.client_id, compare=False)
-        for i, c in enumerate(data)
-    }
+    shared, plans = worker_clients(model, clients, rounds)
     features = FEATURES.get(model, 15)
     workers = {
         "dp": LocalWorker(shared, model, features, 2, device=device),

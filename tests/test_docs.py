@@ -337,8 +337,18 @@ SWEEPS = [c for c in SWEEPS if len(c.tokens) > 2 and "--help" not in c.tokens an
 
 
 @pytest.mark.parametrize("command", SWEEPS, ids=lambda c: c.text[:70])
-def test_every_sweep_the_docs_show_dry_runs(command, scenario_copy, dry_run):
+def test_every_sweep_the_docs_show_dry_runs(command, scenario_copy, dry_run, monkeypatch):
     args = _with_real_data(command.tokens)[2:]
+    if any(token.startswith("examples/custom_model/") for token in args):
+        # The example's model, as `pip install -e examples/custom_model` would provide it (by
+        # decoration here: the test session installs nothing), for this test only.
+        from fedprivacy import model_registry
+
+        monkeypatch.setattr(model_registry, "_decorated", {})
+        monkeypatch.syspath_prepend(str(ROOT / "examples" / "custom_model" / "src"))
+        from fedprivacy_gn_cnn.models import gn_cnn
+
+        model_registry.register_model("gn-cnn")(gn_cnn)
     for i, token in enumerate(args):
         if token.startswith("scenarios/") and token.endswith(".toml"):
             scenario = ROOT / token

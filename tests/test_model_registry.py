@@ -281,7 +281,7 @@ def test_the_example_scenario_names_the_installed_model(install) -> None:
         cells(load_scenario(scenario))
     install(project["name"], project["entry-points"]["fedprivacy.models"], {})
     found = cells(load_scenario(scenario))
-    assert len(found) == 4 and {cell.run_config["model"] for cell in found} == {"gn-cnn"}
+    assert len(found) == 10 and {cell.run_config["model"] for cell in found} == {"gn-cnn"}
 
 
 def test_the_example_model_is_clipped_per_example_as_the_definition_says(install, monkeypatch) -> None:
