@@ -568,3 +568,24 @@ def test_an_npz_image_data_set_trains_the_cnn_for_two_rounds_on_the_fast_engine(
     assert [int(r[header.index("round")]) for r in rows if r[header.index("round")]][-2:] == [1, 2]
     assert int(rows[-1][header.index("clients_trained")]) == 3
     assert float(rows[-1][header.index("accuracy")]) > 0.3  # ten classes: chance is 0.1 (this seed: 0.63)
+
+
+def test_a_sweep_counts_natural_clients_per_data_split(tmp_path):
+    """Writers that appear only in the published test split are clients only when that split is
+    read: a sweep over `data-split` counts the natural clients of each split, not the first one's."""
+    from harness import load_scenario
+
+    from sims.sweep.grid import cells
+
+    train, _ = hf_table(40)  # writers w0..w3
+    test, _ = hf_table(10, start=0)
+    test = test.map(lambda row: {"writer": "w9"})  # a writer of the test split only
+    folder = tmp_path / "writers"
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(folder))
+    scenario = tmp_path / "split.toml"
+    scenario.write_text(
+        f'[run]\ndataset = "hf"\ndata-path = "{folder}"\npartition-by = "writer"\n[grid]\ndata-split = ["", "train"]\n',
+        encoding="utf-8",
+    )
+    counts = {cell.params["data-split"]: cell.num_clients for cell in cells(load_scenario(scenario))}
+    assert counts == {"": 5, "train": 4}

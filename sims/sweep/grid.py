@@ -77,9 +77,11 @@ def _client_count(spec: SweepSpec, settings: RunSettings, counted: dict[str, int
             f"needs a number of clients: partitioning {settings.partitioning!r} without "
             "partition-by has no natural clients",
         )
-    data = repr((settings.dataset, settings.data_path, settings.partition_by, settings.partitioning))
+    partition = partition_kwargs(settings, None)
+    # everything that shapes the clients (source, its options and split) but the seed, which only deals rows
+    data = repr(sorted((key, value) for key, value in partition.items() if key != "seed"))
     if data not in counted:
-        counted[data] = len(load_clients(**partition_kwargs(settings, None)))
+        counted[data] = len(load_clients(**partition))
     return counted[data]
 
 
