@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+from fedprivacy.generated_docs import between_markers, cell
 from fedprivacy.runconfig_keys import GROUPS, RUN_KEYS
 
 REGENERATE = "python -m fedprivacy.runconfig_docs docs/flower.md"
@@ -26,18 +27,13 @@ def default_text(value: bool | int | float | str) -> str:
     return re.sub(r"e([+-])0*(\d)", r"e\1\2", repr(value))
 
 
-def _cell(text: str) -> str:
-    """`text` inside a table cell: a '|' would end the cell."""
-    return text.replace("|", "\\|")
-
-
 def docs_table() -> str:
     """The markdown table: key, default, meaning; one bold row per group, then its keys."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     for group in GROUPS:
         lines.append(f"| **{group}** | | |")
         lines += [
-            f"| `{key.name}` | {default_text(key.default)} | {_cell(key.help)} |"
+            f"| `{key.name}` | {default_text(key.default)} | {cell(key.help)} |"
             for key in RUN_KEYS
             if key.group == group
         ]
@@ -46,11 +42,7 @@ def docs_table() -> str:
 
 def with_table(text: str) -> str:
     """`text` (docs/flower.md) with the lines between its BEGIN and END markers replaced by the table."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"the run-config table needs one {BEGIN!r} line and, after it, one {END!r} line")
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    return f"{head}{BEGIN}\n\n{docs_table()}\n\n{END}{tail}"  # blank lines: the comments stay apart from the table
+    return between_markers(text, BEGIN, END, docs_table(), "run-config table")
 
 
 def main(argv: list[str]) -> None:

@@ -94,3 +94,12 @@ def test_help_starts_without_torch_or_the_accountants():
     assert "sweep" in done.stdout  # the help was printed
     last = done.stdout.strip().splitlines()[-1]
     assert last == "none loaded", f"`fedprivacy --help` {last}: import them inside the command"
+
+
+def test_a_generated_table_needs_its_markers_once_and_in_order():
+    from fedprivacy.generated_docs import between_markers
+
+    assert between_markers("a\n<b>\nold\n<e>\nz", "<b>", "<e>", "T", "table") == "a\n<b>\n\nT\n\n<e>\nz"
+    for broken in ("no markers", "<e>\n<b>", "<b>\n<b>\n<e>", "<b>\n<e>\n<e>"):
+        with pytest.raises(ValueError, match="the table needs one '<b>' line and, after it, one '<e>' line"):
+            between_markers(broken, "<b>", "<e>", "T", "table")

@@ -11,19 +11,16 @@ import sys
 from pathlib import Path
 
 from fedprivacy.data.registry import sources
+from fedprivacy.generated_docs import between_markers, cell
 
 BEGIN = "<!-- data-source tables: generated from fedprivacy/data/sources/ by fedprivacy/data/docs.py -->"
 END = "<!-- end of data-source tables -->"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
 def docs_table() -> str:
     """The markdown tables of docs/data.md (every source, then every option): a test keeps the page equal."""
     lines = ["| source | data-path names | what it is |", "| --- | --- | --- |"]
-    lines += [f"| `{s.name}` | {s.path_help} | {_cell(s.summary)} |" for s in sources().values()]
+    lines += [f"| `{s.name}` | {s.path_help} | {cell(s.summary)} |" for s in sources().values()]
     lines += [
         "",
         "| source | option | type | default | run-config key | meaning |",
@@ -33,17 +30,13 @@ def docs_table() -> str:
         for option in source.options:
             key = f"`{option.run_key}`" if option.run_key else ""
             cells = (source.name, option.name, option.type, repr(option.default))
-            lines.append("| " + " | ".join(f"`{_cell(c)}`" for c in cells) + f" | {key} | {_cell(option.help)} |")
+            lines.append("| " + " | ".join(f"`{cell(c)}`" for c in cells) + f" | {key} | {cell(option.help)} |")
     return "\n".join(lines)
 
 
 def with_tables(text: str) -> str:
     """`text` (docs/data.md) with the lines between its BEGIN and END markers replaced by the tables."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ValueError(f"the data-source tables need one {BEGIN!r} line and, after it, one {END!r} line")
-    head, rest = text.split(BEGIN)
-    _, tail = rest.split(END)
-    return f"{head}{BEGIN}\n\n{docs_table()}\n\n{END}{tail}"
+    return between_markers(text, BEGIN, END, docs_table(), "data-source tables")
 
 
 def main(argv: list[str]) -> None:
