@@ -179,7 +179,22 @@ def run_cell(
         error = f"the run left {len(runs)} results folders, expected one"
     elif error is None and read_json(runs[0] / "summary.json").get("status") != "completed":
         error = read_json(runs[0] / "summary.json").get("error") or "the run did not complete"
-    record = {
+    run_folder = str(runs[0].relative_to(folder)) if len(runs) == 1 else None
+    record = _cell_record(cell, engine_name, error, wall, run_folder, extra)
+    write_json(folder / CELL_JSON, record)
+    return record
+
+
+def _cell_record(
+    cell: Cell,
+    engine_name: str,
+    error: str | None,
+    wall: float,
+    run_folder: str | None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A cell's cell.json: what ran (its grid values, run config, clients, engine) and how it ended."""
+    return {
         "name": cell.name,
         "params": cell.params,
         "run_config": cell.run_config,
@@ -188,11 +203,9 @@ def run_cell(
         "status": "completed" if error is None else "failed",
         "error": error,
         "wall_s": wall,
-        "run_folder": str(runs[0].relative_to(folder)) if len(runs) == 1 else None,
+        "run_folder": run_folder,
         **(extra or {}),
     }
-    write_json(folder / CELL_JSON, record)
-    return record
 
 
 def _cell_line(record: dict[str, Any], row: dict[str, Any]) -> str:
@@ -313,18 +326,8 @@ def _not_tuned(cell: Cell, out: Path, engine_name: str) -> dict[str, Any]:
     folder = out / CELLS / cell.name
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    record = {
-        "name": cell.name,
-        "params": cell.params,
-        "run_config": cell.run_config,
-        "num_clients": cell.num_clients,
-        "engine": engine_name,
-        "status": "failed",
-        "error": f"no tuned setting: every candidate's tuning run failed (see {TUNING}/)",
-        "wall_s": 0.0,
-        "run_folder": None,
-        "tuned": None,
-    }
+    error = f"no tuned setting: every candidate's tuning run failed (see {TUNING}/)"
+    record = _cell_record(cell, engine_name, error, 0.0, None, {"tuned": None})
     write_json(folder / CELL_JSON, record)
     return record
 
