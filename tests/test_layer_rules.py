@@ -145,7 +145,9 @@ def test_each_rule_sums_the_clipped_gradients_per_client(name: str, clients: int
     true = norms64(grads)
     # Each client's C between its examples' norms: some clipped, some not.
     clip = true.view(clients, -1).median(dim=1).values.float()
-    result = clipped_sums([LayerRecord(module, a, d)], clip if clients > 1 else float(clip), clients)
+    result = clipped_sums(
+        [LayerRecord(module, a, d)], clip if clients > 1 else float(clip), clients, batch=len(a) // clients
+    )
     assert result.all_finite and not result.dropped.any() and not result.broken.any()
     torch.testing.assert_close(result.sq_norms.sqrt(), true.view(clients, -1), rtol=1e-5, atol=0.0)
     want = expected_sums(grads, true, clip, clients)
@@ -177,7 +179,7 @@ def test_a_non_finite_example_is_dropped_and_the_others_summed(name: str) -> Non
     clip = torch.full((3,), float(true.median()))
     poisoned = d.clone()
     poisoned[5] = math.nan
-    result = clipped_sums([LayerRecord(module, a, poisoned)], clip, 3)
+    result = clipped_sums([LayerRecord(module, a, poisoned)], clip, 3, batch=len(a) // 3)
     dropped = torch.zeros(ROWS, dtype=torch.bool)
     dropped[5] = True
     assert torch.equal(result.dropped.view(-1), dropped) and float(result.sq_norms.view(-1)[5]) == 0.0
@@ -193,11 +195,11 @@ def test_unclipped_sums_that_overflow_are_reported_broken_for_their_client_only(
     layer = nn.Linear(1, 1)
     a = torch.tensor([[2e38], [2e38], [1.0], [2.0]])
     d = torch.ones(4, 1)
-    result = clipped_sums([LayerRecord(layer, a, d)], 1.0, 2, clip=False)
+    result = clipped_sums([LayerRecord(layer, a, d)], 1.0, 2, clip=False, batch=2)
     assert result.broken.tolist() == [True, False] and not result.dropped.any()
     assert torch.isfinite(result.sq_norms).all()
     assert result.grad_sums[0][1].item() == 3.0 and result.grad_sums[1][1].item() == 2.0
-    assert not clipped_sums([LayerRecord(layer, a, d)], 1.0, 2).broken.any()  # clipped, nothing overflows
+    assert not clipped_sums([LayerRecord(layer, a, d)], 1.0, 2, batch=2).broken.any()  # clipped, nothing overflows
 
 
 class Mixed(nn.Module):
@@ -343,3 +345,37 @@ def test_only_rules_are_registered_for_module_types() -> None:
         register_layer_rule(Scale, lambda module, a, d: None)
     with pytest.raises(TypeError, match="layer_type="):
         register_layer_rule("Scale", ScaleRule())
+
+
+class FoldsTheBatch(nn.Module):
+    """A model whose only layer sees the whole batch as one row (x.unsqueeze(0)): its layers agree on
+    their row count, but that count is not the number of examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.unsqueeze(0)).squeeze(0)
+
+
+def test_a_model_that_folds_the_batch_into_one_row_is_refused() -> None:
+    """Clipped as one row, the whole batch would get one clip weight: one record could then move the
+    sum by up to 2C. The trainer's clipper and the shared function both count rows against examples."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4) * 10, torch.randint(0, 3, (8,))
+    with pytest.raises(UnsupportedLayerError, match="sees 1 rows where the batch has 8 examples"):
+        PerExampleClipper(FoldsTheBatch()).clipped_sum(x, y, 1.0)
+    layer = nn.Linear(4, 3)
+    with pytest.raises(UnsupportedLayerError, match="sees 2 rows where the batch has 8 examples"):
+        clipped_sums([LayerRecord(layer, torch.randn(2, 4), torch.randn(2, 3))], 1.0, 2, batch=4)
+
+
+def test_tied_weights_are_refused_naming_both_layers() -> None:
+    """One parameter in two layers would be clipped, noised and stepped once per layer."""
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    with pytest.raises(UnsupportedLayerError, match=r"layer '2' \(Linear\) shares a trained parameter with layer '0'"):
+        check_supported(nn.Sequential(first, nn.ReLU(), second))
+    second.weight = nn.Parameter(first.weight.detach().clone())  # untied: accepted
+    check_supported(nn.Sequential(first, nn.ReLU(), second))

@@ -152,9 +152,21 @@ def test_in_place_activation_is_refused() -> None:
         clipper.clipped_sum(torch.randn(4, 15), torch.randint(0, 2, (4,)), 1.0)
 
 
+class CallsItsLayerTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(torch.tanh(self.layer(x)))
+
+
 def test_shared_layer_is_refused() -> None:
+    """A layer placed twice is refused when the clipper is made (it holds a parameter twice); one
+    called twice by its module's forward, when the forward runs."""
     layer = nn.Linear(4, 4)
-    model = nn.Sequential(layer, nn.Tanh(), layer)
-    clipper = PerExampleClipper(model)
+    with pytest.raises(UnsupportedLayerError, match="layer '2' \\(Linear\\) shares a trained parameter with layer '0'"):
+        PerExampleClipper(nn.Sequential(layer, nn.Tanh(), layer))
+    clipper = PerExampleClipper(CallsItsLayerTwice())
     with pytest.raises(UnsupportedLayerError, match="more than once"):
         clipper.clipped_sum(torch.randn(3, 4), torch.randint(0, 4, (3,)), 1.0)

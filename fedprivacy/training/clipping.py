@@ -8,7 +8,11 @@ the clipped sums Σᵢ wᵢ·gᵢ, wᵢ = C / max(‖gᵢ‖, C), each example's
 parameters together. `clipped_sums` is that shared mechanism for K clients at once (rows
 client-major); the trainer's `PerExampleClipper` captures A and D by forward hooks and calls it
 with K = 1, and the fast engine calls it on its batched capture. This is exact for any model whose
-trained layers all have a rule and never mix examples; anything else is refused by name.
+trained layers all have a rule and whose examples never mix. Refused by name: a trained layer
+without a rule, BatchNorm, tied weights, a layer that sees other than one row per example; and,
+when a model is built by name (`fedprivacy.models.build_model`), one whose logits for an example
+change with another example of its batch (a probe, in eval mode: a model that mixes examples only
+in training would pass it, so a model written by hand must not).
 
 An example whose gradient norm is not finite (an overflow, a NaN: a diverging run, or a model
 crafted so that one record overflows) contributes exactly zero, and its rows are zeroed before the
@@ -109,8 +113,14 @@ def clipped_sums(
     clients: int,
     to64: ToFloat64 = _fresh_float64,
     clip: bool = True,
+    *,
+    batch: int,
 ) -> ClippedSums:
     """Σ_b clip_C(g_{k,b}) per client k, each example clipped over all the records' parameters together.
+
+    `batch` is the number of examples per client the records were captured from: every record must
+    have exactly `clients`·`batch` rows, one per example, so that a model which folds the batch into
+    fewer rows (and would have a whole batch clipped as one example) is refused.
 
     `clip_norm` is one C or a [K] tensor of each client's C. `clip=False` sums the raw gradients (the
     non-private baseline, or measuring what clipping costs); examples whose norm is not finite are
@@ -118,7 +128,7 @@ def clipped_sums(
     sums finite?); otherwise the rows of the examples with a non-finite norm are zeroed by each rule's
     `without` and the sums formed again, and clients whose sums still overflow are reported `broken`.
     """
-    result = _clipped_rows(records, clip_norm, clients, to64, clip)
+    result = _clipped_rows(records, clip_norm, clients, to64, clip, clients * batch)
     sq_norms = result.sq_norms.view(clients, -1)
     if result.broken is None:
         none = torch.zeros(sq_norms.shape, dtype=torch.bool, device=sq_norms.device)
@@ -138,19 +148,24 @@ class _Rows(NamedTuple):
 
 
 def _clipped_rows(
-    records: Sequence[LayerRecord], clip_norm: float | Tensor, clients: int, to64: ToFloat64, clip: bool
+    records: Sequence[LayerRecord],
+    clip_norm: float | Tensor,
+    clients: int,
+    to64: ToFloat64,
+    clip: bool,
+    rows: int,
 ) -> _Rows:
-    """The mechanism behind `clipped_sums` (the trainer's clipper calls it directly, K = 1)."""
+    """The mechanism behind `clipped_sums` (the trainer's clipper calls it directly, K = 1); `rows`
+    is the number of examples captured, K·B: every record must have one row per example."""
     if not records:
         raise UnsupportedLayerError("no trained layers: nothing to clip")
-    rows = records[0].a.shape[0]
     if clients < 1 or rows % clients:
         raise ValueError(f"clients={clients}: the records' {rows} rows must split into that many equal batches")
     for record in records:
         if len(record.a) != rows or len(record.d) != rows:
             raise UnsupportedLayerError(
-                f"layer {type(record.module).__name__} sees {record.a.shape[0]} rows where the batch has {rows}: "
-                "a model that reshapes or mixes the batch dimension cannot be clipped per example"
+                f"layer {type(record.module).__name__} sees {record.a.shape[0]} rows where the batch has {rows} "
+                "examples: a model that reshapes or mixes the batch dimension cannot be clipped per example"
             )
     rules = [rule_for(record.module) or _no_rule(record.module) for record in records]
     terms = [rule.terms(record.module, record.a, record.d, to64) for rule, record in zip(rules, records, strict=True)]
@@ -190,10 +205,20 @@ def _clipped_rows(
 def check_supported(model: nn.Module) -> None:
     """Refuse, before training and naming the layer, a batch norm (frozen or not, in training it
     mixes the examples of a batch), a layer with trainable parameters but no rule, a setting its
-    rule cannot clip; and, naming the parameter, trainable parameters that are not float32."""
+    rule cannot clip, a trained parameter shared by two layers; and, naming the parameter, trainable
+    parameters that are not float32."""
     known = ", ".join(t.__name__ for t in registered_layers())
-    for name, module in model.named_modules():
+    owner: dict[int, str] = {}  # a trained parameter's id -> the layer that holds it
+    for name, module in model.named_modules(remove_duplicate=False):
         where = f"layer {name or '<root>'!r} ({type(module).__name__})"
+        for _, parameter in trainable(module):
+            if id(parameter) in owner and owner[id(parameter)] != name:
+                raise UnsupportedLayerError(
+                    f"{where} shares a trained parameter with layer {owner[id(parameter)]!r} (tied weights): its "
+                    "per-example gradient would be clipped, noised and applied once per layer; untie them or "
+                    "freeze one (requires_grad=False)"
+                )
+            owner[id(parameter)] = name
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise UnsupportedLayerError(
                 f"{where} normalises with batch statistics, so one example's gradient depends on the "
@@ -269,7 +294,7 @@ class PerExampleClipper:
         dropped.
         """
         records, losses, loss_sum = self._capture(inputs, targets)
-        result = _clipped_rows(records, clip_norm, 1, self._float64, True)  # clipped_sums for one client
+        result = _clipped_rows(records, clip_norm, 1, self._float64, True, inputs.shape[0])  # one client
         nonfinite = 0 if result.dropped is None else int(result.dropped.sum())
         if result.broken is None or not bool(result.broken[0]):
             if nonfinite:

@@ -160,7 +160,8 @@ class ClientStack:
         buckets = self._buckets(step)
         if not buckets:
             captured = self.capture(state, step.features, step.labels, step.valid)
-            sums = clipped_sums(captured.records, step.clip, step.labels.shape[0], self._float64, clip=private)
+            clients, batch = step.labels.shape
+            sums = clipped_sums(captured.records, step.clip, clients, self._float64, clip=private, batch=batch)
             return _Clipped(sums.grad_sums, sums.sq_norms, sums.dropped, sums.broken, captured.losses)
         shape = step.valid.shape
         sq_norms = torch.zeros(shape, dtype=NORM_DTYPE, device=step.valid.device)
@@ -173,7 +174,9 @@ class ClientStack:
             captured = self.capture(
                 [s[clients] for s in state], step.features[clients, :width], step.labels[clients, :width], rows
             )
-            part = clipped_sums(captured.records, step.clip[clients], len(clients), self._float64, clip=private)
+            part = clipped_sums(
+                captured.records, step.clip[clients], len(clients), self._float64, clip=private, batch=width
+            )
             if not grad_sums:
                 grad_sums = [g.new_zeros(shape[0], *g.shape[1:]) for g in part.grad_sums]
             for whole, g in zip(grad_sums, part.grad_sums, strict=True):
