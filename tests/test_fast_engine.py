@@ -676,3 +676,18 @@ def test_a_client_whose_batched_sums_overflow_is_redone_by_the_trainers_clipper(
     for got, want, before in zip(redone, alone.grad_sums, clean, strict=True):
         torch.testing.assert_close(got[1], want, rtol=1e-5, atol=1e-7)  # qN = 1, no noise: the sum itself
         torch.testing.assert_close(got[[0, 2]], before[[0, 2]])
+
+
+def test_padding_rows_hold_zeros_never_an_unsampled_record():
+    """A step's batch is padded to the largest client's: the padding must not be a record (it was
+    record 0), so that not even a model which mixes its batch can read a record that was not sampled."""
+    from sims.fast.worker import _gather
+
+    x = torch.arange(1.0, 1.0 + 2 * 4 * 3).view(2, 4, 3)  # two clients, four rows, no row of zeros
+    y = torch.arange(8).view(2, 4)
+    keep = torch.tensor([[False, True, False, True], [False, False, True, False]])
+    features, labels, valid = _gather(x, y, torch.tensor([0, 1]), keep)
+    assert valid.tolist() == [[True, True], [True, False]]
+    assert torch.equal(features[0], x[0, [1, 3]]) and torch.equal(features[1, 0], x[1, 2])
+    assert torch.equal(features[1, 1], torch.zeros(3))
+    assert labels[0].tolist() == [1, 3] and labels[1, 0] == 6

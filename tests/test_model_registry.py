@@ -314,3 +314,24 @@ def test_the_example_model_is_clipped_per_example_as_the_definition_says(install
         g = per_example[names[id(parameter)]].double()
         expected = (weights.view(-1, *[1] * (g.dim() - 1)) * g).sum(0)
         assert torch.allclose(summed.double(), expected, atol=1e-5), names[id(parameter)]
+
+
+def test_a_model_that_mixes_the_examples_of_its_batch_is_refused_by_name() -> None:
+    """Centring on the batch mean makes each example's logits depend on the others: clipping each
+    example's own gradient would not bound its influence, so the model is refused when built."""
+
+    class Centred(nn.Module):
+        def __init__(self, features: int, classes: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(features, classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x - x.mean(0, keepdim=True))
+
+    @register_model("centred")
+    def centred(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        return Centred(int(np.prod(input_shape)), num_classes)
+
+    with pytest.raises(UnsupportedLayerError, match="model='centred'.*mixes the examples of a batch"):
+        build_model("centred", (6,), 3)
+    build_model("mlp", (6,), 3)  # a model that computes every example alone passes the probe

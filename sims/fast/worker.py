@@ -310,7 +310,8 @@ class AdaptiveRates:
 def _gather(x: Tensor, y: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The sampled rows of the clients at `positions` of the worker's padded data (x, y), in row
     order, padded to the largest batch: (x, y, valid). Read straight from the worker's tensors: no
-    copy of the clients' whole data per round."""
+    copy of the clients' whole data per round. Padding rows hold zeros, never a record: no record
+    that was not sampled enters a step, even through a model that (wrongly) mixes its batch."""
     clients = keep.shape[0]
     rank = keep.cumsum(1) - 1
     width = max(1, int(keep.sum(1).max()))
@@ -320,7 +321,9 @@ def _gather(x: Tensor, y: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tens
     index[rows, rank[rows, cols]] = cols
     valid[rows, rank[rows, cols]] = True
     owner = positions.unsqueeze(1)
-    return x[owner, index], y[owner, index], valid
+    features = x[owner, index]
+    features.masked_fill_(~valid.view(*valid.shape, *(1,) * (features.dim() - 2)), 0.0)
+    return features, y[owner, index], valid
 
 
 def ray_worker(num_cpus: float, num_gpus: float) -> Any:
