@@ -589,3 +589,24 @@ def test_a_sweep_counts_natural_clients_per_data_split(tmp_path):
     )
     counts = {cell.params["data-split"]: cell.num_clients for cell in cells(load_scenario(scenario))}
     assert counts == {"": 5, "train": 4}
+
+
+def test_cifar10_labels_that_would_expand_in_memory_are_refused_before_conversion(tmp_path):
+    """A pickle's memo lets b'labels' be n references to one large bytes object for a few bytes of
+    file: converting it to an array would ask for n times its size. It is refused on its type first."""
+    import tracemalloc
+
+    folder = tmp_path / "cifar-10-batches-py"
+    write_cifar(folder)
+    big = b"x" * 1_000_000
+    batch = {b"data": np.zeros((50, 3072), np.uint8), b"labels": [big] * 50}  # one object, 50 references
+    (folder / "test_batch").write_bytes(pickle.dumps(batch))
+    assert (folder / "test_batch").stat().st_size < 1_300_000
+    tracemalloc.start()
+    try:
+        with refused("data", "must be 50 integers"):
+            load_dataset("cifar10", folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20_000_000  # the file and its one bytes object, not 50 MB of labels

@@ -44,11 +44,15 @@ def _batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
         shown = f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
         raise InputError("data", str(file), f"its b'data' is {shown}; CIFAR-10 batches hold uint8 [n, 3072]")
     labels = _entry(batch, b"labels", file)
-    try:
-        labels = np.asarray(labels)
-    except (TypeError, ValueError):
-        labels = np.asarray([], dtype=np.int64)  # refused below, by its shape
-    if labels.shape != (data.shape[0],) or not np.issubdtype(labels.dtype, np.integer):
+    # The type and length are checked before any conversion: a pickle can make a list of n references
+    # to one huge bytes object for a few bytes of file, and np.asarray of it would ask for n times its size.
+    if isinstance(labels, list) and all(type(label) is int for label in labels):
+        labels = np.asarray(labels, dtype=np.int64)
+    if (
+        not isinstance(labels, np.ndarray)
+        or labels.shape != (data.shape[0],)
+        or not np.issubdtype(labels.dtype, np.integer)
+    ):
         raise InputError("data", str(file), f"its b'labels' must be {data.shape[0]} integers, one per image of b'data'")
     return data.reshape(-1, *IMAGE), labels
 
