@@ -203,7 +203,8 @@ def check_resumable(out: Path, plan: TuningPlan) -> None:
                     str(out),
                     f"its tuning run {TUNING}/{folder.name}/{path.name} ran with "
                     f"{key}={old.get(key, DEFAULTS.get(key))!r}, this "
-                    f"scenario has {expected.get(key)!r}: resume with the same scenario or use another --out",
+                    f"scenario has {expected.get(key, DEFAULTS.get(key))!r}: "
+                    "resume with the same scenario or use another --out",
                 )
 
 
