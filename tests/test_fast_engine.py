@@ -394,11 +394,9 @@ def test_a_run_with_the_mechanism_off_trains_the_same_rounds_and_spends_no_named
     pd.testing.assert_frame_equal(csv(off, "clients.csv")[steps], csv(on, "clients.csv")[steps])
 
 
-@pytest.mark.parametrize("model", ["logreg", "cnn"])  # the batched stack, and client by client (DPTrainer)
-def test_a_step_with_the_mechanism_off_is_the_plain_gradient_sum_over_q_n(model):
-    """With `private=False` a step is η·Σ∇loss_i over the sampled rows, unclipped and without noise,
-    divided by the plan's q·N (here every row of 30 is sampled, over q·N = 40), as autograd gives
-    it; the plan's tiny C and large σ would change it beyond recognition were they used."""
+def _one_full_step(model: str, x: torch.Tensor, y: torch.Tensor, private: bool) -> dict[str, torch.Tensor]:
+    """One client's one round of one step on all its rows (q = 1, q·N = 40, η = 0.5), with a tiny C
+    and a large σ that would change the step beyond recognition were they used."""
     from fedprivacy.models import build_model
     from fedprivacy.privacy.plan import Plan
     from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
@@ -419,26 +417,54 @@ def test_a_step_with_the_mechanism_off_is_the_plain_gradient_sum_over_q_n(model)
         epsilon_rdp=1.0,
         learning_rate=0.5,
     )
-    generator = torch.Generator().manual_seed(0)
-    x, y = torch.rand(30, 64, generator=generator), torch.randint(0, 10, (30,), generator=generator)
+    torch.manual_seed(0)
+    start = build_model(model, 64, 10).state_dict()
+    client = WorkerClient(0, x.numpy(), y.numpy(), x[:1].numpy(), y[:1].numpy(), "1")
+    worker = LocalWorker([client], model, 64, 10, private=private)
+    worker.add_plans({0: plan})
+    result = worker.train(start, 1, [RoundRequest(0, None)], diagnostics=False)
+    return {key: weights[0] for key, weights in zip(start, result.weights, strict=True)}
+
+
+def _plain_step(model: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What `_one_full_step` without the mechanism should give: η·Σ∇loss_i / (q·N) by autograd."""
+    from fedprivacy.models import build_model
+
     torch.manual_seed(0)
     reference = build_model(model, 64, 10)
     start = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     torch.nn.functional.cross_entropy(reference(x), y, reduction="sum").backward()
-    expected = {name: start[name] - plan.learning_rate * p.grad / 40 for name, p in reference.named_parameters()}
+    return {name: start[name] - 0.5 * p.grad / 40 for name, p in reference.named_parameters()}
 
-    def one_round(private: bool) -> dict[str, torch.Tensor]:
-        client = WorkerClient(0, x.numpy(), y.numpy(), x[:1].numpy(), y[:1].numpy(), "1")
-        worker = LocalWorker([client], model, 64, 10, private=private)
-        worker.add_plans({0: plan})
-        result = worker.train(start, 1, [RoundRequest(0, None)], diagnostics=False)
-        return {key: weights[0] for key, weights in zip(start, result.weights, strict=True)}
 
-    off, on = one_round(False), one_round(True)
+@pytest.mark.parametrize("model", ["logreg", "cnn"])  # the batched stack, and client by client (DPTrainer)
+def test_a_step_with_the_mechanism_off_is_the_plain_gradient_sum_over_q_n(model):
+    """With `private=False` a step is η·Σ∇loss_i over the sampled rows, unclipped and without noise,
+    divided by the plan's q·N (here every row of 30 is sampled, over q·N = 40), as autograd gives
+    it; the plan's tiny C and large σ would change it beyond recognition were they used."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.rand(30, 64, generator=generator), torch.randint(0, 10, (30,), generator=generator)
+    expected = _plain_step(model, x, y)
+    off, on = _one_full_step(model, x, y, False), _one_full_step(model, x, y, True)
     assert off.keys() == expected.keys()
     for key, want in expected.items():
         torch.testing.assert_close(off[key], want, rtol=1e-4, atol=1e-6)
     assert not all(torch.allclose(on[key], want, rtol=1e-2, atol=1e-3) for key, want in expected.items())
+
+
+@pytest.mark.parametrize("model", ["logreg", "cnn"])
+def test_without_the_mechanism_an_example_whose_gradient_is_not_finite_is_dropped(model):
+    """The non-private step sums plain gradients; when that sum is not finite (one row of inf
+    features) it falls back to the clipped path, which drops that example as the trainer's
+    non-private steps do: the step is the plain one over the other 29 rows."""
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.rand(30, 64, generator=generator), torch.randint(0, 10, (30,), generator=generator)
+    x[7] = math.inf
+    keep = torch.arange(30) != 7
+    expected = _plain_step(model, x[keep], y[keep])
+    off = _one_full_step(model, x, y, False)
+    for key, want in expected.items():
+        torch.testing.assert_close(off[key], want, rtol=1e-4, atol=1e-6)
 
 
 def _gn_cnn(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:

@@ -93,6 +93,8 @@ class BatchedCapture:
         self.layers = trained_layers(template)
         if not self.layers:
             raise UnsupportedLayerError("the model has no trainable parameters")
+        # the trained parameters' state names, in the trainer's order (of the noise and the sums)
+        self.trained_names = [f"{layer}.{p}" if layer else p for layer, _, own in self.layers for p in own]
         self._position = {id(module): k for k, (_, module, _) in enumerate(self.layers)}
         self._call: _Call | None = None
         self._shapes: dict[tuple[Any, ...], tuple[list[torch.Size], int]] = {}
@@ -180,6 +182,30 @@ class BatchedCapture:
             for (_, module, _), a, d in zip(self.layers, inputs, deltas, strict=True)
         ]
         return Captured(records, losses.detach())
+
+
+    def gradient_sums(
+        self, state: Sequence[Tensor], features: Tensor, labels: Tensor, valid: Tensor
+    ) -> tuple[list[Tensor], Tensor] | None:
+        """Without the mechanism: each client's Σ∇loss over its valid rows, [K, *shape] per trained
+        parameter in the trainer's order, and the per-example losses [K, B], from one batched
+        forward and an ordinary backward to the stacked weights (no A, D or norms: what a non-private
+        engine costs). None when a sum is not finite: the caller then takes the clipped path, which
+        drops the examples whose gradient is not finite, as the trainer's non-private steps do."""
+        clients, batch = labels.shape
+        trained = set(self.trained_names)
+        weights = {
+            key: s.detach().requires_grad_() if key in trained else s for key, s in zip(self.keys, state, strict=True)
+        }
+        logits = vmap(
+            lambda w, x: functional_call(self.template, w, (x,)), randomness="different"
+        )(weights, features)
+        losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
+        losses = torch.where(valid, losses, 0.0)
+        sums = list(torch.autograd.grad(losses.sum(), [weights[name] for name in self.trained_names]))
+        if not math.isfinite(float(torch.stack(torch._foreach_norm(sums)).sum())):
+            return None
+        return sums, losses.detach()
 
 
 def convolution_as_product(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:

@@ -114,7 +114,7 @@ class ClientStack:
         on_gpu = next(template.parameters()).device.type == "cuda"
         self.buckets = 1 if on_gpu else self.CPU_BUCKETS
         self.capture = BatchedCapture(template, self.keys, conv_as_matmul=on_gpu)
-        names = [f"{layer}.{p}" if layer else p for layer, _, own in self.capture.layers for p in own]
+        names = self.capture.trained_names
         if names != self.repair.names:
             raise RuntimeError(f"trained parameters {names} are not in the trainer's order {self.repair.names}")
         self.trained = [self.keys.index(name) for name in names]  # positions in the state, trained order
@@ -131,8 +131,9 @@ class ClientStack:
         """One DP-SGD step for every client, in place on `state` (inactive clients keep theirs).
 
         `learning_rate` maps the released gradients to each client's η (AdaGrad-norm reads them).
-        `private=False` skips clipping and noise: the same step without the mechanism, for the
-        non-private baseline (`run_fast(private=False)`) and for measuring what the mechanism costs
+        `private=False` skips the norms, clipping and noise: plain gradient sums from an ordinary
+        backward, the step a non-private engine takes, for the non-private baseline
+        (`run_fast(private=False)`) and for measuring what the mechanism costs
         (benchmarks/sim_throughput.py); no run config can ask for it.
         """
         sums = self._clipped_sums(state, step, private)
@@ -159,10 +160,7 @@ class ClientStack:
         bucket (`_buckets`) and put back in client order."""
         buckets = self._buckets(step)
         if not buckets:
-            captured = self.capture(state, step.features, step.labels, step.valid)
-            clients, batch = step.labels.shape
-            sums = clipped_sums(captured.records, step.clip, clients, self._float64, clip=private, batch=batch)
-            return _Clipped(sums.grad_sums, sums.sq_norms, sums.dropped, sums.broken, captured.losses)
+            return self._stack_sums(state, step.features, step.labels, step.valid, step.clip, private)
         shape = step.valid.shape
         sq_norms = torch.zeros(shape, dtype=NORM_DTYPE, device=step.valid.device)
         dropped = torch.zeros_like(step.valid)
@@ -170,20 +168,38 @@ class ClientStack:
         broken = torch.zeros_like(step.valid[:, 0])
         grad_sums: list[Tensor] = []
         for clients, width in buckets:
-            rows = step.valid[clients, :width]
-            captured = self.capture(
-                [s[clients] for s in state], step.features[clients, :width], step.labels[clients, :width], rows
-            )
-            part = clipped_sums(
-                captured.records, step.clip[clients], len(clients), self._float64, clip=private, batch=width
+            part = self._stack_sums(
+                [s[clients] for s in state],
+                step.features[clients, :width],
+                step.labels[clients, :width],
+                step.valid[clients, :width],
+                step.clip[clients],
+                private,
             )
             if not grad_sums:
                 grad_sums = [g.new_zeros(shape[0], *g.shape[1:]) for g in part.grad_sums]
             for whole, g in zip(grad_sums, part.grad_sums, strict=True):
                 whole[clients] = g
             sq_norms[clients, :width], dropped[clients, :width] = part.sq_norms, part.dropped
-            losses[clients, :width], broken[clients] = captured.losses, part.broken
+            losses[clients, :width], broken[clients] = part.losses, part.broken
         return _Clipped(grad_sums, sq_norms, dropped, broken, losses)
+
+    def _stack_sums(
+        self, state: list[Tensor], features: Tensor, labels: Tensor, valid: Tensor, clip: Tensor, private: bool
+    ) -> _Clipped:
+        """One stack's sums: the shared clipping on the batched capture; without the mechanism the
+        plain gradient sums (`BatchedCapture.gradient_sums`, no norms), unless one is not finite."""
+        clients, batch = labels.shape
+        if not private:
+            plain = self.capture.gradient_sums(state, features, labels, valid)
+            if plain is not None:
+                sums, losses = plain
+                none = torch.zeros_like(valid)
+                norms = torch.zeros(valid.shape, dtype=NORM_DTYPE, device=valid.device)  # not computed
+                return _Clipped(sums, norms, none, none[:, 0], losses)
+        captured = self.capture(state, features, labels, valid)
+        sums = clipped_sums(captured.records, clip, clients, self._float64, clip=private, batch=batch)
+        return _Clipped(sums.grad_sums, sums.sq_norms, sums.dropped, sums.broken, captured.losses)
 
     def _buckets(self, step: StepInputs) -> list[tuple[Tensor, int]]:
         """(clients, their largest batch) per bucket: the clients sorted by batch size and cut into
