@@ -183,7 +183,6 @@ class BatchedCapture:
         ]
         return Captured(records, losses.detach())
 
-
     def gradient_sums(
         self, state: Sequence[Tensor], features: Tensor, labels: Tensor, valid: Tensor
     ) -> tuple[list[Tensor], Tensor] | None:
@@ -197,9 +196,7 @@ class BatchedCapture:
         weights = {
             key: s.detach().requires_grad_() if key in trained else s for key, s in zip(self.keys, state, strict=True)
         }
-        logits = vmap(
-            lambda w, x: functional_call(self.template, w, (x,)), randomness="different"
-        )(weights, features)
+        logits = vmap(lambda w, x: functional_call(self.template, w, (x,)), randomness="different")(weights, features)
         losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
         losses = torch.where(valid, losses, 0.0)
         sums = list(torch.autograd.grad(losses.sum(), [weights[name] for name in self.trained_names]))
