@@ -30,11 +30,27 @@ class Mixed(nn.Module):
         return self.head(self.norm(h.transpose(1, 2)).mean(1))
 
 
+def _gn_cnn() -> nn.Module:
+    """Image-shaped outputs into GroupNorm, which refuses channels-last inputs under vmap."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 3),
+    )
+
+
 def _case(name: str) -> tuple[nn.Module, Tensor, int]:
     """(model, features [K, B, ...], classes) with three clients of five rows."""
     generator = torch.Generator().manual_seed(3)
     if name == "cnn":
         return build_model("cnn", 64, 10), torch.rand(3, 5, 64, generator=generator), 10
+    if name == "gn-cnn":
+        torch.manual_seed(3)
+        return _gn_cnn(), torch.rand(3, 5, 64, generator=generator), 3
     if name == "mlp":
         return build_model("mlp", 15, 2), torch.randn(3, 5, 15, generator=generator), 2
     return Mixed(), torch.randint(0, 20, (3, 5, 7), generator=generator).float(), 3
@@ -69,9 +85,17 @@ def _hooked(model: nn.Module, state: dict[str, Tensor], x: Tensor, y: Tensor) ->
     return [(seen[m][0], d) for m, d in zip(layers, deltas, strict=True)]
 
 
-@pytest.mark.parametrize("as_product", [False, True])  # convolutions grouped (CPUs) or as products (GPUs)
-@pytest.mark.parametrize("name", ["cnn", "mlp", "mixed"])
-def test_each_clients_a_and_d_are_the_trainers_hooks_on_that_client_alone(name, as_product):
+# convolutions grouped, outputs as the model makes them; grouped, outputs channels-last (CPUs); as products (GPUs)
+LAYOUTS = {
+    "grouped": {},
+    "channels-last": {"channels_last": True},
+    "product": {"conv_as_matmul": True},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["cnn", "gn-cnn", "mlp", "mixed"])
+def test_each_clients_a_and_d_are_the_trainers_hooks_on_that_client_alone(name, layout):
     model, x, classes = _case(name)
     clients, batch = x.shape[:2]
     y = torch.randint(0, classes, (clients, batch), generator=torch.Generator().manual_seed(5))
@@ -81,7 +105,10 @@ def test_each_clients_a_and_d_are_the_trainers_hooks_on_that_client_alone(name, 
     states = _client_states(model, clients)
     keys = list(model.state_dict())
     stacked = [torch.stack([s[key] for s in states]) for key in keys]
-    captured = BatchedCapture(model, keys, conv_as_matmul=as_product)(stacked, x, y, valid)
+    capture = BatchedCapture(model, keys, **LAYOUTS[layout])
+    captured = capture(stacked, x, y, valid)
+    # GroupNorm cannot take channels-last under vmap: that capture goes on without them
+    assert capture.channels_last == (layout == "channels-last" and name != "gn-cnn")
 
     assert [r.module for r in captured.records] == [m for _, m, _ in trained_layers(model)]
     assert captured.losses.shape == (clients, batch)

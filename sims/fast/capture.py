@@ -22,7 +22,7 @@ run as products of patches (`convolution_as_product`), 4× faster than the group
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,7 +34,7 @@ from torch.func import functional_call, vmap
 
 from fedprivacy.training.clipping import LayerRecord
 from fedprivacy.training.layers.base import UnsupportedLayerError
-from fedprivacy.training.layers.conv import patches
+from fedprivacy.training.layers.conv import patch_weight, patches
 
 
 @dataclass
@@ -60,10 +60,12 @@ def trained_layers(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
 
 class _Call:
     """What the hooks see during one forward: the probes (None: only read the output shapes), and
-    the inputs and output shapes recorded so far, by layer position."""
+    the inputs and output shapes recorded so far, by layer position; `plain`: record nothing (a
+    forward for the plain gradients, where the hooks only lay the outputs out)."""
 
-    def __init__(self, probes: Sequence[Tensor] | None) -> None:
+    def __init__(self, probes: Sequence[Tensor] | None, plain: bool = False) -> None:
         self.probes = probes
+        self.plain = plain
         self.inputs: dict[int, Tensor] = {}
         self.shapes: dict[int, torch.Size] = {}
 
@@ -84,11 +86,17 @@ class BatchedCapture:
     `keys` are the names of the state (`template.state_dict()` order) whose stacked values
     [K, *shape] the capture is called with. Hooks on `template` record only while a capture runs,
     so the template is usable normally otherwise. `conv_as_matmul` computes the template's
-    convolutions as one batched product over patches (`convolution_as_product`), for GPUs.
+    convolutions as one batched product over patches (`convolution_as_product`), for GPUs;
+    `channels_last` stores the image-shaped outputs of trained layers (K·B, C, H, W) with their
+    channels innermost, for CPUs: the values are the same, but the layers after them run faster
+    (the digits CNN's max-pooling 5× faster forward, 3× slower backward: a CPU round 9% faster).
     """
 
-    def __init__(self, template: nn.Module, keys: Sequence[str], conv_as_matmul: bool = False) -> None:
+    def __init__(
+        self, template: nn.Module, keys: Sequence[str], conv_as_matmul: bool = False, channels_last: bool = False
+    ) -> None:
         self.template = template
+        self.channels_last = channels_last
         self.keys = list(keys)
         self.layers = trained_layers(template)
         if not self.layers:
@@ -109,6 +117,8 @@ class BatchedCapture:
         call = self._call
         if call is None:
             return None
+        if call.plain:
+            return self._laid_out(output)
         k = self._position[id(module)]
         if k in call.inputs:
             raise UnsupportedLayerError(
@@ -119,7 +129,24 @@ class BatchedCapture:
         if call.probes is None:
             call.shapes[k] = output.shape[1:]
             return None
-        return output + call.probes[k]
+        return self._laid_out(output + call.probes[k])
+
+    def _batched(self, forward: Callable[..., Any], *args: Any) -> Any:
+        """`forward` under vmap over the clients (randomness="different": a dropout layer draws each
+        client's masks on its own). Should a layer refuse channels-last inputs under vmap (GroupNorm
+        asks for their memory format, which vmap cannot answer), the model runs without them."""
+        try:
+            return vmap(forward, randomness="different")(*args)
+        except RuntimeError as refused:
+            if not (self.channels_last and "is_contiguous inside of vmap" in str(refused)):
+                raise
+        self.channels_last = False
+        return vmap(forward, randomness="different")(*args)
+
+    def _laid_out(self, out: Tensor) -> Tensor:
+        if self.channels_last and out.dim() == 4:  # (B, C, H, W) inside vmap over the clients
+            return out.movedim(1, -1).contiguous().movedim(-1, 1)  # no copy if already so
+        return out
 
     def _output_shapes(self, example: Tensor) -> list[torch.Size]:
         """Each trained layer's output shape per example, from one example through the template
@@ -171,8 +198,7 @@ class BatchedCapture:
                 self._call = None
             return logits, call.recorded(self.layers)
 
-        # randomness="different": a dropout layer draws each client's masks on its own
-        logits, inputs = vmap(logits_and_inputs, randomness="different")(weights, probes, features)
+        logits, inputs = self._batched(logits_and_inputs, weights, probes, features)
         # the loss outside vmap, on all K·B rows at once (its batching rule cost a third of a logreg capture)
         losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
         losses = torch.where(valid, losses, 0.0)
@@ -196,7 +222,15 @@ class BatchedCapture:
         weights = {
             key: s.detach().requires_grad_() if key in trained else s for key, s in zip(self.keys, state, strict=True)
         }
-        logits = vmap(lambda w, x: functional_call(self.template, w, (x,)), randomness="different")(weights, features)
+
+        def logits_of(weights: dict[str, Tensor], x: Tensor) -> Tensor:
+            self._call = _Call(None, plain=True)
+            try:
+                return functional_call(self.template, weights, (x,))
+            finally:
+                self._call = None
+
+        logits = self._batched(logits_of, weights, features)
         losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
         losses = torch.where(valid, losses, 0.0)
         sums = list(torch.autograd.grad(losses.sum(), [weights[name] for name in self.trained_names]))
@@ -210,9 +244,9 @@ def convolution_as_product(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     with its weight, per group. Under `vmap` over clients with per-client weights a convolution
     becomes one grouped convolution with K·G groups, which cuDNN ran as one kernel per group (1,000
     launches per layer for 1,000 clients: most of a GPU round); this form is one batched product."""
-    a = patches(module, x)  # (B, L, G·C/G·k)
+    a = patches(module, x)  # (B, L, G·k·C/G)
     groups, out_channels = module.groups, module.out_channels
-    w = module.weight.reshape(groups, out_channels // groups, -1)
+    w = patch_weight(module)  # (G, O/G, k·C/G)
     out = torch.einsum("blgc,goc->blgo", a.reshape(*a.shape[:2], groups, -1), w).reshape(*a.shape[:2], -1)
     if module.bias is not None:
         out = out + module.bias

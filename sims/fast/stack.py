@@ -113,7 +113,7 @@ class ClientStack:
         self.repair = SingleClientRepair(copy.deepcopy(template))
         on_gpu = next(template.parameters()).device.type == "cuda"
         self.buckets = 1 if on_gpu else self.CPU_BUCKETS
-        self.capture = BatchedCapture(template, self.keys, conv_as_matmul=on_gpu)
+        self.capture = BatchedCapture(template, self.keys, conv_as_matmul=on_gpu, channels_last=not on_gpu)
         names = self.capture.trained_names
         if names != self.repair.names:
             raise RuntimeError(f"trained parameters {names} are not in the trainer's order {self.repair.names}")

@@ -104,8 +104,9 @@ def positional_sums(
     groups: int = 1,
 ) -> list[Tensor]:
     """Per client Σᵢ wᵢ·DᵢᵀAᵢ (and Σᵢ wᵢ·Σₜ Dᵢₜ for the bias) for A: (R·G, T, K), D: (R·G, T, O/G),
-    G groups per example, as [K, *param.shape]: from the per-example gradients where they were formed,
-    else one batched product over clients (and groups)."""
+    G groups per example, as [K, O, K] (the weight, in A's column order) and [K, O] (the bias): from
+    the per-example gradients where they were formed, else one batched product over clients (and
+    groups)."""
     clients, batch = weights.shape
     weight = module.weight.requires_grad
     bias = module.bias is not None and module.bias.requires_grad
@@ -122,7 +123,7 @@ def positional_sums(
             wg = wd.unflatten(0, (clients, batch)).transpose(1, 2).reshape(clients * groups, -1, wd.shape[-1])
             ag = a.unflatten(0, (clients, batch, groups)).transpose(1, 2).reshape(clients * groups, -1, a.shape[-1])
             g = torch.bmm(wg.transpose(1, 2), ag)
-        sums.append(g.reshape(clients, *module.weight.shape))
+        sums.append(g.reshape(clients, module.weight.shape[0], -1))
     if bias:
         if bias_per_example is not None:
             b = torch.bmm(weights.unsqueeze(1), bias_per_example.reshape(clients, batch, -1)).squeeze(1)
