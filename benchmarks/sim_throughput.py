@@ -22,8 +22,9 @@ five histories to compose per round while they all train), and the fast engine's
 Models that are not Linear stacks (`--batched-models`: the digits CNN on 64 synthetic features,
 i.e. 8×8 images, and `bench-gn-cnn`, a user-style CNN with GroupNorm registered here), side by side
 in one process per model, rounds interleaved, medians over rounds: the compute floor (the same
-examples' plain non-private forward and backward, one batch per step: what the DP rounds must
-also do), the batched engine's DP round and its round with clipping and noise off, the engine
+examples' plain non-private forward and backward, whole or in pieces, image outputs as the model
+makes them or channels-last, whichever of those is fastest on the first round: what the DP rounds
+must also do), the batched engine's DP round and its round with clipping and noise off, the engine
 client by client (`LocalWorker(batched=False)`, the trainer per client, on a subset), and the
 fast engine's whole run against the apps in process (a subset); peak memory. With `--device
 cuda`, also the GPU's kernel time in a DP round (torch.profiler).
@@ -257,6 +258,13 @@ def mechanism_cost(model: str, clients: int, rounds: int) -> dict[str, Any]:
 
 
 # ----- any model batched: against its compute floor, without the mechanism, and client by client -----
+FLOOR_WHOLE = 1 << 30  # rows: a step's batch in one piece
+# The floor is the fastest of these plain ways through a step's rows, (rows per piece, image outputs
+# channels-last): on 2 CPU cores the digits CNN's forward and backward of 20,000 rows in one batch
+# took 341 ms, in pieces of 1,024 with channels-last outputs 87 ms (measured 2026-11-26).
+FLOOR_WAYS = [(rows, laid_out) for rows in (FLOOR_WHOLE, 4096, 1024, 256) for laid_out in (False, True)]
+
+
 def batched_cost(model: str, clients: int, rounds: int, one_by_one: int, device: str) -> dict[str, Any]:
     """Median round times of one model's workers, rounds interleaved: the batched engine with DP and
     without, the compute floor (the DP rounds' own sampled batches, replayed through the plain
@@ -290,10 +298,23 @@ def batched_cost(model: str, clients: int, rounds: int, one_by_one: int, device:
         batches.append((step.features[step.valid], step.labels[step.valid])) or dp_step(weights, step, *rest, **options)
     )
 
-    def floor() -> None:
+    channels_last = [False]  # the plain model's image-shaped outputs laid out channels-last (a hook)
+    for module in plain.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_hook(
+                lambda m, i, out: (
+                    out.contiguous(memory_format=torch.channels_last)
+                    if channels_last[0] and isinstance(out, torch.Tensor) and out.dim() == 4
+                    else None
+                )
+            )
+
+    def floor(chunk: int, laid_out: bool) -> None:
+        channels_last[0] = laid_out
         for x, y in batches:
             plain.zero_grad(set_to_none=True)
-            F.cross_entropy(plain(x), y, reduction="sum").backward()
+            for xs, ys in zip(x.split(chunk), y.split(chunk), strict=True):
+                F.cross_entropy(plain(xs), ys, reduction="sum").backward()
 
     def timed(work: Any) -> float:
         synchronize()
@@ -308,12 +329,15 @@ def batched_cost(model: str, clients: int, rounds: int, one_by_one: int, device:
 
     requests = [RoundRequest(i, None) for i in range(clients)]
     times: dict[str, list[float]] = {"dp": [], "nonprivate": [], "floor": [], "one_by_one": []}
+    fastest: tuple[int, bool] | None = None
     for server_round in range(1, rounds + 1):
         batches.clear()
         for name, worker in workers.items():
             share = requests[:one_by_one] if name == "one_by_one" else requests
             times[name].append(timed(lambda w=worker, r=share, t=server_round: w.train(state, t, r, False)))
-        times["floor"].append(timed(floor))
+        if fastest is None:  # the floor's fastest way, on the first round's batches (each tried twice)
+            fastest = min(FLOOR_WAYS, key=lambda way: min(timed(lambda: floor(*way)) for _ in range(2)))
+        times["floor"].append(timed(lambda way=fastest: floor(*way)))
     kernel_ms = None
     if device == "cuda":  # the GPU's own time in one more DP round (its plans have none left: replay round 1)
         from torch.autograd import DeviceType
@@ -340,6 +364,8 @@ def batched_cost(model: str, clients: int, rounds: int, one_by_one: int, device:
         "one_by_one_clients": one_by_one,
         **{f"{name}_round_s": round(value, 4) for name, value in median.items()},
         **{f"{name}_client_rounds_per_s": round(1 / value, 1) for name, value in per_client.items()},
+        "floor_chunk_rows": None if fastest is None or fastest[0] >= FLOOR_WHOLE else fastest[0],
+        "floor_channels_last": None if fastest is None else fastest[1],
         "dp_over_floor": round(median["dp"] / median["floor"], 3),
         "dp_over_nonprivate": round(median["dp"] / median["nonprivate"], 3),
         "speedup_over_one_by_one": round(per_client["one_by_one"] / per_client["dp"], 2),
@@ -486,8 +512,10 @@ def report_batched(model: str, args: argparse.Namespace) -> dict[str, Any]:
         f"\n{model}, {cost['clients']} clients × {ROWS_PER_CLIENT} rows, {cost['rounds']} rounds, DP on, "
         f"{cost['device']} (median round; client-rounds/s):"
     )
+    pieces = "whole" if cost["floor_chunk_rows"] is None else f"{cost['floor_chunk_rows']}-row pieces"
+    layout = ", channels-last" if cost["floor_channels_last"] else ""
     for name, label in (
-        ("floor", "compute floor (plain forward + backward)"),
+        ("floor", f"compute floor (plain fwd + bwd, {pieces}{layout})"),
         ("dp", "batched engine, DP"),
         ("nonprivate", "batched engine, no clipping or noise"),
         ("one_by_one", f"engine client by client ({cost['one_by_one_clients']} clients)"),
