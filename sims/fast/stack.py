@@ -99,12 +99,14 @@ class ClientStack:
     largest of about 33 among 1,000 clients, so on a CPU, for a model whose arithmetic is the cost
     (at least `BUCKET_PRODUCTS` multiply-adds per example, `BatchedCapture.example_products`), the
     clients are split by batch size into up to `CPU_BUCKETS` stacks of at least `BUCKET_CLIENTS`
-    each, padded to their own largest batch. Measured on 2 cores: the digits CNN (83,200) 27%
-    faster per round at 256 clients, the MLP (1,088) 40% slower at 1,000, each extra stack's fixed
-    cost outweighing its rows. On a GPU, one stack: its round's time goes elsewhere (drawing the
-    noise)."""
+    each, padded to their own largest batch. Smaller stacks also keep each step's tensors in the
+    cache and the allocator's reuse. Measured on 2 cores: the digits CNN (83,200) 27% faster per
+    round at 256 clients with 4 stacks than 1, and at 1,000 clients 0.74 s per round with 15 stacks
+    against 0.90 s with 4 (8 stacks of 125: 0.76 s; 32 of 31: 0.80 s); the MLP (1,088) 40% slower
+    at 1,000 in 4 stacks, each extra stack's fixed cost outweighing its rows. On a GPU, one stack:
+    its round's time goes elsewhere (drawing the noise)."""
 
-    CPU_BUCKETS = 4
+    CPU_BUCKETS = 16
     BUCKET_CLIENTS = 64
     BUCKET_PRODUCTS = 10_000
 
