@@ -58,8 +58,8 @@ def linear_bias_only() -> nn.Module:
     return layer
 
 
-# name: (layer, its input for ROWS examples); input shapes pick the Gram form (T² ≤ K·O), the
-# materialised one (T² > K·O) and one position in turn.
+# name: (layer, its input for ROWS examples); input shapes pick the Gram form (T² ≤ K·O,
+# `gram_is_cheaper`), the materialised one (T² > K·O) and one position in turn.
 LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Tensor]]] = {
     "linear": (lambda: nn.Linear(5, 4), lambda g: scaled((ROWS, 5), g)),
     "linear-no-bias": (linear_without_bias, lambda g: scaled((ROWS, 5), g)),
@@ -155,6 +155,15 @@ def test_each_rule_sums_the_clipped_gradients_per_client(name: str, clients: int
     for got, expected, (_, p) in zip(result.grad_sums, want, base.trainable(module), strict=True):
         assert got.shape == (clients, *p.shape) and got.dtype == torch.float32
         assert_sums_close(got, expected)
+
+
+@pytest.mark.parametrize("name", [name for name in LAYERS if name.endswith(("-gram", "-materialised"))])
+def test_each_case_takes_the_form_its_name_says(name: str) -> None:
+    """The cases above exercise both forms of the positional norms: the Gram form forms no
+    per-example gradients, the materialised one does."""
+    module, a, d = layer_case(name)
+    per_example = rule_for(module).terms(module, a, d, lambda x, slot: x.double()).state[2]
+    assert (per_example is None) == name.endswith("-gram")
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

@@ -50,15 +50,25 @@ class Positional(NamedTuple):
     bias_per_example: Tensor | None
 
 
+def gram_is_cheaper(positions: int, k: int, o: int) -> bool:
+    """Whether to take the Gram form (T²·(K + O) multiply-adds per example, in float64) rather than
+    form the per-example gradients (T·K·O, then a float64 norm of K·O entries): when its products
+    are no larger, T² ≤ K·O. Kept although float64 arithmetic costs more: on the digits CNN's second
+    convolution (T, K, O = 16, 144, 32) forming them was 1.9× faster alone at 1,400 rows on 2 CPU
+    cores, but the fast engine's round 1.2-1.7× slower with them (their float64 copy and the sums'
+    traffic; measured 2026-11-26)."""
+    return positions * positions <= k * o
+
+
 def positional_norms(module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = _fresh_float64) -> Positional:
     """Upper bounds on ‖DᵢᵀAᵢ‖² (+ ‖Σₜ Dᵢₜ‖² for the bias) as summed, for A: (R, T, K), D: (R, T, O),
-    by the cheaper of the Gram ("ghost") form and the per-example gradients, which are then returned
-    too; and each row's absolute slack (see `clip_weights`). All in float64."""
+    by the cheaper of the Gram ("ghost") form and the per-example gradients (`gram_is_cheaper`),
+    which are then returned too; and each row's absolute slack (see `clip_weights`). All in float64."""
     t, k, o = a.shape[1], a.shape[2], d.shape[2]
     u, eta = _rounding(d.dtype)
     weight = module.weight.requires_grad
     bias = module.bias is not None and module.bias.requires_grad
-    if weight and t > 1 and t * t <= k * o:  # the Gram form, in float64
+    if weight and t > 1 and gram_is_cheaper(t, k, o):  # the Gram form, in float64
         a64, d64 = to64(a, (module, "a")), to64(d, (module, "d"))
         gram_a, gram_d = torch.bmm(a64, a64.transpose(1, 2)), torch.bmm(d64, d64.transpose(1, 2))
         if bias:
