@@ -29,8 +29,9 @@ from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.replies import MAX_CONSECUTIVE_FAILURES
 from fedprivacy.results import RunRecorder
+
+MAX_CONSECUTIVE_FAILURES = 3  # rounds in a row with a dropped reply before a client is not asked again
 
 Outcome = Literal["error", "invalid", "no reply"]  # why a train reply was dropped
 

@@ -27,7 +27,6 @@ from fedprivacy.participant import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS
 from fedprivacy.privacy.plan import Plan
 
 MAX_CLIENT_ID = 200  # characters: a name, not a payload
-MAX_CONSECUTIVE_FAILURES = 3  # rounds in a row with a dropped reply before a client is not asked again
 FLAGS = ("budget-exhausted", "on-gpu")
 COUNTS = ("num-examples", "steps-planned", "steps-done")
 EVALUATE_KEYS = ("num-examples", "loss", "accuracy", "evaluation-off")

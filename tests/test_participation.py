@@ -19,8 +19,7 @@ import pytest
 
 from clients.app import app as client_app
 from fedprivacy import participant
-from fedprivacy.participation import Participation, sample_clients
-from fedprivacy.replies import MAX_CONSECUTIVE_FAILURES
+from fedprivacy.participation import MAX_CONSECUTIVE_FAILURES, Participation, sample_clients
 from fedprivacy.results import RunRecorder
 from server.app import app as server_app
 from sims.fast import engine as fast_engine
