@@ -43,6 +43,19 @@ def _gn_cnn() -> nn.Module:
     )
 
 
+class ViewCNN(nn.Module):
+    """The tutorial pattern `x.view(len(x), -1)`, which needs contiguous input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.max_pool2d(torch.relu(self.conv(x.view(len(x), 1, 8, 8))), 2)
+        return self.head(h.view(h.size(0), -1))
+
+
 def _case(name: str) -> tuple[nn.Module, Tensor, int]:
     """(model, features [K, B, ...], classes) with three clients of five rows."""
     generator = torch.Generator().manual_seed(3)
@@ -51,6 +64,9 @@ def _case(name: str) -> tuple[nn.Module, Tensor, int]:
     if name == "gn-cnn":
         torch.manual_seed(3)
         return _gn_cnn(), torch.rand(3, 5, 64, generator=generator), 3
+    if name == "view-cnn":
+        torch.manual_seed(3)
+        return ViewCNN(), torch.rand(3, 5, 64, generator=generator), 3
     if name == "mlp":
         return build_model("mlp", 15, 2), torch.randn(3, 5, 15, generator=generator), 2
     return Mixed(), torch.randint(0, 20, (3, 5, 7), generator=generator).float(), 3
@@ -94,7 +110,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", ["cnn", "gn-cnn", "mlp", "mixed"])
+@pytest.mark.parametrize("name", ["cnn", "gn-cnn", "view-cnn", "mlp", "mixed"])
 def test_each_clients_a_and_d_are_the_trainers_hooks_on_that_client_alone(name, layout):
     model, x, classes = _case(name)
     clients, batch = x.shape[:2]
@@ -107,8 +123,8 @@ def test_each_clients_a_and_d_are_the_trainers_hooks_on_that_client_alone(name, 
     stacked = [torch.stack([s[key] for s in states]) for key in keys]
     capture = BatchedCapture(model, keys, **LAYOUTS[layout])
     captured = capture(stacked, x, y, valid)
-    # GroupNorm cannot take channels-last under vmap: that capture goes on without them
-    assert capture.channels_last == (layout == "channels-last" and name != "gn-cnn")
+    # GroupNorm cannot take channels-last under vmap, nor `.view` at all: those captures go on without
+    assert capture.channels_last == (layout == "channels-last" and name not in ("gn-cnn", "view-cnn"))
 
     assert [r.module for r in captured.records] == [m for _, m, _ in trained_layers(model)]
     assert captured.losses.shape == (clients, batch)
@@ -150,13 +166,43 @@ class Unused(nn.Module):
     ("model", "message"),
     [(Shared(), "'layer' .*called more than once"), (Unused(), "'spare' was not called in the forward pass")],
 )
-def test_a_layer_called_twice_or_never_is_refused_by_name(model, message):
+@pytest.mark.parametrize("private", [True, False])  # the capture of A and D, and the plain gradient sums
+def test_a_layer_called_twice_or_never_is_refused_by_name(model, message, private):
     keys = list(model.state_dict())
     stacked = [v.unsqueeze(0) for v in model.state_dict().values()]
+    capture = BatchedCapture(model, keys, channels_last=True)
+    run = capture if private else capture.gradient_sums
     with pytest.raises(UnsupportedLayerError, match=message):
-        BatchedCapture(model, keys)(
-            stacked, torch.randn(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool)
-        )
+        run(stacked, torch.randn(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_a_capture_that_gives_up_channels_last_redoes_the_call_from_the_same_random_state():
+    """Dropout before GroupNorm: the first capture fails with channels-last outputs after drawing
+    its dropout masks; it is redone from the random state it started from, so it equals a capture
+    that never tried (and the next one draws fresh masks)."""
+    model = nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.Dropout(0.5),
+        nn.GroupNorm(2, 4),
+        nn.Flatten(),
+        nn.Linear(256, 3),
+    )
+    keys = list(model.state_dict())
+    stacked = [torch.stack([v, v]) for v in model.state_dict().values()]
+    x = torch.rand(2, 4, 64, generator=torch.Generator().manual_seed(0))
+    y, valid = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)
+    runs = {}
+    for laid_out in (True, False):
+        torch.manual_seed(7)
+        capture = BatchedCapture(model, keys, channels_last=laid_out)
+        runs[laid_out] = [capture(stacked, x, y, valid) for _ in range(2)]
+        assert not capture.channels_last
+    for tried, plain in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(tried.losses, plain.losses)
+        for a, b in zip(tried.records, plain.records, strict=True):
+            assert torch.equal(a.a, b.a) and torch.equal(a.d, b.d)
+    assert not torch.equal(runs[True][0].losses, runs[True][1].losses)  # fresh masks on the next call
 
 
 @pytest.mark.parametrize(

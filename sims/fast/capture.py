@@ -89,7 +89,8 @@ class BatchedCapture:
     convolutions as one batched product over patches (`convolution_as_product`), for GPUs;
     `channels_last` stores the image-shaped outputs of trained layers (K·B, C, H, W) with their
     channels innermost, for CPUs: the values are the same, but the layers after them run faster
-    (the digits CNN's max-pooling 5× faster forward, 3× slower backward: a CPU round 9% faster).
+    (the digits CNN's max-pooling 5× faster forward, 3× slower backward: a CPU round 9% faster);
+    a model that cannot take them is run without them from its first failure (`_batched`).
     """
 
     def __init__(
@@ -117,8 +118,6 @@ class BatchedCapture:
         call = self._call
         if call is None:
             return None
-        if call.plain:
-            return self._laid_out(output)
         k = self._position[id(module)]
         if k in call.inputs:
             raise UnsupportedLayerError(
@@ -126,6 +125,8 @@ class BatchedCapture:
                 "pass (shared weights): per-example norms would not add up per call"
             )
         call.inputs[k] = inputs[0]
+        if call.plain:
+            return self._laid_out(output)
         if call.probes is None:
             call.shapes[k] = output.shape[1:]
             return None
@@ -133,14 +134,18 @@ class BatchedCapture:
 
     def _batched(self, forward: Callable[..., Any], *args: Any) -> Any:
         """`forward` under vmap over the clients (randomness="different": a dropout layer draws each
-        client's masks on its own). Should a layer refuse channels-last inputs under vmap (GroupNorm
-        asks for their memory format, which vmap cannot answer), the model runs without them."""
+        client's masks on its own). Should the model fail with channels-last outputs (GroupNorm asks
+        vmap for their memory format, which it cannot answer; `x.view(len(x), -1)` needs contiguous
+        input), it runs from then on without them: the same call is redone from the same random
+        state (channels-last is for CPUs only), and an error that has another cause raises again."""
+        if not self.channels_last:
+            return vmap(forward, randomness="different")(*args)
+        random_state = torch.get_rng_state()
         try:
             return vmap(forward, randomness="different")(*args)
-        except RuntimeError as refused:
-            if not (self.channels_last and "is_contiguous inside of vmap" in str(refused)):
-                raise
-        self.channels_last = False
+        except RuntimeError:
+            self.channels_last = False
+            torch.set_rng_state(random_state)
         return vmap(forward, randomness="different")(*args)
 
     def _laid_out(self, out: Tensor) -> Tensor:
@@ -224,11 +229,13 @@ class BatchedCapture:
         }
 
         def logits_of(weights: dict[str, Tensor], x: Tensor) -> Tensor:
-            self._call = _Call(None, plain=True)
+            call = self._call = _Call(None, plain=True)
             try:
-                return functional_call(self.template, weights, (x,))
+                logits = functional_call(self.template, weights, (x,))
             finally:
                 self._call = None
+            call.recorded(self.layers)  # every trained layer called, once (the hooks refuse twice)
+            return logits
 
         logits = self._batched(logits_of, weights, features)
         losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
