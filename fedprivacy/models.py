@@ -200,14 +200,25 @@ def _check_rows_apart(name: str, target: str, model: nn.Module, shape: InputShap
         )
 
 
+EVALUATION_ROWS = 1024  # rows per forward pass when evaluating
+
+
 def evaluate_model(model: nn.Module, dataset: Dataset) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) of `model` on `dataset`."""
+    """(mean cross-entropy, accuracy) of `model` on `dataset`, `EVALUATION_ROWS` rows at a time:
+    on 2 CPU cores the digits CNN took 422 ms for 40,000 test rows in one pass and 135 ms in
+    1,024-row pieces (a 1,000-client fast-engine run evaluates its central test set every round)."""
     dev = next(model.parameters()).device
     model.eval()
+    features = torch.as_tensor(dataset.features, dtype=torch.float32, device=dev)
+    labels = torch.as_tensor(dataset.labels, dtype=torch.long, device=dev)
+    loss = torch.zeros((), dtype=torch.float64, device=dev)
+    correct = torch.zeros((), dtype=torch.long, device=dev)
     with torch.no_grad():
-        features = torch.as_tensor(dataset.features, dtype=torch.float32, device=dev)
-        labels = torch.as_tensor(dataset.labels, dtype=torch.long, device=dev)
-        logits = model(features)
-        loss = nn.functional.cross_entropy(logits, labels).item()
-        accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
-    return float(loss), float(accuracy)
+        for x, y in zip(features.split(EVALUATION_ROWS), labels.split(EVALUATION_ROWS), strict=True):
+            logits = model(x)
+            loss += nn.functional.cross_entropy(logits, y, reduction="sum").double()
+            correct += (logits.argmax(dim=1) == y).sum()
+    rows = len(labels)
+    if rows == 0:
+        return math.nan, math.nan
+    return float(loss) / rows, int(correct) / rows

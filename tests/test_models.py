@@ -83,3 +83,25 @@ def test_bad_class_counts_are_refused(classes) -> None:
 def test_the_cnn_needs_an_image_with_sides_divisible_by_four(shape) -> None:
     with pytest.raises(InputError, match=r"model='cnn': its factory fedprivacy\.models:cnn failed .*multiples of 4"):
         build_model("cnn", shape, 2)
+
+
+def test_evaluation_in_pieces_is_the_whole_batch_mean() -> None:
+    """`evaluate_model` goes `EVALUATION_ROWS` rows at a time: over 2,500 rows (three pieces, the
+    last short) its loss and accuracy are those of one pass over all of them; an empty set is NaN."""
+    from fedprivacy.data.types import Dataset
+    from fedprivacy.models import EVALUATION_ROWS, evaluate_model
+
+    generator = torch.Generator().manual_seed(0)
+    rows = 2 * EVALUATION_ROWS + 452
+    features = torch.rand(rows, 64, generator=generator)
+    labels = torch.randint(0, 3, (rows,), generator=generator)
+    dataset = Dataset(features.numpy(), labels.numpy(), tuple(f"x{i}" for i in range(64)), 3, "test")
+    torch.manual_seed(1)
+    model = build_model("cnn", 64, 3)
+    with torch.no_grad():
+        logits = model.eval()(features)
+    loss, accuracy = evaluate_model(model, dataset)
+    assert loss == pytest.approx(float(torch.nn.functional.cross_entropy(logits.double(), labels)), rel=1e-6)
+    assert accuracy == float((logits.argmax(1) == labels).double().mean())
+    empty = Dataset(features[:0].numpy(), labels[:0].numpy(), dataset.feature_names, 3, "empty")
+    assert all(np.isnan(evaluate_model(model, empty)))
