@@ -187,9 +187,9 @@ class BatchedCapture:
         sampled rows `features` [K, B, ...] with `labels` [K, B]; rows where `valid` [K, B] is
         False are padding: their loss is 0 and so is their D."""
         clients, batch = labels.shape
-        probes = [
-            torch.zeros(clients, batch, *shape, dtype=features.dtype, device=features.device, requires_grad=True)
-            for shape in self._output_shapes(features[0, 0])
+        zero = torch.zeros((), dtype=features.dtype, device=features.device)
+        probes = [  # one zero seen at every position (stride 0): nothing to fill; their gradients are dense
+            zero.expand(clients, batch, *shape).requires_grad_() for shape in self._output_shapes(features[0, 0])
         ]
         weights = dict(zip(self.keys, state, strict=True))
 
