@@ -213,3 +213,24 @@ def test_draws_larger_than_the_kept_buffer_are_the_same_draws(monkeypatch):
     for (keep_a, noise_a), (keep_b, noise_b) in zip(kept, fresh, strict=True):
         assert torch.equal(keep_a, keep_b) and torch.equal(noise_a, noise_b)
     assert torch.equal(kept[1][1], kept[0][1][:4])  # the first two clients' rows, redrawn
+
+
+def test_a_round_filled_by_several_threads_is_the_round_filled_by_one(monkeypatch):
+    """The keystream of a large round is written by the transform's helper threads, each client
+    into its own stretch of the buffer: the words are those one thread writes, client by client,
+    and each client's are its own stream's, seeded or not (unseeded: only checked to differ)."""
+    monkeypatch.setattr(rng_module, "PARALLEL_WORDS", 1 << 10)  # parallel from 8 KiB of keystream
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    requests = [DrawRequest(StepRandomness(f"7:threads-{i}" if i % 5 else None), 3 * i, 2, 40, 0.1) for i in range(11)]
+    blocks = rng_module._blocks(2 * 64 + 40)
+    together = rng_module._filled_rows(requests, blocks).copy()
+    assert together.nbytes >= 8 * rng_module.PARALLEL_WORDS  # the threaded path
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    alone = rng_module._filled_rows(requests, blocks).copy()
+    for i, request in enumerate(requests):
+        rows = slice(2 * i, 2 * i + 2)
+        if request.randomness.seeded:
+            assert np.array_equal(together[rows], alone[rows])
+            assert np.array_equal(together[rows], request.randomness.stream_words(3 * i, 2, blocks * 8))
+        else:
+            assert not np.array_equal(together[rows], alone[rows])

