@@ -432,3 +432,15 @@ def test_exponential_skew_too_steep_names_the_client() -> None:
 def test_bad_options_name_the_field(call, pattern: str) -> None:  # noqa: ANN001
     with pytest.raises(InputError, match=pattern):
         call()
+
+
+def test_the_pums_class_count_does_not_depend_on_the_records(tmp_path: Path) -> None:
+    """`employed` is binary by definition: two classes even in a file where nobody is employed, so
+    removing the one employed record of a file cannot change the model's shape (or refuse the run)."""
+    table = pd.read_csv(pums_file("fulton_pums5_full.csv"), nrows=40)
+    table["employed"] = 0
+    table.loc[7, "employed"] = 1
+    with_one, without = tmp_path / "one.csv", tmp_path / "none.csv"
+    table.to_csv(with_one, index=False)
+    table.drop(index=7).to_csv(without, index=False)
+    assert load_dataset("pums", with_one).num_classes == load_dataset("pums", without).num_classes == 2

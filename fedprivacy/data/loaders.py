@@ -146,9 +146,9 @@ def load_pums(
         columns += [*ages.values(), col["educ"] / 16, col["latino"], col["divorced"], col["children"]]
         names += (*ages, *PUMS_EXTRA_FEATURES[1:])
     features = np.clip(np.column_stack(columns).astype(np.float32), 0.0, 1.0)
-    labels, num_classes = (
-        (col[PUMS_LABEL].astype(np.int64), 2) if per_row else class_labels(table, PUMS_LABEL, str(file))
-    )
+    # `employed` is checked 0/1 above: two classes whatever the records (were they counted from the
+    # labels, a file whose one employed record was removed would have one class and be refused)
+    labels, num_classes = col[PUMS_LABEL].astype(np.int64), 2
     return Dataset(
         features=features,
         labels=labels,
