@@ -61,6 +61,7 @@ class RunSettings:
     label_column: str
     image_column: str
     data_split: str
+    num_classes: int | None  # None: unset (0 in the run config)
     partitioning: str
     partition_by: str
     dirichlet_alpha: float

@@ -20,6 +20,7 @@ from typing import Any
 
 from fedprivacy.aggregation import AGGREGATIONS
 from fedprivacy.catalog import DATASETS, PATH_DATASETS, RULE_NAMES
+from fedprivacy.data.arrays import declared_classes
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
 from fedprivacy.errors import InputError, integer_at_least, open_unit, positive, unit_rate
@@ -93,6 +94,13 @@ def _column(field: str, value: Any) -> str:
     if not isinstance(value, str):
         raise InputError(field, value, "must be a string (a column name, or '' for none)")
     return value
+
+
+def _classes_or_unset(field: str, value: Any) -> int | None:
+    """A declared number of classes, or None (0 in the run config) where the source declares its own."""
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return None
+    return declared_classes(field, value)
 
 
 def _split(field: str, value: Any) -> str:
@@ -221,6 +229,16 @@ RUN_KEYS = (
         _split,
         "`hf` (a saved DatasetDict) and `cifar10` only: read one split of the files, e.g. `train`; `''` pools "
         "every split (each client then holds out its own test rows, as with any source)",
+        "data",
+    ),
+    RunKey(
+        "num-classes",
+        0,
+        _classes_or_unset,
+        "`csv`, `npz` and `hf` (unless its label is a ClassLabel): the number of classes, declared and never "
+        "read from the labels (one record would decide the model's output size); labels lie in [0, num-classes). "
+        "`0`: unset (refused for those sources; the others fix their own) (simulations only: a deployed node's "
+        "node config declares it)",
         "data",
     ),
     RunKey(

@@ -315,19 +315,22 @@ CASES = [
         "' '",
         {"client-id": " ", "data-path": "/a.csv", "epsilon": 1, "delta": 1e-6, "public-size": 100},
     ),
-    # CSV cells and labels, through the general loader the apps use (label column y)
-    lib_case("csv", "column x", "abc", None, write("text.csv", "x,y\n1,0\n2,1\nabc,1\n")),
-    lib_case("csv", "column x", "''", None, write("nan.csv", "x,y\n1,0\nnan,1\n")),
-    lib_case("csv", "column x", "inf", None, write("inf.csv", "x,y\n1,0\ninf,1\n")),
-    lib_case("csv", "label column y", "1", None, write("one_class.csv", "x,y\n1,1\n2,1\n3,1\n")),
+    # CSV cells and labels, through the general loader the apps use (label column y, 2 classes declared)
+    lib_case("csv", "column x", "abc", 2, write("text.csv", "x,y\n1,0\n2,1\nabc,1\n")),
+    lib_case("csv", "column x", "''", 2, write("nan.csv", "x,y\n1,0\nnan,1\n")),
+    lib_case("csv", "column x", "inf", 2, write("inf.csv", "x,y\n1,0\ninf,1\n")),
+    lib_case("csv", "label column y", "2", 2, write("third_class.csv", "x,y\n1,1\n2,0\n3,2\n")),
     lib_case(
         "csv",
         "label column y",
-        "9999",
-        None,
+        "1000",
+        2,
         write("classes.csv", "x,y\n" + "".join(f"{i},{i}\n" for i in range(10_000))),
     ),
-    lib_case("csv", "label column y", "0.5", None, write("fraction.csv", "x,y\n1,0\n2,0.5\n")),
+    lib_case("csv", "label column y", "0.5", 2, write("fraction.csv", "x,y\n1,0\n2,0.5\n")),
+    # the number of classes is declared, never read from the labels
+    lib_case("csv", "num-classes", "None", None, write("undeclared.csv", "x,y\n1,0\n2,1\n")),
+    lib_case("csv", "num-classes", "1", 1, write("one_class.csv", "x,y\n1,0\n2,0\n")),
     # a results folder that cannot be written (a file stands where its parent folder should be)
     lib_case("results-dir", "results-dir", "taken", None, write("taken", "a file, not a folder")),
 ]
@@ -347,7 +350,7 @@ def attempt_library(case: Case, file: Path | None) -> None:
     elif case.where == "node-config":
         parse_node_config(case.args[0])
     elif case.where == "csv":
-        load_dataset("csv", file, label="y")
+        load_dataset("csv", file, label="y", num_classes=case.args[0])
     else:  # results-dir: the ServerApp refuses before it writes anything
         config = {**app_defaults(), "results-dir": str(file / "results")}
         run_server(server_app, InProcessGrid.simulation(None, 2, config), config)
@@ -423,7 +426,7 @@ def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path):
     plain.write_text(text, encoding="utf-8")
     marked.write_text(text, encoding="utf-8-sig")
     assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
-    a, b = load_dataset("csv", plain, label="x"), load_dataset("csv", marked, label="x")
+    a, b = (load_dataset("csv", path, label="x", num_classes=4) for path in (plain, marked))
     assert a.feature_names == b.feature_names == ("y",) and (a.labels == b.labels).all()
 
 

@@ -191,13 +191,13 @@ def test_csv_defaults_to_the_other_numeric_columns(tmp_path: Path) -> None:
         }
     ).to_csv(path, index=False)
 
-    data = load_dataset("csv", path, label="y", client_column="site")
+    data = load_dataset("csv", path, label="y", client_column="site", num_classes=2)
     assert data.feature_names == ("x1", "x2") and data.num_classes == 2
     assert data.name == "csv:clinic.csv"
-    chosen = load_dataset("csv", path, label="y", features=["x2"])
+    chosen = load_dataset("csv", path, label="y", features=["x2"], num_classes=2)
     assert chosen.features.shape == (10, 1)
 
-    clients = load_clients("csv", path, scheme="natural", by="site", label="y")
+    clients = load_clients("csv", path, scheme="natural", by="site", label="y", num_classes=2)
     assert [(c.client_id, len(c.train) + len(c.test)) for c in clients] == [("a", 6), ("b", 4)]
 
 
@@ -333,7 +333,7 @@ def test_missing_pums_column_names_the_column_and_file(tmp_path: Path) -> None:
 def test_non_numeric_value_names_column_value_row_and_file(tmp_path: Path) -> None:
     path = write(tmp_path, "x,y\n1.0,0\nabc,1\n2.0,1\n")
     with pytest.raises(InputError) as excinfo:
-        load_dataset("csv", path, label="y", features=["x"])
+        load_dataset("csv", path, label="y", features=["x"], num_classes=2)
     text = message(excinfo)
     assert "column x" in text and "'abc'" in text and "data row 2" in text and "bad.csv" in text
 
@@ -341,7 +341,7 @@ def test_non_numeric_value_names_column_value_row_and_file(tmp_path: Path) -> No
 def test_empty_cell_names_column_and_row(tmp_path: Path) -> None:
     path = write(tmp_path, "x,z,y\n1,5,0\n2,6,1\n3,,1\n")
     with pytest.raises(InputError) as excinfo:
-        load_dataset("csv", path, label="y")
+        load_dataset("csv", path, label="y", num_classes=2)
     text = message(excinfo)
     assert "column z=''" in text and "empty value" in text and "data row 3" in text and "bad.csv" in text
 
@@ -349,7 +349,7 @@ def test_empty_cell_names_column_and_row(tmp_path: Path) -> None:
 def test_infinite_value_names_column_and_row(tmp_path: Path) -> None:
     path = write(tmp_path, "x,y\n1,0\ninf,1\n")
     with pytest.raises(InputError, match="column x=inf: infinite value \\(data row 2 of .*bad.csv\\)"):
-        load_dataset("csv", path, label="y")
+        load_dataset("csv", path, label="y", num_classes=2)
 
 
 def test_no_numeric_feature_lists_the_skipped_columns(tmp_path: Path) -> None:
@@ -370,11 +370,23 @@ def test_pums_value_outside_0_1_names_the_row(tmp_path: Path) -> None:
     assert "column sex=2" in text and "must be 0 or 1" in text and "data row 2" in text
 
 
-def test_single_class_label_names_the_label_and_file(tmp_path: Path) -> None:
-    path = write(tmp_path, "x,y\n1,1\n2,1\n3,1\n")
+def test_the_number_of_classes_must_be_declared_not_read_from_the_labels(tmp_path: Path) -> None:
+    path = write(tmp_path, "x,y\n1,0\n2,1\n3,1\n")
     with pytest.raises(InputError) as excinfo:
         load_dataset("csv", path, label="y")
-    assert "label column y" in message(excinfo) and "only class" in message(excinfo) and "bad.csv" in message(excinfo)
+    assert message(excinfo).startswith("num-classes=None: ") and "bad.csv" in message(excinfo)
+    assert "one record could decide it" in message(excinfo)
+
+
+def test_no_record_decides_the_number_of_classes(tmp_path: Path) -> None:
+    """The only record of the largest class, removed or joined by one with a larger label: the
+    class count (and so the model's shape) stays the declared one, or the file is refused."""
+    full = load_dataset("csv", write(tmp_path, "x,y\n1,0\n2,1\n3,2\n", "full.csv"), label="y", num_classes=5)
+    removed = load_dataset("csv", write(tmp_path, "x,y\n1,0\n2,1\n", "removed.csv"), label="y", num_classes=5)
+    one_class = load_dataset("csv", write(tmp_path, "x,y\n1,1\n2,1\n", "one.csv"), label="y", num_classes=5)
+    assert full.num_classes == removed.num_classes == one_class.num_classes == 5
+    with pytest.raises(InputError, match="label column y=5: .*added.csv: example 3's label is outside \\[0, 5\\)"):
+        load_dataset("csv", write(tmp_path, "x,y\n1,0\n2,1\n3,2\n4,5\n", "added.csv"), label="y", num_classes=5)
 
 
 def test_fractional_label_is_refused(tmp_path: Path) -> None:
@@ -385,7 +397,7 @@ def test_fractional_label_is_refused(tmp_path: Path) -> None:
 
 def test_client_with_one_row_names_the_client_and_only_it_fails(tmp_path: Path) -> None:
     path = write(tmp_path, "site,x,y\na,1,0\na,2,1\na,3,0\nb,4,1\n")
-    options = dict(name="csv", path=path, scheme="natural", by="site", label="y")
+    options = dict(name="csv", path=path, scheme="natural", by="site", label="y", num_classes=2)
     with pytest.raises(InputError) as excinfo:
         load_clients(**options)
     assert message(excinfo).startswith("client b=1: row(s) in its partition") and "at least 2" in message(excinfo)
@@ -398,7 +410,7 @@ def test_client_with_one_row_names_the_client_and_only_it_fails(tmp_path: Path) 
 def test_client_column_with_empty_values_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path, "site,x,y\na,1,0\na,2,1\n,3,0\n")
     with pytest.raises(InputError, match="site.*empty values"):
-        load_clients("csv", path, scheme="natural", by="site", label="y")
+        load_clients("csv", path, scheme="natural", by="site", label="y", num_classes=2)
 
 
 def test_too_many_partitions_for_the_rows() -> None:

@@ -87,7 +87,7 @@ def test_a_source_must_describe_exactly_its_loaders_options():
 def test_an_unknown_source_or_option_is_refused_with_the_choices():
     with refused("dataset", "must be one of: digits, pums, csv, synthetic, npz, hf, cifar10"):
         load_dataset("mnist")
-    with refused("option", r"\['label'\].*the npz dataset accepts: $"):
+    with refused("option", r"\['label'\].*the npz dataset accepts: num_classes$"):
         load_dataset("npz", "/nowhere.npz", label="y")
 
 
@@ -115,7 +115,7 @@ def write_npz(folder: Path, n: int = 60, shape: tuple[int, ...] = (1, 8, 8), cli
 
 def test_npz_loads_images_labels_and_client_ids_as_written(tmp_path):
     path, arrays = write_npz(tmp_path)
-    data = load_dataset("npz", path)
+    data = load_dataset("npz", path, num_classes=4)
     assert data.features.dtype == np.float32 and data.features.shape == (60, 1, 8, 8)
     np.testing.assert_array_equal(data.features, arrays["features"].astype(np.float32))
     assert data.labels.dtype == np.int64 and data.labels.tolist() == (np.arange(60) % 4).tolist()
@@ -125,21 +125,21 @@ def test_npz_loads_images_labels_and_client_ids_as_written(tmp_path):
 
 def test_npz_rows_without_client_ids(tmp_path):
     path, arrays = write_npz(tmp_path, n=30, shape=(5,), clients=None)
-    data = load_dataset("npz", path)
+    data = load_dataset("npz", path, num_classes=4)
     assert data.features.shape == (30, 5) and data.groups is None
     assert data.feature_names == ("x0", "x1", "x2", "x3", "x4")
 
 
 def test_npz_natural_partition_gives_one_client_per_client_id(tmp_path):
     path, _ = write_npz(tmp_path, n=60, clients=3)
-    clients = load_clients("npz", path, scheme="natural", by="client_ids", test_fraction=0.25)
+    clients = load_clients("npz", path, scheme="natural", by="client_ids", test_fraction=0.25, num_classes=4)
     assert [c.client_id for c in clients] == ["site0", "site1", "site2"]
     for k, client in enumerate(clients):
         rows = np.concatenate([client.train.features[:, 0, 0, 0], client.test.features[:, 0, 0, 0]]).astype(int)
         assert sorted(rows.tolist()) == list(range(k, 60, 3))  # pixel [0, 0, 0] is the row index
         assert len(client.test) == 5 and set(client.train.groups) == {f"site{k}"}
     with refused("partition-by", "loaded with client column 'client_ids'"):
-        load_clients("npz", path, scheme="natural", by="writer")
+        load_clients("npz", path, scheme="natural", by="writer", num_classes=4)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_npz_natural_partition_gives_one_client_per_client_id(tmp_path):
             r"one integer label per example, shape \[4\]",
         ),
         ({"features": np.zeros((4, 2)), "labels": np.array([0, 1, -1, 0])}, "labels", "example 2's label is outside"),
-        ({"features": np.zeros((4, 2)), "labels": np.zeros(4, dtype=int)}, "labels", "at least two classes"),
+        ({"features": np.zeros((4, 2)), "labels": np.array([0, 1, 2, 0])}, "labels", r"2's label is outside \[0, 2\)"),
         (
             {"features": np.zeros((4, 2)), "labels": np.arange(4) % 2, "client_ids": np.array([1.0, np.nan, 1, 1])},
             "client_ids",
@@ -170,7 +170,7 @@ def test_npz_bad_arrays_are_refused_by_name(tmp_path, arrays, field, match):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
     with refused(field, match):
-        load_dataset("npz", path)
+        load_dataset("npz", path, num_classes=2)
 
 
 def test_npz_an_object_array_is_refused_without_unpickling(tmp_path):
@@ -196,11 +196,30 @@ def test_npz_a_file_that_is_not_an_archive_is_refused(tmp_path):
 
 def test_npz_an_edited_file_is_read_again(tmp_path):
     path, _ = write_npz(tmp_path, n=30)
-    first = load_dataset("npz", path)
-    assert load_dataset("npz", path) is first
+    first = load_dataset("npz", path, num_classes=4)
+    assert load_dataset("npz", path, num_classes=4) is first
     write_npz(tmp_path, n=40)
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
-    assert len(load_dataset("npz", path)) == 40
+    assert len(load_dataset("npz", path, num_classes=4)) == 40
+
+
+def test_npz_the_number_of_classes_is_declared_and_no_record_changes_it(tmp_path):
+    """K is the declared count, whatever the labels hold: without the only example of the largest
+    label it stays, and an example with a label beyond it refuses the file instead of widening K."""
+    path, arrays = write_npz(tmp_path, n=12)  # labels i % 4
+    with refused("num-classes", "must be declared, not read from the labels"):
+        load_dataset("npz", path)
+    for bad in (1, 1001, 2.5, True):
+        with refused("num-classes", "must be an integer from 2 to 1000"):
+            load_dataset("npz", path, num_classes=bad)
+    assert load_dataset("npz", path, num_classes=6).num_classes == 6
+    without = tmp_path / "without.npz"
+    np.savez(without, features=arrays["features"][:-1], labels=np.arange(11) % 4 % 3)  # no label 3 left
+    assert load_dataset("npz", without, num_classes=6).num_classes == 6
+    added = tmp_path / "added.npz"
+    np.savez(added, features=arrays["features"], labels=np.append(np.arange(11) % 4, 6))
+    with refused("labels", r"example 11's label is outside \[0, 6\), the declared classes"):
+        load_dataset("npz", added, num_classes=6)
 
 
 # --- Hugging Face datasets ---------------------------------------------------------------------
@@ -290,9 +309,18 @@ def test_hf_parquet_file_and_folder_give_the_saved_arrays(tmp_path, saved_dict):
 def test_hf_numeric_array_column_and_integer_labels(tmp_path):
     rows = np.arange(12, dtype=np.float64).reshape(6, 2)
     datasets.Dataset.from_dict({"x": rows.tolist(), "y": [0, 1, 2, 0, 1, 2]}).save_to_disk(str(tmp_path / "rows"))
-    data = load_dataset("hf", tmp_path / "rows", image_column="x", label="y")
+    with refused("num-classes", "must be declared, not read from the labels"):
+        load_dataset("hf", tmp_path / "rows", image_column="x", label="y")
+    data = load_dataset("hf", tmp_path / "rows", image_column="x", label="y", num_classes=5)
     np.testing.assert_array_equal(data.features, rows.astype(np.float32))
-    assert data.labels.tolist() == [0, 1, 2, 0, 1, 2] and data.num_classes == 3
+    assert data.labels.tolist() == [0, 1, 2, 0, 1, 2] and data.num_classes == 5
+
+
+def test_hf_a_class_label_declares_the_count_and_num_classes_may_only_agree(saved_dict):
+    folder, _, _ = saved_dict  # label: a ClassLabel of 4 names
+    assert load_dataset("hf", folder).num_classes == load_dataset("hf", folder, num_classes=4).num_classes == 4
+    with refused("num-classes", "its label column label is a ClassLabel of 4 classes"):
+        load_dataset("hf", folder, num_classes=5)
 
 
 def test_hf_bad_folders_columns_and_images_are_refused_by_name(tmp_path, saved_dict):
@@ -462,7 +490,7 @@ def test_cifar10_a_pickle_that_calls_os_system_is_refused_without_running(tmp_pa
                 pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]})
             ),
             "labels",
-            r"example 31's label is outside \[0, 10\), its declared classes",
+            r"example 31's label is outside \[0, 10\), the declared classes",
         ),
     ],
 )
@@ -522,6 +550,25 @@ def test_a_folder_source_needs_a_folder_and_is_identified_by_its_content(tmp_pat
         require_data_file(npz)
 
 
+def test_num_classes_is_set_by_the_run_config_and_is_not_part_of_the_accounts(tmp_path):
+    """The run key reaches the loader; changing it changes no account (the same records under
+    another declared count spend from one budget), and leaving it unset refuses the simulation."""
+    path, _ = write_npz(tmp_path, n=60, clients=3)
+    base = {"dataset": "npz", "data-path": str(path), "partition-by": "client_ids"}
+    four, six = (parse_run_config({**base, "num-classes": k}) for k in (4, 6))
+    assert partition_kwargs(four, 3)["num_classes"] == 4
+    assert [c.train.num_classes for c in load_clients(**partition_kwargs(six, 3))] == [6, 6, 6]
+    assert partitioning_of(four, 3) == partitioning_of(six, 3) and "num_classes" not in partitioning_of(four, 3)
+    assert dataset_identity(four) == dataset_identity(six)
+    unset = parse_run_config(base)
+    assert unset.num_classes is None and "num_classes" not in partition_kwargs(unset, 3)
+    with refused("num-classes", "Set num-classes in the run config"):
+        load_clients(**partition_kwargs(unset, 3))
+    for bad in (1, 1001, 2.5, "4", True):
+        with refused("num-classes", "must be an integer from 2 to 1000"):
+            parse_run_config({**base, "num-classes": bad})
+
+
 @pytest.mark.parametrize("key", ["image-column", "data-split"])
 def test_the_new_run_keys_take_strings_only(key):
     with refused(key, "must be a string"):
@@ -530,7 +577,7 @@ def test_the_new_run_keys_take_strings_only(key):
 
 def test_pyproject_declares_the_new_keys_beside_label_column():
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert 'label-column = ""\nimage-column = ""\ndata-split = ""\n' in text
+    assert 'label-column = ""\nimage-column = ""\ndata-split = ""\nnum-classes = 0\n' in text
 
 
 # --- end to end --------------------------------------------------------------------------------
@@ -551,6 +598,7 @@ def test_an_npz_image_data_set_trains_the_cnn_for_two_rounds_on_the_fast_engine(
         "dataset": "npz",
         "data-path": str(path),
         "partition-by": "client_ids",
+        "num-classes": 10,
         "model": "cnn",
         "num-server-rounds": 2,
         "rule": "calibrated",

@@ -44,27 +44,42 @@ def pixels(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float32) / np.float32(255.0)
 
 
+UNDECLARED_CLASSES = (
+    "the number of classes must be declared, not read from the labels: the largest label would set "
+    "the model's output size, which every client sends, so one record could decide it. Set num-classes "
+    "in the run config (num_classes= when loading in Python)"
+)
+
+
+def declared_classes(field: str, value: object) -> int:
+    """A declared number of classes: an integer in [2, MAX_CLASSES]."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 2 <= int(value) <= MAX_CLASSES:
+        raise InputError(field, value, f"must be an integer from 2 to {MAX_CLASSES}")
+    return int(value)
+
+
 def class_labels(
-    values: np.ndarray, field: str, source: str, n: int, num_classes: int | None = None
+    values: np.ndarray, field: str, source: str, n: int, num_classes: int | None
 ) -> tuple[np.ndarray, int]:
-    """Integer labels [n] as int64 and the number of classes K: the metadata's when it declares one,
-    else the largest label + 1. Labels must lie in [0, K) with K in [2, MAX_CLASSES]."""
+    """Integer labels [n] as int64, each in [0, num_classes).
+
+    K is declared (by the caller, or by the file's own metadata), never read from the labels: a
+    file whose labels set K would let one record decide the model's shape (docs/data.md).
+    """
     if values.shape != (n,):
         raise InputError(field, list(values.shape), f"{source}: needs one integer label per example, shape [{n}]")
     if not np.issubdtype(values.dtype, np.integer) or values.dtype == np.bool_:
         raise InputError(field, str(values.dtype), f"{source}: labels must be integers (class 0, 1, …)")
+    if num_classes is None:
+        raise InputError("num-classes", None, f"{source}: {UNDECLARED_CLASSES}")
+    num_classes = declared_classes("num-classes", num_classes)
     labels = values.astype(np.int64)
-    largest = int(labels.max()) if labels.size else -1
-    limit = num_classes if num_classes is not None else min(largest + 1, MAX_CLASSES)
-    bad = (labels < 0) | (labels >= limit)
+    bad = (labels < 0) | (labels >= num_classes)
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
-        classes = "its declared classes" if num_classes is not None else "the classes allowed"
-        raise InputError(field, int(labels[row]), f"{source}: example {row}'s label is outside [0, {limit}), {classes}")
-    classes = limit if num_classes is not None else largest + 1
-    if classes < 2:
-        raise InputError(field, classes, f"{source}: a classifier needs at least two classes")
-    return labels, classes
+        where = f"{source}: example {row}'s label"
+        raise InputError(field, int(labels[row]), f"{where} is outside [0, {num_classes}), the declared classes")
+    return labels, num_classes
 
 
 def client_groups(values: np.ndarray, field: str, source: str, n: int) -> np.ndarray:

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from fedprivacy.data.arrays import class_labels, declared_classes
 from fedprivacy.data.registry import find_source, path_key
-from fedprivacy.data.tables import cell, class_labels, numeric_column, read_table, readable_rows
+from fedprivacy.data.tables import cell, integer_labels, numeric_column, read_table, readable_rows
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError, integer_at_least
 
@@ -176,21 +177,24 @@ def load_csv(
     features: Sequence[str] | None = None,
     client_column: str | None = None,
     num_classes: int | None = None,
+    per_row: bool = False,
 ) -> Dataset:
-    """Any CSV: the user names the label column, and optionally the features and the client column.
+    """Any CSV: the user names the label column and declares the number of classes (never read
+    from the labels, see `class_labels`), and optionally the features and the client column.
 
     Features default to every other numeric column (a column mostly of numbers counts, and its
-    other cells are refused by name). With `num_classes` and `features` declared (a deployed
-    client's node config), nothing is inferred from the records: a row whose features are not all
-    finite numbers or whose label is not an integer in [0, num_classes) is dropped alone
+    other cells are refused by name). With `per_row` (a deployed client's file, whose node config
+    names its feature columns), nothing is inferred from the records: a row whose features are not
+    all finite numbers or whose label is not an integer in [0, num_classes) is dropped alone
     (`_rows_kept`), so no single record can fail the client.
     """
     file = _needs_path("csv", path)
     if not label:
         raise InputError("label", label, "the csv dataset needs label=<the label column>")
-    per_row = num_classes is not None
-    if per_row and not features:
-        raise InputError("features", features, "declared classes need declared feature columns too")
+    if num_classes is not None:
+        num_classes = declared_classes("num-classes", num_classes)
+    if per_row and (not features or num_classes is None):
+        raise InputError("per_row", per_row, "dropping bad rows one by one needs declared features and num_classes")
     table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])], per_row=per_row)
     if per_row:
         labels = pd.to_numeric(table[label], errors="coerce").to_numpy(dtype=np.float64)
@@ -208,10 +212,9 @@ def load_csv(
         )
     if label in features:
         raise InputError("features", label, "the label column cannot also be a feature")
-    if per_row:
-        labels = numeric_column(table, label, str(file)).astype(np.int64)
-    else:
-        labels, num_classes = class_labels(table, label, str(file))
+    labels, num_classes = class_labels(
+        integer_labels(table, label, str(file)), f"label column {label}", str(file), len(table), num_classes
+    )
     matrix = np.column_stack([numeric_column(table, c, str(file)) for c in features]).astype(np.float32)
     return Dataset(
         features=matrix,

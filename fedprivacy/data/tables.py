@@ -141,30 +141,16 @@ def readable_rows(table: pd.DataFrame, columns: Iterable[str]) -> np.ndarray:
     return keep
 
 
-def class_labels(table: pd.DataFrame, column: str, source: str) -> tuple[np.ndarray, int]:
-    """Integer class labels 0..K-1 and K; a label with a single class cannot train a classifier."""
+def integer_labels(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
+    """The label column as int64, or an error naming the first cell that is not an integer >= 0
+    (whether each lies below the declared number of classes is `arrays.class_labels`'s check)."""
     numbers = numeric_column(table, column, source)
-    bad = (numbers != np.round(numbers)) | (numbers < 0)
+    bad = (numbers != np.round(numbers)) | (numbers < 0) | (numbers >= MAX_CLASSES)
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise InputError(
             f"label column {column}",
             cell(table, column, row),
-            f"labels must be integers >= 0 (data row {row + 1} of {source})",
+            f"labels must be integers from 0 to {MAX_CLASSES - 1} (data row {row + 1} of {source})",
         )
-    labels = numbers.astype(np.int64)
-    classes = np.unique(labels)
-    if classes.max() >= MAX_CLASSES:
-        raise InputError(
-            f"label column {column}",
-            int(classes.max()),
-            f"labels must be below {MAX_CLASSES} (data row {int(np.argmax(labels)) + 1} of {source}): "
-            "a classifier head that wide is not what these models are for",
-        )
-    if classes.size < 2:
-        raise InputError(
-            f"label column {column}",
-            int(classes[0]),
-            f"is the only class in {source}; a classifier needs at least two",
-        )
-    return labels, int(classes.max()) + 1
+    return numbers.astype(np.int64)

@@ -5,7 +5,8 @@ from fedprivacy.data.registry import Source
 
 SOURCE = Source(
     name="csv",
-    summary="any CSV file: a label column, numeric feature columns, an optional client column",
+    summary="any CSV file: a label column and its declared number of classes, numeric feature columns, "
+    "an optional client column",
     loader=load_csv,
     reads="file",
     path_help="a CSV file",
@@ -13,9 +14,10 @@ SOURCE = Source(
         "label": "the label column (required): integers from 0",
         "features": "the feature columns (default: every other numeric column)",
         "client_column": "each row's natural client",
-        "num_classes": "declared classes (a deployed node): a row with a bad cell or label is then dropped alone",
+        "num_classes": "the number of classes (required): labels lie in [0, num_classes)",
+        "per_row": "a deployed node's file (features declared): a row with a bad cell or label is dropped alone",
     },
-    run_keys={"label": "label-column"},
+    run_keys={"label": "label-column", "num_classes": "num-classes"},
     client_option="client_column",
     deployable=True,
 )

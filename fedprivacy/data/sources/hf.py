@@ -136,9 +136,13 @@ def load_hf(
     label: str = "label",
     client_column: str | None = None,
     split: str | None = None,
+    num_classes: int | None = None,
 ) -> Dataset:
     """Features from `image_column` (an Image feature, decoded; or numeric arrays), labels from
-    `label`, each example's natural client from `client_column` (e.g. FEMNIST's writer)."""
+    `label`, each example's natural client from `client_column` (e.g. FEMNIST's writer).
+
+    The number of classes is the label's `ClassLabel` (the files' own declaration) or `num_classes`;
+    both given must agree; neither is refused (`class_labels`)."""
     import datasets
 
     if path is None or not path.exists():
@@ -157,8 +161,15 @@ def load_hf(
     else:
         features = float_features(_numbers(table, feature), f"column {feature}", where)
     label_type = table.features[label]
-    declared = label_type.num_classes if isinstance(label_type, datasets.ClassLabel) else None
-    labels, num_classes = class_labels(_numbers(table, label), f"column {label}", where, len(table), declared)
+    if isinstance(label_type, datasets.ClassLabel):
+        if num_classes is not None and num_classes != label_type.num_classes:
+            raise InputError(
+                "num-classes",
+                num_classes,
+                f"{where}: its label column {label} is a ClassLabel of {label_type.num_classes} classes",
+            )
+        num_classes = label_type.num_classes
+    labels, num_classes = class_labels(_numbers(table, label), f"column {label}", where, len(table), num_classes)
     groups = None
     if client_column is not None:
         column = _column(table, "partition-by", client_column, where)
@@ -177,7 +188,8 @@ def load_hf(
 SOURCE = Source(
     name="hf",
     summary="Hugging Face `datasets` on disk (`save_to_disk`) or parquet: an Image column decoded to "
-    "[n, C, H, W] in [0, 1] (or numeric arrays), integer or ClassLabel labels, an optional client column",
+    "[n, C, H, W] in [0, 1] (or numeric arrays), ClassLabel labels (or integers and a declared number of "
+    "classes), an optional client column",
     loader=load_hf,
     reads="file or folder",
     path_help="a `save_to_disk` folder, a .parquet file or a folder of them",
@@ -186,7 +198,13 @@ SOURCE = Source(
         "label": "the label column: a ClassLabel (its classes are K) or integers from 0",
         "client_column": "each example's natural client, e.g. a writer id (FEMNIST)",
         "split": "one split of a saved DatasetDict (`train`, `test`, …); unset: every split, pooled",
+        "num_classes": "the number of classes, required unless the label is a ClassLabel (then it must agree)",
     },
-    run_keys={"image_column": "image-column", "label": "label-column", "split": "data-split"},
+    run_keys={
+        "image_column": "image-column",
+        "label": "label-column",
+        "split": "data-split",
+        "num_classes": "num-classes",
+    },
     client_option="client_column",
 )

@@ -45,9 +45,10 @@ def _arrays(file: Path) -> dict[str, np.ndarray]:
         raise InputError("data", str(file), f"is not a readable .npz file ({exc})") from None
 
 
-def load_npz(path: Path | None = None) -> Dataset:
+def load_npz(path: Path | None = None, num_classes: int | None = None) -> Dataset:
     """Features (any per-example shape: [n, d] rows or [n, C, H, W] images) as float32, labels as
-    int64 with K = largest label + 1, and `client_ids` (if present) as each example's natural client."""
+    int64 in [0, num_classes) (declared, never read from the labels), and `client_ids` (if present)
+    as each example's natural client."""
     if path is None or not path.is_file():
         raise InputError("path", None if path is None else str(path), "the npz dataset needs path=<a .npz file>")
     arrays = _arrays(path)
@@ -63,7 +64,7 @@ def load_npz(path: Path | None = None) -> Dataset:
     where = str(path)
     n = example_count(arrays["features"], "features", where)
     features = float_features(arrays["features"], "features", where)
-    labels, num_classes = class_labels(arrays["labels"], "labels", where, n)
+    labels, num_classes = class_labels(arrays["labels"], "labels", where, n, num_classes)
     groups = client_groups(arrays[CLIENT_IDS], CLIENT_IDS, where, n) if CLIENT_IDS in arrays else None
     return Dataset(
         features=features,
@@ -78,10 +79,11 @@ def load_npz(path: Path | None = None) -> Dataset:
 
 SOURCE = Source(
     name="npz",
-    summary="NumPy arrays: `features` (any per-example shape), integer `labels`, optional `client_ids` "
-    "(natural clients); read without pickle",
+    summary="NumPy arrays: `features` (any per-example shape), integer `labels` (the number of classes "
+    "declared), optional `client_ids` (natural clients); read without pickle",
     loader=load_npz,
     reads="file",
     path_help="a .npz file",
-    option_help={},
+    option_help={"num_classes": "the number of classes (required): labels lie in [0, num_classes)"},
+    run_keys={"num_classes": "num-classes"},
 )
