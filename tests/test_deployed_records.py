@@ -11,6 +11,7 @@ The attacks this file holds shut, each through the real deployed client:
 
 from __future__ import annotations
 
+import csv
 import sqlite3
 from collections import Counter
 from pathlib import Path
@@ -294,6 +295,60 @@ def test_a_bad_row_is_dropped_alone_so_no_record_can_fail_the_client(tmp_path, d
         lines.insert(6, "1.0,2.0,3.0,1,extra")
         (tmp_path / "with.csv").write_text("\n".join(lines) + "\n")
     assert training_rows(tmp_path / "with.csv", tmp_path) == training_rows(tmp_path / "without.csv", tmp_path)
+
+
+BAD_LINES = {  # (where it goes: 1 = the first data row, the bad line)
+    # an unmatched quote: pandas read on through the next lines' quotes, swallowing their records
+    "unmatched quote": (6, b'7.0,"oops,3.0,1'),
+    # one field too many in the first data row: pandas took the first column for the index and
+    # shifted every column of every row
+    "extra field, first row": (1, b"1.0,2.0,3.0,1,extra"),
+    # a byte that is not UTF-8: pandas failed the whole file
+    "not UTF-8": (6, b"1.0,\xff,3.0,1"),
+    # a 400-digit integer in the integer label column: pandas kept it as a Python int, and the
+    # finiteness check overflowed
+    "400 digits": (6, b"1.0,2.0,3.0,1" + b"0" * 400),
+    # finite as float64, infinite as float32: it reached training as inf
+    "beyond float32": (6, b"1e39,2.0,3.0,1"),
+    # Python's float() reads it, a CSV reader would not: the line reader must not either
+    "python-only number": (6, b"1_000,2.0,3.0,1"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(BAD_LINES))
+def test_no_line_can_change_how_another_is_read(tmp_path, damage):
+    """Each line of a deployed node's file is decoded, split and converted alone: a bad line is left
+    out, and every other record reads as in the neighbouring file without it. The file's cells are
+    quoted, as spreadsheets often write them, so that a stray quote has quotes to pair with."""
+    position, bad = BAD_LINES[damage]
+    random_table(11, 40).to_csv(tmp_path / "without.csv", index=False, quoting=csv.QUOTE_ALL)
+    lines = (tmp_path / "without.csv").read_bytes().splitlines()
+    lines.insert(position, bad)
+    (tmp_path / "with.csv").write_bytes(b"\n".join(lines) + b"\n")
+    without = training_rows(tmp_path / "without.csv", tmp_path)
+    assert sum(without.values()) == 40
+    assert training_rows(tmp_path / "with.csv", tmp_path) == without
+
+
+def test_a_pums_node_reads_each_line_alone_and_has_no_size_limit(tmp_path, monkeypatch):
+    """The PUMS layout too: an extra field in the first data row leaves that row out, not the file.
+    A size limit would let one record push the file over it and fail the client, so a deployed
+    node's file has none (it is streamed; only the used cells are kept)."""
+    from fedprivacy.data import tables
+
+    source = (Path(__file__).parents[1].parent / "shared/data/pums/fulton_pums5_sample100.csv").read_bytes()
+    lines = source.splitlines()
+    (tmp_path / "without.csv").write_bytes(source)
+    (tmp_path / "with.csv").write_bytes(b"\n".join([lines[0], lines[1] + b",extra", *lines[1:]]) + b"\n")
+    monkeypatch.setattr(tables, "MAX_FILE_BYTES", 100)
+    node = {**csv_node(tmp_path / "without.csv", tmp_path), "dataset": "pums"}
+    for key in ("label-column", "feature-columns", "num-classes"):
+        node.pop(key)
+    sizes = []
+    for name in ("without.csv", "with.csv"):
+        client = deployed_client(RUN, parse_node_config({**node, "data-path": str(tmp_path / name)}))
+        sizes.append(client.data.num_examples)
+    assert sizes == [100, 100]
 
 
 def test_a_file_of_one_class_or_no_rows_trains_as_any_other(tmp_path):

@@ -18,7 +18,8 @@ import pandas as pd
 
 from fedprivacy.data.arrays import class_labels, declared_classes
 from fedprivacy.data.registry import find_source, path_key
-from fedprivacy.data.tables import cell, integer_labels, numeric_column, read_table, readable_rows
+from fedprivacy.data.rows import read_numeric_rows
+from fedprivacy.data.tables import cell, integer_labels, numeric_column, read_table
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError, integer_at_least
 
@@ -109,20 +110,21 @@ def load_pums(
     `client_column` (default the PUMA) is kept as each row's natural client. `age="bands"` replaces
     the single age/100 feature by one indicator per band of `PUMS_AGE_BANDS`: employment rises and
     falls with age, which a linear feature cannot express. `per_row` (a deployed client's file):
-    a row with a bad cell is dropped alone, instead of refusing the file (`_rows_kept`).
+    each line is read alone (`fedprivacy.data.rows`), and a row with a bad cell is left out alone
+    instead of refusing the file (`_rows_kept`), so no record can change how another is read.
     """
     file = _needs_path("pums", path)
     extended = _flag("extended", extended)
     if age not in PUMS_AGE_ENCODINGS:
         raise InputError("pums-age", age, f"must be one of: {', '.join(PUMS_AGE_ENCODINGS)}")
     needed = _PUMS_COLUMNS + (_PUMS_EXTRA_COLUMNS if extended else ())
-    table = read_table(file, needed + ((client_column,) if client_column else ()), per_row=per_row)
     if per_row:
+        _one_client(client_column)
+        table = read_numeric_rows(file, needed)
         binary = [c for c in needed if c not in _PUMS_NOT_BINARY]
-        keep = readable_rows(table, needed)
-        for c in binary:
-            keep &= pd.to_numeric(table[c], errors="coerce").isin((0.0, 1.0)).to_numpy()
-        table = _rows_kept(table, keep, file)
+        table = _rows_kept(table, table[binary].isin((0.0, 1.0)).all(axis=1).to_numpy(), file)
+    else:
+        table = read_table(file, needed + ((client_column,) if client_column else ()))
     col = {c: numeric_column(table, c, str(file)) for c in needed}
     for c in (c for c in needed if c not in _PUMS_NOT_BINARY):
         outside = ~np.isin(col[c], (0.0, 1.0))
@@ -184,22 +186,25 @@ def load_csv(
 
     Features default to every other numeric column (a column mostly of numbers counts, and its
     other cells are refused by name). With `per_row` (a deployed client's file, whose node config
-    names its feature columns), nothing is inferred from the records: a row whose features are not
-    all finite numbers or whose label is not an integer in [0, num_classes) is dropped alone
-    (`_rows_kept`), so no single record can fail the client.
+    names its feature columns), nothing is inferred from the records and each line is read alone
+    (`fedprivacy.data.rows`): a row whose features are not all finite numbers or whose label is
+    not an integer in [0, num_classes) is left out alone (`_rows_kept`), so no record can fail the
+    client or change how another is read.
     """
     file = _needs_path("csv", path)
     if not label:
         raise InputError("label", label, "the csv dataset needs label=<the label column>")
     if num_classes is not None:
         num_classes = declared_classes("num-classes", num_classes)
-    if per_row and (not features or num_classes is None):
-        raise InputError("per_row", per_row, "dropping bad rows one by one needs declared features and num_classes")
-    table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])], per_row=per_row)
     if per_row:
-        labels = pd.to_numeric(table[label], errors="coerce").to_numpy(dtype=np.float64)
-        valid_label = np.isfinite(labels) & (labels == np.round(labels)) & (labels >= 0) & (labels < num_classes)
-        table = _rows_kept(table, readable_rows(table, features) & valid_label, file)
+        if not features or num_classes is None:
+            raise InputError("per_row", per_row, "reading row by row needs declared features and num_classes")
+        _one_client(client_column)
+        table = read_numeric_rows(file, [label, *features])
+        labels = table[label].to_numpy()
+        table = _rows_kept(table, (labels == np.round(labels)) & (labels >= 0) & (labels < num_classes), file)
+    else:
+        table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])])
     if features is None:
         excluded = {label, client_column}
         features = [c for c in table.columns if c not in excluded and _numeric_feature(table[c])]
@@ -227,11 +232,17 @@ def load_csv(
     )
 
 
+def _one_client(client_column: str | None) -> None:
+    """A file read row by row is one deployed node's: it holds one client, so no client column."""
+    if client_column is not None:
+        raise InputError("client_column", client_column, "a file read row by row (per_row) is one client's: set None")
+
+
 def _rows_kept(table: pd.DataFrame, keep: np.ndarray, file: Path) -> pd.DataFrame:
     """The rows of `keep`; how many were dropped goes to this machine's log only (it counts records)."""
     if not keep.all():
         logger.warning(
-            "%s: %d row(s) with a bad cell or label left out (each row is read or dropped on its own)",
+            "%s: %d row(s) with a value outside its column's range left out (each row is kept or left out alone)",
             file,
             int((~keep).sum()),
         )

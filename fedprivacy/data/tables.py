@@ -24,37 +24,43 @@ MAX_CLASSES = 1000
 OTHER_SEPARATORS = (";", "\t", "|")
 
 
-def _check_header(file: Path, shown: str) -> None:
-    """Refuse duplicated column names (pandas would rename them silently) and other separators."""
+def read_header(path: str | Path, required_columns: Iterable[str] = ()) -> list[str]:
+    """The file's column names, once it is known to exist, to hold a header with distinct names
+    separated by commas (a byte-order mark is fine), and to have every required column."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise InputError("data", str(path), "no such file: pass the path of a CSV file")
     with file.open(newline="", encoding="utf-8-sig", errors="replace") as handle:
         header = next(csv.reader(handle), [])
+    if not header:
+        raise InputError("data", str(path), "the file is empty: it needs a header and rows")
     duplicated = sorted({name for name in header if header.count(name) > 1})
     if duplicated:
         raise InputError(
             "column",
             duplicated[0],
-            f"appears {header.count(duplicated[0])} times in the header of {shown}: every column needs its own name",
+            f"appears {header.count(duplicated[0])} times in the header of {path}: every column needs its own name",
         )
     if len(header) == 1:
         for separator in OTHER_SEPARATORS:
             if separator in header[0]:
                 raise InputError(
                     "data",
-                    shown,
+                    str(path),
                     f"its header is one column holding {separator!r}: fedprivacy reads "
                     "comma-separated files; save it with ',' as the separator",
                 )
+    missing = [c for c in required_columns if c not in header]
+    if missing:
+        raise InputError("column", missing[0], f"not a column of {path}; its columns are: {', '.join(header)}")
+    return header
 
 
-def read_table(path: str | Path, required_columns: Iterable[str] = (), *, per_row: bool = False) -> pd.DataFrame:
+def read_table(path: str | Path, required_columns: Iterable[str] = ()) -> pd.DataFrame:
     """Read a CSV file; fail clearly if it is missing, empty, too large or lacks a required column.
-
-    `per_row` (a deployed client's own file): whether a row is read depends on that row alone, so
-    a line with too many fields is skipped instead of failing the file, and a file with a header
-    but no rows is an empty table; the file and its header are still checked."""
+    (A deployed node's own file is read line by line instead: `fedprivacy.data.rows`.)"""
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise InputError("data", str(path), "no such file: pass the path of a CSV file")
+    read_header(file, required_columns)
     size = file.stat().st_size
     if size > MAX_FILE_BYTES:
         raise InputError(
@@ -63,22 +69,14 @@ def read_table(path: str | Path, required_columns: Iterable[str] = (), *, per_ro
             f"is {size / 2**20:,.0f} MiB; files up to {MAX_FILE_BYTES // 2**20} MiB are "
             "read (each client holds its table in memory): split it or keep only the columns used",
         )
-    _check_header(file, str(path))
     try:
-        table = pd.read_csv(file, encoding="utf-8-sig", on_bad_lines="skip" if per_row else "error")
+        table = pd.read_csv(file, encoding="utf-8-sig")
     except pd.errors.EmptyDataError:
         raise InputError("data", str(path), "the file is empty: it needs a header and rows") from None
     except (pd.errors.ParserError, UnicodeDecodeError) as exc:
         raise InputError("data", str(path), f"not a readable CSV file ({exc})") from None
-    if table.empty and not per_row:
+    if table.empty:
         raise InputError("data", str(path), "the file has a header but no rows")
-    missing = [c for c in required_columns if c not in table.columns]
-    if missing:
-        raise InputError(
-            "column",
-            missing[0],
-            f"not a column of {path}; its columns are: {', '.join(map(str, table.columns))}",
-        )
     return table
 
 
@@ -130,15 +128,6 @@ def numeric_column(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
             where = f"data row {row + 1} of {source}"
             raise InputError(f"column {column}", cell(table, column, row), f"{what} ({where}); {fix}")
     return numbers
-
-
-def readable_rows(table: pd.DataFrame, columns: Iterable[str]) -> np.ndarray:
-    """Rows whose cells in `columns` are all finite numbers (bool mask): a deployed client keeps
-    those and drops the others one by one, so that no single record can fail it."""
-    keep = np.ones(len(table), dtype=bool)
-    for column in columns:
-        keep &= np.isfinite(pd.to_numeric(table[column], errors="coerce").astype(np.float64).to_numpy())
-    return keep
 
 
 def integer_labels(table: pd.DataFrame, column: str, source: str) -> np.ndarray:

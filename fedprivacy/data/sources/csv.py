@@ -15,7 +15,7 @@ SOURCE = Source(
         "features": "the feature columns (default: every other numeric column)",
         "client_column": "each row's natural client",
         "num_classes": "the number of classes (required): labels lie in [0, num_classes)",
-        "per_row": "a deployed node's file (features declared): a row with a bad cell or label is dropped alone",
+        "per_row": "a deployed node's file (features declared): each line read alone, a bad row left out alone",
     },
     run_keys={"label": "label-column", "num_classes": "num-classes"},
     client_option="client_column",

@@ -13,7 +13,7 @@ SOURCE = Source(
         "extended": "add age, educ/16, latino, divorced and children to the 10 binary features",
         "client_column": "each row's natural client (None: none)",
         "age": "`linear` (age/100) or `bands` (one 0/1 feature per fixed age band)",
-        "per_row": "a deployed node's file: a row with a bad cell is dropped alone instead of refusing the file",
+        "per_row": "a deployed node's file: each line read alone, a row with a bad cell left out alone",
     },
     run_keys={"age": "pums-age"},
     client_option="client_column",

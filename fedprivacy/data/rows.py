@@ -1,0 +1,82 @@
+"""A deployed node's CSV file, read one physical line at a time: no record can change how another
+is read, nor fail the file.
+
+pandas parses a file as a whole: a column's type, the quoting and the index are decided from all
+of its lines, so one record (an unmatched quote, an extra field in the first row, `Ture` in a
+column of `True`/`False`, a byte that is not UTF-8, a 400-digit number) could drop many other
+records or make the read fail, and a failure is what the server sees. Here each line is decoded,
+split and converted on its own; a line that fails any step is left out alone. The header is the
+operator's, not a record: it is read and checked as for any file (`tables.read_header`). Nothing
+limits the file's size either, since one record could push it over a limit: lines are streamed
+and only the used cells are kept, as float64.
+
+What is given up: a quoted cell that holds a line break splits its record in two lines, and both
+are left out; a deployed file should not need one (every used cell is a number).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fedprivacy.data.tables import read_header
+
+logger = logging.getLogger(__name__)
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] | None:
+    """The cells at `positions` of one line as floats finite in float32, or None for a line to leave out."""
+    try:
+        text = line.decode("utf-8").rstrip("\r\n")
+        fields = next(csv.reader([text], strict=True))
+    except (UnicodeDecodeError, csv.Error, StopIteration):
+        return None
+    if len(fields) != width:
+        return None
+    values = []
+    for position in positions:
+        cell = fields[position].strip()
+        if "_" in cell:  # Python's float() reads "1_000"; a CSV number never has one
+            return None
+        try:
+            value = float(cell)
+        except ValueError:
+            return None
+        if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):  # finite once stored as float32
+            return None
+        values.append(value)
+    return values
+
+
+def read_numeric_rows(path: Path, columns: Sequence[str]) -> pd.DataFrame:
+    """`columns` of every line of `path` whose cells there are all numbers (finite in float32), as
+    float64; every other line is left out on its own, and how many goes to this machine's log only.
+
+    Refused, whatever the records: a missing file, an empty one, a header lacking a column."""
+    header = read_header(path, columns)
+    positions = [header.index(column) for column in columns]
+    kept = array("d")
+    left_out = 0
+    with path.open("rb") as handle:
+        handle.readline()  # the header
+        for line in handle:
+            if not line.strip():
+                continue  # a blank line holds no record
+            values = _numbers(line, len(header), positions)
+            if values is None:
+                left_out += 1
+            else:
+                kept.extend(values)
+    if left_out:
+        logger.warning("%s: %d line(s) not a row of numbers left out (each line is read alone)", path, left_out)
+    table = np.frombuffer(kept, dtype=np.float64).reshape(-1, len(columns)).copy()
+    return pd.DataFrame(table, columns=list(columns))
