@@ -88,10 +88,10 @@ class LocalClient:
 
 def _data_options(settings: RunSettings) -> dict[str, Any]:
     """The loader options the run config sets for its source (fedprivacy/data/registry.py maps each
-    option to its key); a key left unset ('', or None for num-classes' 0) keeps the loader's own default."""
+    option to its key); a key left unset ('', () or None) keeps the loader's own default."""
     fields = {key.name: key.field for key in RUN_KEYS}
     values = {option: getattr(settings, fields[key]) for option, key in find_source(settings.dataset).run_keys.items()}
-    return {option: value for option, value in values.items() if value not in ("", None)}
+    return {option: value for option, value in values.items() if value not in ("", None, ())}
 
 
 def _scheme(settings: RunSettings) -> tuple[str, str | None]:
@@ -186,9 +186,9 @@ def simulated_account(dataset_id: str, client_id: str) -> str:
     return f"{dataset_id}/{client_id}"
 
 
-# Loader options that change how a row is encoded or checked (num_classes: the labels' range, a
-# model shape), not which rows a client holds or trains on.
-_ENCODING_ONLY = ("age", "image_column", "num_classes")
+# Loader options that change how a row is encoded or checked (num_classes: the labels' range;
+# features: which cells are read), not which rows a client holds or trains on.
+_ENCODING_ONLY = ("age", "image_column", "num_classes", "features")
 
 
 def partitioning_of(settings: RunSettings, num_clients: int) -> dict[str, Any]:

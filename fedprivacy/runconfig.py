@@ -31,7 +31,7 @@ from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.errors import InputError, integer_at_least, open_unit
 from fedprivacy.privacy import limits
 from fedprivacy.privacy.rules import find_rule
-from fedprivacy.runconfig_keys import DEFAULTS, RUN_KEYS, choice, resolve_path
+from fedprivacy.runconfig_keys import DEFAULTS, RUN_KEYS, choice, column_names, resolve_path
 
 
 def one_per_client(field: str, values: tuple[float, ...], num_clients: int) -> tuple[float, ...]:
@@ -59,6 +59,7 @@ class RunSettings:
     synthetic_features: int
     pums_age: str
     label_column: str
+    feature_columns: tuple[str, ...]  # (): every other column of the header
     image_column: str
     data_split: str
     num_classes: int | None  # None: unset (0 in the run config)
@@ -321,11 +322,9 @@ def _node_columns(
     if not isinstance(label, str) or not label.strip():
         raise InputError("label-column", label, "must name the label column")
     features = node_config["feature-columns"]
-    names = tuple(part.strip() for part in features.split(",")) if isinstance(features, str) else ()
-    if not names or "" in names:
-        raise InputError(
-            "feature-columns", features, "must be a comma-separated list of column names, e.g. 'age,income'"
-        )
+    names = column_names("feature-columns", features)
+    if not names:
+        raise InputError("feature-columns", features, "must name the feature columns, e.g. 'age,income'")
     if label.strip() in names:
         raise InputError("feature-columns", features, f"must not include the label column {label.strip()!r}")
     return label.strip(), names, num_classes

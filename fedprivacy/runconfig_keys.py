@@ -103,6 +103,19 @@ def _classes_or_unset(field: str, value: Any) -> int | None:
     return declared_classes(field, value)
 
 
+def column_names(field: str, value: Any) -> tuple[str, ...]:
+    """'age,income' as ('age', 'income'), each name once; '' as () (unset)."""
+    example = "must be a comma-separated list of distinct column names, e.g. 'age,income'"
+    if not isinstance(value, str):
+        raise InputError(field, value, example)
+    if not value.strip():
+        return ()
+    names = tuple(part.strip() for part in value.split(","))
+    if "" in names or len(set(names)) != len(names):
+        raise InputError(field, value, example)
+    return names
+
+
 def _split(field: str, value: Any) -> str:
     if not isinstance(value, str):
         raise InputError(field, value, "must be a string (a split name such as 'train', or '' for every split)")
@@ -213,6 +226,15 @@ RUN_KEYS = (
         _column,
         "the label's column: `csv` (required) and `hf` (`''`: `label`) (simulations only: a deployed node's "
         "node config names its columns)",
+        "data",
+    ),
+    RunKey(
+        "feature-columns",
+        "",
+        column_names,
+        "`csv` only: the feature columns, comma-separated (`''`: every column of the header but the label "
+        "and client columns, each of which must then be numeric; chosen by the header, never by the cells) "
+        "(simulations only: a deployed node's node config names its columns)",
         "data",
     ),
     RunKey(

@@ -179,9 +179,11 @@ def test_synthetic_is_seeded() -> None:
     assert not np.allclose(synthetic_optimum(10, 1), synthetic_optimum(10, 2))
 
 
-def test_csv_defaults_to_the_other_numeric_columns(tmp_path: Path) -> None:
+def test_csv_features_default_to_the_headers_other_columns(tmp_path: Path) -> None:
+    """The feature columns come from the header, never from the cells: a text column is refused
+    (saying how to leave it out) rather than dropped, so no record can change the model's input."""
     path = tmp_path / "clinic.csv"
-    pd.DataFrame(
+    table = pd.DataFrame(
         {
             "site": ["a"] * 6 + ["b"] * 4,
             "x1": np.arange(10.0),
@@ -189,16 +191,40 @@ def test_csv_defaults_to_the_other_numeric_columns(tmp_path: Path) -> None:
             "x2": np.arange(10) % 3,
             "y": [0, 1] * 5,
         }
-    ).to_csv(path, index=False)
-
-    data = load_dataset("csv", path, label="y", client_column="site", num_classes=2)
+    )
+    table.to_csv(path, index=False)
+    with pytest.raises(InputError, match="column note='free text': not a number .*name the feature columns"):
+        load_dataset("csv", path, label="y", client_column="site", num_classes=2)
+    table.drop(columns="note").to_csv(tmp_path / "numbers.csv", index=False)
+    data = load_dataset("csv", tmp_path / "numbers.csv", label="y", client_column="site", num_classes=2)
     assert data.feature_names == ("x1", "x2") and data.num_classes == 2
-    assert data.name == "csv:clinic.csv"
+    assert data.name == "csv:numbers.csv"
     chosen = load_dataset("csv", path, label="y", features=["x2"], num_classes=2)
     assert chosen.features.shape == (10, 1)
 
-    clients = load_clients("csv", path, scheme="natural", by="site", label="y", num_classes=2)
+    options = dict(scheme="natural", by="site", label="y", features=["x1", "x2"], num_classes=2)
+    clients = load_clients("csv", path, **options)
     assert [(c.client_id, len(c.train) + len(c.test)) for c in clients] == [("a", 6), ("b", 4)]
+
+
+def test_one_record_cannot_change_the_csv_feature_columns(tmp_path: Path) -> None:
+    """A column of True/False, or half numbers, used to be kept or dropped as a feature by its cells:
+    one record (`Ture`, or one more number) changed every client's model input. Now the same
+    columns are read whatever the records, and an unreadable cell refuses the file."""
+    rows = "x,flag,y\n" + "".join(f"{i},{'True' if i % 2 else 'False'},{i % 2}\n" for i in range(20))
+    (tmp_path / "d.csv").write_text(rows)
+    (tmp_path / "added.csv").write_text(rows + "3,Ture,1\n")
+    assert load_dataset("csv", tmp_path / "d.csv", label="y", num_classes=2).feature_names == ("x", "flag")
+    with pytest.raises(InputError, match="column flag="):
+        load_dataset("csv", tmp_path / "added.csv", label="y", num_classes=2)
+    half = "x,z,y\n" + "".join(f"{i},{i if i % 2 else 'txt'},{i % 2}\n" for i in range(20))
+    (tmp_path / "half.csv").write_text(half)
+    with pytest.raises(InputError, match="column z='txt'"):
+        load_dataset("csv", tmp_path / "half.csv", label="y", num_classes=2)
+    assert load_dataset("csv", tmp_path / "half.csv", label="y", features=["x"], num_classes=2).features.shape == (
+        20,
+        1,
+    )
 
 
 def test_loads_are_cached_and_shared_arrays_are_read_only() -> None:
@@ -352,10 +378,13 @@ def test_infinite_value_names_column_and_row(tmp_path: Path) -> None:
         load_dataset("csv", path, label="y", num_classes=2)
 
 
-def test_no_numeric_feature_lists_the_skipped_columns(tmp_path: Path) -> None:
-    path = write(tmp_path, "x,y\n1.0,0\nabc,1\n")
-    with pytest.raises(InputError, match="bad.csv has no numeric column besides the label 'y'; non-numeric: x"):
-        load_dataset("csv", path, label="y")
+def test_no_feature_column_or_a_value_beyond_float32_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "site,y\na,0\nb,1\n")
+    with pytest.raises(InputError, match="bad.csv has no column besides the label 'y' and the client column"):
+        load_dataset("csv", path, label="y", client_column="site", num_classes=2)
+    path = write(tmp_path, "x,y\n1,0\n1e39,1\n")  # finite as float64, inf as float32
+    with pytest.raises(InputError, match="column x=1e\\+39: beyond float32 \\(data row 2"):
+        load_dataset("csv", path, label="y", num_classes=2)
 
 
 def test_pums_value_outside_0_1_names_the_row(tmp_path: Path) -> None:

@@ -569,6 +569,22 @@ def test_num_classes_is_set_by_the_run_config_and_is_not_part_of_the_accounts(tm
             parse_run_config({**base, "num-classes": bad})
 
 
+def test_feature_columns_are_set_by_the_run_config_and_are_not_part_of_the_accounts(tmp_path):
+    path = tmp_path / "clinic.csv"
+    path.write_text("site,x1,note,x2,y\n" + "".join(f"s{i % 2},{i},text,{i % 3},{i % 2}\n" for i in range(20)))
+    base = {"dataset": "csv", "data-path": str(path), "label-column": "y", "num-classes": 2, "partition-by": "site"}
+    chosen = parse_run_config({**base, "feature-columns": " x1, x2"})
+    assert chosen.feature_columns == ("x1", "x2") and partition_kwargs(chosen, 2)["features"] == ("x1", "x2")
+    assert [c.train.features.shape[1] for c in load_clients(**partition_kwargs(chosen, 2))] == [2, 2]
+    unset = parse_run_config(base)
+    assert "features" not in partition_kwargs(unset, 2) and partitioning_of(unset, 2) == partitioning_of(chosen, 2)
+    with refused("column note", "name the feature columns"):
+        load_clients(**partition_kwargs(unset, 2))
+    for bad in ("x1,,x2", "x1,x1", 3):
+        with refused("feature-columns", "comma-separated list of distinct column names"):
+            parse_run_config({**base, "feature-columns": bad})
+
+
 @pytest.mark.parametrize("key", ["image-column", "data-split"])
 def test_the_new_run_keys_take_strings_only(key):
     with refused(key, "must be a string"):
@@ -577,7 +593,7 @@ def test_the_new_run_keys_take_strings_only(key):
 
 def test_pyproject_declares_the_new_keys_beside_label_column():
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert 'label-column = ""\nimage-column = ""\ndata-split = ""\nnum-classes = 0\n' in text
+    assert 'label-column = ""\nfeature-columns = ""\nimage-column = ""\ndata-split = ""\nnum-classes = 0\n' in text
 
 
 # --- end to end --------------------------------------------------------------------------------

@@ -205,22 +205,17 @@ def load_csv(
         table = _rows_kept(table, (labels == np.round(labels)) & (labels >= 0) & (labels < num_classes), file)
     else:
         table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])])
-    if features is None:
-        excluded = {label, client_column}
-        features = [c for c in table.columns if c not in excluded and _numeric_feature(table[c])]
+    chosen = features is not None
+    if features is None:  # from the header alone: which cells are read never depends on the cells
+        features = [str(c) for c in table.columns if c not in (label, client_column)]
     if not features:
-        skipped = [str(c) for c in table.columns if c not in (label, client_column)]
-        raise InputError(
-            "features",
-            [],
-            f"{file} has no numeric column besides the label {label!r}; non-numeric: {', '.join(skipped)}",
-        )
+        raise InputError("features", [], f"{file} has no column besides the label {label!r} and the client column")
     if label in features:
         raise InputError("features", label, "the label column cannot also be a feature")
     labels, num_classes = class_labels(
         integer_labels(table, label, str(file)), f"label column {label}", str(file), len(table), num_classes
     )
-    matrix = np.column_stack([numeric_column(table, c, str(file)) for c in features]).astype(np.float32)
+    matrix = np.column_stack([_feature(table, c, str(file), chosen) for c in features]).astype(np.float32)
     return Dataset(
         features=matrix,
         labels=labels,
@@ -249,9 +244,15 @@ def _rows_kept(table: pd.DataFrame, keep: np.ndarray, file: Path) -> pd.DataFram
     return table[keep].reset_index(drop=True)
 
 
-def _numeric_feature(values: pd.Series) -> bool:
-    """A numeric column, or one mostly of numbers: its few bad cells are errors, not a reason to drop it."""
-    return pd.api.types.is_numeric_dtype(values) or pd.to_numeric(values, errors="coerce").notna().mean() > 0.5
+def _feature(table: pd.DataFrame, column: str, source: str, chosen: bool) -> np.ndarray:
+    """A feature column as numbers; a column the user did not choose says how to leave it out."""
+    try:
+        return numeric_column(table, column, source)
+    except InputError as refused:
+        if chosen:
+            raise
+        hint = "; or name the feature columns (run key feature-columns, Python features=)"
+        raise InputError(refused.field, refused.value, refused.allowed + hint) from None
 
 
 def synthetic_optimum(num_features: int, seed: int) -> np.ndarray:

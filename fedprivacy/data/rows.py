@@ -26,11 +26,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedprivacy.data.tables import read_header
+from fedprivacy.data.tables import FLOAT32_MAX, read_header
 
 logger = logging.getLogger(__name__)
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] | None:

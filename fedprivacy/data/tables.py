@@ -21,6 +21,7 @@ from fedprivacy.errors import InputError
 
 MAX_FILE_BYTES = 512 * 2**20
 MAX_CLASSES = 1000
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger value is inf once stored
 OTHER_SEPARATORS = (";", "\t", "|")
 
 
@@ -121,6 +122,7 @@ def numeric_column(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
         (np.isnan(numbers) & values.notna().to_numpy(), "not a number", "the column must be numeric"),
         (values.isna().to_numpy(), "empty value", "fill or drop the row"),
         (np.isinf(numbers), "infinite value", "fill or drop the row"),
+        (np.abs(numbers) > FLOAT32_MAX, "beyond float32", "features and labels are stored as float32"),
     )
     for bad, what, fix in problems:
         if bad.any():

@@ -12,12 +12,12 @@ SOURCE = Source(
     path_help="a CSV file",
     option_help={
         "label": "the label column (required): integers from 0",
-        "features": "the feature columns (default: every other numeric column)",
+        "features": "the feature columns (default: every column of the header but the label and client columns)",
         "client_column": "each row's natural client",
         "num_classes": "the number of classes (required): labels lie in [0, num_classes)",
         "per_row": "a deployed node's file (features declared): each line read alone, a bad row left out alone",
     },
-    run_keys={"label": "label-column", "num_classes": "num-classes"},
+    run_keys={"label": "label-column", "features": "feature-columns", "num_classes": "num-classes"},
     client_option="client_column",
     deployable=True,
 )
