@@ -330,6 +330,14 @@ def test_no_line_can_change_how_another_is_read(tmp_path, damage):
     assert training_rows(tmp_path / "with.csv", tmp_path) == without
 
 
+@pytest.mark.parametrize("ending", [b"\r\n", b"\r"])
+def test_windows_and_old_mac_line_endings_read_as_unix_ones(tmp_path, ending):
+    random_table(12, 30).to_csv(tmp_path / "unix.csv", index=False)
+    (tmp_path / "other.csv").write_bytes((tmp_path / "unix.csv").read_bytes().replace(b"\n", ending))
+    unix = training_rows(tmp_path / "unix.csv", tmp_path)
+    assert sum(unix.values()) == 30 and training_rows(tmp_path / "other.csv", tmp_path) == unix
+
+
 def test_a_pums_node_reads_each_line_alone_and_has_no_size_limit(tmp_path, monkeypatch):
     """The PUMS layout too: an extra field in the first data row leaves that row out, not the file.
     A size limit would let one record push the file over it and fail the client, so a deployed

@@ -20,8 +20,9 @@ import csv
 import logging
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pandas as pd
@@ -55,6 +56,12 @@ def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] |
     return values
 
 
+def _physical_lines(handle: BinaryIO) -> Iterator[bytes]:
+    """The file's lines, ended by \n, \r\n or a lone \r (as a spreadsheet on an old Mac saves them)."""
+    for line in handle:  # binary iteration ends a line at \n only
+        yield from line.split(b"\r")
+
+
 def read_numeric_rows(path: Path, columns: Sequence[str]) -> pd.DataFrame:
     """`columns` of every line of `path` whose cells there are all numbers (finite in float32), as
     float64; every other line is left out on its own, and how many goes to this machine's log only.
@@ -65,10 +72,11 @@ def read_numeric_rows(path: Path, columns: Sequence[str]) -> pd.DataFrame:
     kept = array("d")
     left_out = 0
     with path.open("rb") as handle:
-        handle.readline()  # the header
-        for line in handle:
+        lines = _physical_lines(handle)
+        next(lines, None)  # the header
+        for line in lines:
             if not line.strip():
-                continue  # a blank line holds no record
+                continue  # a blank line holds no record (nor the \n left of a \r\n ending)
             values = _numbers(line, len(header), positions)
             if values is None:
                 left_out += 1
