@@ -250,7 +250,7 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
                 key,
                 shown[1],
             )
-    _warn_about_ignored_splits(settings)
+    _warn_about_ignored_keys(settings)
     if node.dataset == "pums":
         options: dict[str, Any] = {"client_column": None, "age": node.pums_age, "per_row": True}
     else:
@@ -281,22 +281,24 @@ def deployed_client(settings: RunSettings, node: NodeSettings) -> LocalClient:
     )
 
 
-def _warn_about_ignored_splits(settings: RunSettings) -> None:
-    """A run config's split keys are for simulated clients: a deployed one trains on every row of
-    its file whatever they say (the run config is untrusted; rows held out at its word would make
-    which records are trained on depend on the server), so they are only logged as ignored."""
-    asked = {
-        key: value
-        for key, value in (
-            ("evaluate-on", settings.evaluate_on),
-            ("validation-fraction", settings.validation_fraction),
-            ("split-seed", settings.split_seed),
-        )
-        if value != DEFAULTS[key]
-    }
-    if asked:
-        shown = " ".join(f"{key}={value}" for key, value in asked.items())
-        logger.warning("run config %s ignored: a deployed client trains on every row of its file", shown)
+_IGNORED_WHEN_DEPLOYED = {
+    "a deployed client trains on every row of its file": ("evaluate-on", "validation-fraction", "split-seed"),
+    "a deployed client reads its file as its node config says": ("label-column", "feature-columns", "num-classes"),
+}
+
+
+def _warn_about_ignored_keys(settings: RunSettings) -> None:
+    """A run config's split and column keys are for simulated clients: a deployed one trains on
+    every row of its file, read as its node config says, whatever they say (the run config is
+    untrusted; rows held out or columns read at its word would let the server decide which
+    records are trained on, or turn one record into a failure), so they are only logged as ignored."""
+    fields = {key.name: key.field for key in RUN_KEYS}
+    for reason, keys in _IGNORED_WHEN_DEPLOYED.items():
+        values = {key: getattr(settings, fields[key]) for key in keys}
+        asked = {key: value for key, value in values.items() if value not in (DEFAULTS[key], (), None)}
+        if asked:
+            shown = " ".join(f"{key}={value}" for key, value in asked.items())
+            logger.warning("run config %s ignored: %s", shown, reason)
 
 
 def _warn_locally_about_the_real_size(node: NodeSettings, rows: int) -> None:

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.catalog import FILE_DATASETS
+from fedprivacy.data.arrays import declared_classes
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
-from fedprivacy.errors import InputError, integer_at_least, open_unit
+from fedprivacy.errors import InputError, open_unit
 from fedprivacy.privacy import limits
 from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig_keys import DEFAULTS, RUN_KEYS, choice, column_names, resolve_path
@@ -294,7 +295,7 @@ def _node_columns(
     """(label column, feature columns, number of classes) of a node's file: a csv node names all
     three (nothing is inferred from its records); the pums layout fixes its own columns."""
     num_classes = node_config.get("num-classes")
-    num_classes = None if num_classes is None else integer_at_least("num-classes", num_classes, 2)
+    num_classes = None if num_classes is None else declared_classes("num-classes", num_classes)
     if dataset == "pums":
         for key in ("label-column", "feature-columns", "num-classes"):
             if key in node_config:

@@ -80,7 +80,11 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="the full data file (pums or csv layout)")
     parser.add_argument("--dataset", default="pums", choices=FILE_DATASETS)
     parser.add_argument("--partition-by", required=True, help="the client column (natural partitions)")
-    parser.add_argument("--label-column", default="", help="csv only")
+    parser.add_argument("--label-column", default="", help="csv only: the label column")
+    parser.add_argument("--num-classes", type=int, default=0, help="csv only: the number of classes (required)")
+    parser.add_argument(
+        "--feature-columns", default="", help="csv only: comma-separated (default: the header's others)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="the run config's seed (the split's, without --split-seed)")
     parser.add_argument(
         "--split-seed", type=int, default=-1, help="the run config's split-seed (-1: the seed decides the split)"
@@ -92,6 +96,8 @@ def main() -> None:
         "data-path": str(args.data.resolve()),
         "partition-by": args.partition_by,
         "label-column": args.label_column,
+        "num-classes": args.num_classes,
+        "feature-columns": args.feature_columns,
         "seed": args.seed,
         "split-seed": args.split_seed,
     }

@@ -183,6 +183,9 @@ def test_a_deployed_client_takes_budget_and_rows_from_its_node_config_only(puma_
             {
                 "dataset": "csv",
                 "label-column": "sex",
+                "feature-columns": "age",
+                "num-classes": 3,
+                "split-seed": 4,
                 "epsilon": 50.0,
                 "delta": 0.3,
                 "seed": 9,
@@ -199,6 +202,10 @@ def test_a_deployed_client_takes_budget_and_rows_from_its_node_config_only(puma_
     assert pushy.data.num_examples == 300  # every row: a deployed client holds none out
     assert "run config epsilon=50 ignored" in caplog.text and "run config delta=0.3 ignored" in caplog.text
     assert "run config dataset=csv ignored" in caplog.text
+    assert "run config label-column=sex feature-columns=('age',) num-classes=3 ignored: a deployed client reads" in (
+        caplog.text
+    )
+    assert "run config split-seed=4 ignored: a deployed client trains on every row" in caplog.text
 
 
 def test_the_ledger_budget_survives_a_server_that_asks_for_more_delta(in_process, run_config, puma_file, tmp_path):

@@ -378,6 +378,11 @@ def test_infinite_value_names_column_and_row(tmp_path: Path) -> None:
         load_dataset("csv", path, label="y", num_classes=2)
 
 
+def test_a_feature_named_twice_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="features=\\['x', 'x'\\]: names a column twice"):
+        load_dataset("csv", write(tmp_path, "x,y\n1,0\n2,1\n"), label="y", features=["x", "x"], num_classes=2)
+
+
 def test_no_feature_column_or_a_value_beyond_float32_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path, "site,y\na,0\nb,1\n")
     with pytest.raises(InputError, match="bad.csv has no column besides the label 'y' and the client column"):

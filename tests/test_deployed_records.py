@@ -310,8 +310,13 @@ BAD_LINES = {  # (where it goes: 1 = the first data row, the bad line)
     "400 digits": (6, b"1.0,2.0,3.0,1" + b"0" * 400),
     # finite as float64, infinite as float32: it reached training as inf
     "beyond float32": (6, b"1e39,2.0,3.0,1"),
-    # Python's float() reads it, a CSV reader would not: the line reader must not either
+    # Python's float() reads these, a CSV reader would not: the line reader must not either
     "python-only number": (6, b"1_000,2.0,3.0,1"),
+    "arabic-indic digit": (6, "\u0663,2.0,3.0,1".encode()),
+    # a line longer than any row of numbers: left out unread, never held whole
+    "line over 1 MiB": (6, b"1." + b"0" * 2**20 + b",2.0,3.0,1"),
+    # a quoted cell holding a line break: both pieces hold an odd number of quotes
+    "quoted line break": (6, b'"1.0\n2.0",2.0,3.0,1'),
 }
 
 
@@ -336,6 +341,21 @@ def test_windows_and_old_mac_line_endings_read_as_unix_ones(tmp_path, ending):
     (tmp_path / "other.csv").write_bytes((tmp_path / "unix.csv").read_bytes().replace(b"\n", ending))
     unix = training_rows(tmp_path / "unix.csv", tmp_path)
     assert sum(unix.values()) == 30 and training_rows(tmp_path / "other.csv", tmp_path) == unix
+
+
+def test_a_node_config_declares_at_most_a_thousand_classes(tmp_path):
+    with pytest.raises(InputError, match="num-classes=2000: must be an integer from 2 to 1000"):
+        parse_node_config(csv_node(tmp_path / "d.csv", tmp_path, **{"num-classes": 2000}))
+
+
+def test_a_header_cut_by_a_line_break_is_refused_for_every_file(tmp_path):
+    """The operator's header, not a record: were it read as one CSV record spanning lines, its
+    second line would be read as data by the line reader."""
+    random_table(13, 10).to_csv(tmp_path / "d.csv", index=False)
+    lines = (tmp_path / "d.csv").read_text().splitlines()
+    (tmp_path / "cut.csv").write_text("\n".join([lines[0] + ',"no', 'te"', *lines[1:]]) + "\n")
+    with pytest.raises(InputError, match="its header must be the first line"):
+        training_rows(tmp_path / "cut.csv", tmp_path)
 
 
 def test_a_pums_node_reads_each_line_alone_and_has_no_size_limit(tmp_path, monkeypatch):

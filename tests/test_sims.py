@@ -107,6 +107,27 @@ def test_the_validation_file_is_cut_by_the_split_seed_as_the_runs_cut_their_rows
     assert not split_seed.equals(seed_three)
 
 
+def test_the_validation_command_writes_a_csv_files_training_rows(tmp_path, monkeypatch, capsys):
+    """A csv needs its class count (and here its feature columns, past a text column) on the command line."""
+    import sys
+
+    from sims import validation
+
+    data = tmp_path / "clinic.csv"
+    data.write_text("site,x,note,y\n" + "".join(f"s{i % 2},{i},text,{i % 2}\n" for i in range(40)))
+    out = tmp_path / "rows.csv"
+    args = ["--data", str(data), "--dataset", "csv", "--partition-by", "site", "--label-column", "y"]
+    monkeypatch.setattr(sys, "argv", ["validation", *args, "--out", str(out)])
+    with pytest.raises(InputError, match="num-classes=None"):
+        validation.main()
+    monkeypatch.setattr(
+        sys, "argv", ["validation", *args, "--num-classes", "2", "--feature-columns", "x", "--out", str(out)]
+    )
+    validation.main()
+    assert capsys.readouterr().out.strip() == str(out)
+    assert 28 <= len(pd.read_csv(out)) <= 34  # each site keeps ~80% of its 20 rows for training
+
+
 def test_the_one_flower_internal_the_in_process_engine_needs_is_still_there():
     """If a Flower upgrade moves the sender identity `Message(...)` reads, this fails first, naming it."""
     from flwr.app import ConfigRecord, Message, RecordDict

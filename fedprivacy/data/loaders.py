@@ -184,12 +184,12 @@ def load_csv(
     """Any CSV: the user names the label column and declares the number of classes (never read
     from the labels, see `class_labels`), and optionally the features and the client column.
 
-    Features default to every other numeric column (a column mostly of numbers counts, and its
-    other cells are refused by name). With `per_row` (a deployed client's file, whose node config
-    names its feature columns), nothing is inferred from the records and each line is read alone
-    (`fedprivacy.data.rows`): a row whose features are not all finite numbers or whose label is
-    not an integer in [0, num_classes) is left out alone (`_rows_kept`), so no record can fail the
-    client or change how another is read.
+    Features default to every column of the header but the label and client columns (the header
+    decides, never the cells; a cell that is not a number is refused by name). With `per_row` (a
+    deployed client's file, whose node config names its feature columns), nothing is inferred from
+    the records and each line is read alone (`fedprivacy.data.rows`): a row whose features are
+    not all finite numbers or whose label is not an integer in [0, num_classes) is left out alone
+    (`_rows_kept`), so no record can fail the client or change how another is read.
     """
     file = _needs_path("csv", path)
     if not label:
@@ -212,6 +212,8 @@ def load_csv(
         raise InputError("features", [], f"{file} has no column besides the label {label!r} and the client column")
     if label in features:
         raise InputError("features", label, "the label column cannot also be a feature")
+    if len(set(features)) != len(features):
+        raise InputError("features", list(features), "names a column twice")
     labels, num_classes = class_labels(
         integer_labels(table, label, str(file)), f"label column {label}", str(file), len(table), num_classes
     )

@@ -6,12 +6,15 @@ of its lines, so one record (an unmatched quote, an extra field in the first row
 column of `True`/`False`, a byte that is not UTF-8, a 400-digit number) could drop many other
 records or make the read fail, and a failure is what the server sees. Here each line is decoded,
 split and converted on its own; a line that fails any step is left out alone. The header is the
-operator's, not a record: it is read and checked as for any file (`tables.read_header`). Nothing
-limits the file's size either, since one record could push it over a limit: lines are streamed
-and only the used cells are kept, as float64.
+operator's, not a record: it is read and checked as for any file (`tables.read_header`), and must
+be the first line. Nothing limits the file's size, since one record could push it over a limit:
+lines are streamed, only the used cells are kept (as float64), and a line over `MAX_LINE_BYTES`
+is left out without being held whole.
 
-What is given up: a quoted cell that holds a line break splits its record in two lines, and both
-are left out; a deployed file should not need one (every used cell is a number).
+So the unit of privacy is a line (ended by \n, \r\n or a lone \r). A quoted cell that holds a
+line break cuts its record into several lines: the first and the last hold an odd number of
+quotes and are left out, but a middle one that reads as a row of numbers would be kept. A deployed
+file must not hold line breaks inside cells (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -28,12 +31,17 @@ import numpy as np
 import pandas as pd
 
 from fedprivacy.data.tables import FLOAT32_MAX, read_header
+from fedprivacy.errors import InputError
 
 logger = logging.getLogger(__name__)
+
+MAX_LINE_BYTES = 2**20  # a row of numbers is far shorter; a longer line is left out unread
 
 
 def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] | None:
     """The cells at `positions` of one line as floats finite in float32, or None for a line to leave out."""
+    if line.count(b'"') % 2:  # a piece of a quoted cell cut by a line break
+        return None
     try:
         text = line.decode("utf-8").rstrip("\r\n")
         fields = next(csv.reader([text], strict=True))
@@ -44,7 +52,7 @@ def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] |
     values = []
     for position in positions:
         cell = fields[position].strip()
-        if "_" in cell:  # Python's float() reads "1_000"; a CSV number never has one
+        if not cell.isascii() or "_" in cell:  # float() also reads "1_000", "٣" and "２": no CSV number
             return None
         try:
             value = float(cell)
@@ -56,9 +64,15 @@ def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] |
     return values
 
 
-def _physical_lines(handle: BinaryIO) -> Iterator[bytes]:
-    """The file's lines, ended by \n, \r\n or a lone \r (as a spreadsheet on an old Mac saves them)."""
-    for line in handle:  # binary iteration ends a line at \n only
+def _physical_lines(handle: BinaryIO) -> Iterator[bytes | None]:
+    """The file's lines, ended by \n, \r\n or a lone \r (as a spreadsheet on an old Mac saves them);
+    None for a line over `MAX_LINE_BYTES`, whose bytes are skipped in pieces, never held whole."""
+    while line := handle.readline(MAX_LINE_BYTES + 1):
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while (rest := handle.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+            continue
         yield from line.split(b"\r")
 
 
@@ -66,18 +80,21 @@ def read_numeric_rows(path: Path, columns: Sequence[str]) -> pd.DataFrame:
     """`columns` of every line of `path` whose cells there are all numbers (finite in float32), as
     float64; every other line is left out on its own, and how many goes to this machine's log only.
 
-    Refused, whatever the records: a missing file, an empty one, a header lacking a column."""
+    Refused, whatever the records: a missing file, an empty one, a header lacking a column or not
+    on the first line."""
     header = read_header(path, columns)
     positions = [header.index(column) for column in columns]
     kept = array("d")
     left_out = 0
     with path.open("rb") as handle:
         lines = _physical_lines(handle)
-        next(lines, None)  # the header
+        first = next(lines, None) or b""
+        if next(csv.reader([first.decode("utf-8-sig", errors="replace").rstrip("\r\n")]), []) != header:
+            raise InputError("data", str(path), "its header must be the first line: no line break inside a name")
         for line in lines:
-            if not line.strip():
+            if line is not None and not line.strip():
                 continue  # a blank line holds no record (nor the \n left of a \r\n ending)
-            values = _numbers(line, len(header), positions)
+            values = None if line is None else _numbers(line, len(header), positions)
             if values is None:
                 left_out += 1
             else:
