@@ -26,8 +26,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 HOW_TO_REGISTER = (
     "register one with an entry point in group 'fedprivacy.models' of an installed package "
-    "(my-cnn = \"my_pkg.models:my_cnn\"), or with @fedprivacy.models.register_model('my-cnn') in code "
-    "this process imports (docs/training.md, Registering a model)"
+    '(my-cnn = "my_pkg.models:my_cnn"; the fedprivacy and flwr commands see only these), or, from Python, '
+    "with @fedprivacy.models.register_model('my-cnn') in code this process imports (docs/training.md, "
+    "Registering a model)"
 )
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # fits a run config, a TOML string and a CLI flag unquoted
 

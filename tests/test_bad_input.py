@@ -329,7 +329,7 @@ CASES = [
     ),
     lib_case("csv", "label column y", "0.5", 2, write("fraction.csv", "x,y\n1,0\n2,0.5\n")),
     # the number of classes is declared, never read from the labels
-    lib_case("csv", "num-classes", "None", None, write("undeclared.csv", "x,y\n1,0\n2,1\n")),
+    lib_case("csv", "num-classes", "0", None, write("undeclared.csv", "x,y\n1,0\n2,1\n")),
     lib_case("csv", "num-classes", "1", 1, write("one_class.csv", "x,y\n1,0\n2,0\n")),
     # a results folder that cannot be written (a file stands where its parent folder should be)
     lib_case("results-dir", "results-dir", "taken", None, write("taken", "a file, not a folder")),

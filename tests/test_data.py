@@ -408,7 +408,7 @@ def test_the_number_of_classes_must_be_declared_not_read_from_the_labels(tmp_pat
     path = write(tmp_path, "x,y\n1,0\n2,1\n3,1\n")
     with pytest.raises(InputError) as excinfo:
         load_dataset("csv", path, label="y")
-    assert message(excinfo).startswith("num-classes=None: ") and "bad.csv" in message(excinfo)
+    assert message(excinfo).startswith("num-classes=0: ") and "bad.csv" in message(excinfo)
     assert "one record could decide it" in message(excinfo)
 
 

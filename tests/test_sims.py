@@ -118,7 +118,7 @@ def test_the_validation_command_writes_a_csv_files_training_rows(tmp_path, monke
     out = tmp_path / "rows.csv"
     args = ["--data", str(data), "--dataset", "csv", "--partition-by", "site", "--label-column", "y"]
     monkeypatch.setattr(sys, "argv", ["validation", *args, "--out", str(out)])
-    with pytest.raises(InputError, match="num-classes=None"):
+    with pytest.raises(InputError, match="num-classes=0: .*must be declared"):
         validation.main()
     monkeypatch.setattr(
         sys, "argv", ["validation", *args, "--num-classes", "2", "--feature-columns", "x", "--out", str(out)]

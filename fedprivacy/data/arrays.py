@@ -71,7 +71,7 @@ def class_labels(
     if not np.issubdtype(values.dtype, np.integer) or values.dtype == np.bool_:
         raise InputError(field, str(values.dtype), f"{source}: labels must be integers (class 0, 1, …)")
     if num_classes is None:
-        raise InputError("num-classes", None, f"{source}: {UNDECLARED_CLASSES}")
+        raise InputError("num-classes", 0, f"{source}: {UNDECLARED_CLASSES}")  # 0: the run config's unset
     num_classes = declared_classes("num-classes", num_classes)
     labels = values.astype(np.int64)
     bad = (labels < 0) | (labels >= num_classes)

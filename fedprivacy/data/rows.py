@@ -100,6 +100,11 @@ def read_numeric_rows(path: Path, columns: Sequence[str]) -> pd.DataFrame:
             else:
                 kept.extend(values)
     if left_out:
-        logger.warning("%s: %d line(s) not a row of numbers left out (each line is read alone)", path, left_out)
+        logger.warning(
+            "%s: %d line(s) left out, each alone: not UTF-8, over 1 MiB, another number of fields than the "
+            "header, an odd number of quotes, or a used cell that is not a number finite in float32",
+            path,
+            left_out,
+        )
     table = np.frombuffer(kept, dtype=np.float64).reshape(-1, len(columns)).copy()
     return pd.DataFrame(table, columns=list(columns))
