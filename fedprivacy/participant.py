@@ -34,7 +34,7 @@ from torch import nn
 
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_client
-from fedprivacy.data.registry import find_source
+from fedprivacy.data.registry import find_source, sources
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import ClientRefusal, InputError, PlanRefused
 from fedprivacy.ledger import Budget, BudgetExceeded, DataMismatch, Ledger, RoundRepeated, round_events
@@ -92,6 +92,21 @@ def _data_options(settings: RunSettings) -> dict[str, Any]:
     fields = {key.name: key.field for key in RUN_KEYS}
     values = {option: getattr(settings, fields[key]) for option, key in find_source(settings.dataset).run_keys.items()}
     return {option: value for option, value in values.items() if value not in ("", None, ())}
+
+
+def unused_data_keys(settings: RunSettings) -> str | None:
+    """The loader keys the run config sets (away from their defaults) that its data set does not
+    read, e.g. num-classes for digits, which fixes its own 10, as one line to say at the start of
+    a simulation (None when there are none), so that a setting that changes nothing is noticed."""
+    fields = {key.name: key.field for key in RUN_KEYS}
+    read_somewhere = {key for source in sources().values() for key in source.run_keys.values()}
+    read_here = set(find_source(settings.dataset).run_keys.values())
+    unused = [
+        f"{key}={getattr(settings, fields[key])}"
+        for key in sorted(read_somewhere - read_here)
+        if getattr(settings, fields[key]) not in (DEFAULTS[key], (), None)
+    ]
+    return f"run config {' '.join(unused)} ignored: dataset {settings.dataset} does not read it" if unused else None
 
 
 def _scheme(settings: RunSettings) -> tuple[str, str | None]:

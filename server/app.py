@@ -21,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedprivacy.errors import InputError, error_summary
 from fedprivacy.models import evaluate_model
-from fedprivacy.participant import new_model
+from fedprivacy.participant import new_model, unused_data_keys
 from fedprivacy.results import (
     DIAGNOSTICS_NOTE,
     RunRecorder,
@@ -81,6 +81,8 @@ def _run(grid: Grid, context: Context) -> None:
             f"cannot create the run's folder there ({error.strerror or error}): name a writable folder",
         ) from None
     logger.info("results folder: %s", folder)
+    if unused := unused_data_keys(settings):
+        logger.warning(unused)
     recorder = RunRecorder(folder)
     ledger_path = settings.ledger_path or folder / "ledger.sqlite"
     extra = {

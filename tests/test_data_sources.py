@@ -585,6 +585,22 @@ def test_feature_columns_are_set_by_the_run_config_and_are_not_part_of_the_accou
             parse_run_config({**base, "feature-columns": bad})
 
 
+def test_a_data_key_the_data_set_does_not_read_is_said_to_be_ignored(tmp_path):
+    from fedprivacy.participant import unused_data_keys
+    from sims.fast.engine import run_fast
+
+    digits = {"dataset": "digits", "num-classes": 5, "feature-columns": "a,b", "label-column": "y"}
+    assert unused_data_keys(parse_run_config(digits)) == (
+        "run config feature-columns=('a', 'b') label-column=y num-classes=5 ignored: dataset digits does not read it"
+    )
+    assert unused_data_keys(parse_run_config({"dataset": "digits", "num-server-rounds": 3})) is None
+    assert unused_data_keys(parse_run_config({"dataset": "npz", "num-classes": 5})) is None  # npz reads it
+    said = []
+    config = {"dataset": "synthetic", "num-classes": 3, "num-server-rounds": 1, "results-dir": str(tmp_path)}
+    run_fast(config, 2, say=said.append)
+    assert "run config num-classes=3 ignored: dataset synthetic does not read it" in said
+
+
 @pytest.mark.parametrize("key", ["image-column", "data-split"])
 def test_the_new_run_keys_take_strings_only(key):
     with refused(key, "must be a string"):

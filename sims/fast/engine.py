@@ -59,6 +59,7 @@ from fedprivacy.participant import (
     require_data_file,
     run_plans,
     simulation_client,
+    unused_data_keys,
 )
 from fedprivacy.participation import Participation
 from fedprivacy.privacy.accountants import NoiseEvent
@@ -144,6 +145,8 @@ def run_fast(
         settings = replace(settings, ledger_path=None)
     settings.check_clients(num_clients, field="num_clients")
     require_data_file(settings)
+    if unused := unused_data_keys(settings):
+        say(unused)
     folder = new_run_folder(settings.results_dir, run_id)
     say(f"results folder: {folder}")
     recorder = RunRecorder(folder)
