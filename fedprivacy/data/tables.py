@@ -110,6 +110,17 @@ def cell(table: pd.DataFrame, column: str, row: int) -> object:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def _truth_values(values: pd.Series) -> np.ndarray:
+    """Which cells hold True or False (pandas would count a column of them as 1 and 0)."""
+    if pd.api.types.is_bool_dtype(values):
+        return np.ones(len(values), dtype=bool)
+    if pd.api.types.is_object_dtype(values) or pd.api.types.is_string_dtype(values):
+        return values.map(
+            lambda v: isinstance(v, bool | np.bool_) or (isinstance(v, str) and v.strip().lower() in ("true", "false"))
+        ).to_numpy(dtype=bool, na_value=False)
+    return np.zeros(len(values), dtype=bool)
+
+
 def numeric_column(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
     """The column as float64, or an error naming the first bad cell.
 
@@ -119,6 +130,7 @@ def numeric_column(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
     values = table[column]
     numbers = pd.to_numeric(values, errors="coerce").astype(np.float64).to_numpy()
     problems = (
+        (_truth_values(values), "True/False", "write 1 and 0 (a deployed node reads only numbers)"),
         (np.isnan(numbers) & values.notna().to_numpy(), "not a number", "the column must be numeric"),
         (values.isna().to_numpy(), "empty value", "fill or drop the row"),
         (np.isinf(numbers), "infinite value", "fill or drop the row"),
