@@ -86,11 +86,23 @@ class LocalClient:
         return self.public_size if self.public_size is not None else self.data.num_examples
 
 
+_FIELDS = {key.name: key.field for key in RUN_KEYS}
+
+
+def _run_value(settings: RunSettings, key: str) -> Any:
+    """The parsed value of run-config key `key` (e.g. `num-classes`)."""
+    return getattr(settings, _FIELDS[key])
+
+
+def _asked_for(settings: RunSettings, key: str) -> bool:
+    """Whether the run config sets `key` away from its default (unset '' , () and None included)."""
+    return _run_value(settings, key) not in (DEFAULTS[key], (), None)
+
+
 def _data_options(settings: RunSettings) -> dict[str, Any]:
     """The loader options the run config sets for its source (fedprivacy/data/registry.py maps each
     option to its key); a key left unset ('', () or None) keeps the loader's own default."""
-    fields = {key.name: key.field for key in RUN_KEYS}
-    values = {option: getattr(settings, fields[key]) for option, key in find_source(settings.dataset).run_keys.items()}
+    values = {option: _run_value(settings, key) for option, key in find_source(settings.dataset).run_keys.items()}
     return {option: value for option, value in values.items() if value not in ("", None, ())}
 
 
@@ -98,13 +110,10 @@ def unused_data_keys(settings: RunSettings) -> str | None:
     """The loader keys the run config sets (away from their defaults) that its data set does not
     read, e.g. num-classes for digits, which fixes its own 10, as one line to say at the start of
     a simulation (None when there are none), so that a setting that changes nothing is noticed."""
-    fields = {key.name: key.field for key in RUN_KEYS}
     read_somewhere = {key for source in sources().values() for key in source.run_keys.values()}
     read_here = set(find_source(settings.dataset).run_keys.values())
     unused = [
-        f"{key}={getattr(settings, fields[key])}"
-        for key in sorted(read_somewhere - read_here)
-        if getattr(settings, fields[key]) not in (DEFAULTS[key], (), None)
+        f"{key}={_run_value(settings, key)}" for key in sorted(read_somewhere - read_here) if _asked_for(settings, key)
     ]
     return f"run config {' '.join(unused)} ignored: dataset {settings.dataset} does not read it" if unused else None
 
@@ -307,10 +316,8 @@ def _warn_about_ignored_keys(settings: RunSettings) -> None:
     every row of its file, read as its node config says, whatever they say (the run config is
     untrusted; rows held out or columns read at its word would let the server decide which
     records are trained on, or turn one record into a failure), so they are only logged as ignored."""
-    fields = {key.name: key.field for key in RUN_KEYS}
     for reason, keys in _IGNORED_WHEN_DEPLOYED.items():
-        values = {key: getattr(settings, fields[key]) for key in keys}
-        asked = {key: value for key, value in values.items() if value not in (DEFAULTS[key], (), None)}
+        asked = {key: _run_value(settings, key) for key in keys if _asked_for(settings, key)}
         if asked:
             shown = " ".join(f"{key}={value}" for key, value in asked.items())
             logger.warning("run config %s ignored: %s", shown, reason)
