@@ -11,6 +11,8 @@ What it adds to FedAvg:
   for finite numbers, public keys only, and a `num-examples` no larger than the client's own plan N;
   a bad reply, an error reply and a missing reply (no answer within the round timeout) are each
   dropped from aggregation with a logged reason that names the client, and recorded per round;
+  replies that reached the SuperLink while Flower's polling was blocked are still collected, and an
+  error the runtime made on a client's behalf counts as that client's (`server.outbox`);
 - a client whose replies were dropped too often, or that did not answer at all, is not sampled
   again in this run (`fedprivacy.participation` says when);
 - clients that said they cannot afford a round are not sampled for training again, and their
@@ -43,6 +45,7 @@ from fedprivacy.replies import (
 )
 from fedprivacy.results import RunRecorder
 from server.optimizers import WEIGHT_KEY, ServerOptimizer
+from server.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 NO_REPLY = "no reply within the round timeout"
@@ -119,7 +122,7 @@ class PrivacyFedAvg(FedAvg):
         self.wait_timeout = wait_timeout
         self.names: dict[int, str] = {}
         self.plans: dict[int, Plan] = {}
-        self.sampled: dict[str, list[int]] = {}  # message type -> nodes asked this round
+        self.outbox: dict[str, Outbox] = {}  # message type -> this round's messages
         self.model: dict[str, tuple[tuple[int, ...], str]] = {}
         self.aggregation = aggregation
         self.optimizer = optimizer
@@ -137,10 +140,11 @@ class PrivacyFedAvg(FedAvg):
             time.sleep(1.0)
         return nodes
 
-    def _messages(self, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord, kind: str) -> list[Message]:
+    def _messages(
+        self, grid: Grid, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord, kind: str
+    ) -> list[Message]:
         # A fresh ConfigRecord per message: FedAvg shares one RecordDict between all of them.
-        self.sampled[kind] = list(nodes)
-        return [
+        messages = [
             Message(
                 RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord(dict(config))}),
                 dst_node_id=node,
@@ -148,6 +152,8 @@ class PrivacyFedAvg(FedAvg):
             )
             for node in nodes
         ]
+        self.outbox[kind] = Outbox(grid, messages)
+        return messages
 
     def round_config(self, config: ConfigRecord, server_round: int) -> ConfigRecord:
         return ConfigRecord({**dict(config), **self.client_config, "server-round": server_round})
@@ -158,13 +164,13 @@ class PrivacyFedAvg(FedAvg):
         self.model = model_spec(_numpy(arrays))
         self.current = arrays
         nodes = self.participation.trainers(server_round, self.connected_nodes(grid))
-        return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.TRAIN)
+        return self._messages(grid, nodes, arrays, self.round_config(config, server_round), MessageType.TRAIN)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         nodes = self.participation.evaluators(self.connected_nodes(grid))
-        return self._messages(nodes, arrays, self.round_config(config, server_round), MessageType.EVALUATE)
+        return self._messages(grid, nodes, arrays, self.round_config(config, server_round), MessageType.EVALUATE)
 
     def _name(self, node: int) -> str:
         """The client's id once it has sent a valid reply; its node id until then."""
@@ -190,13 +196,14 @@ class PrivacyFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         trained: list[RecordDict] = []
         answered: set[int] = set()
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if node in answered or node not in self.sampled.get(MessageType.TRAIN, ()):
+        outbox = self.outbox[MessageType.TRAIN]
+        for reply in outbox.with_late_replies(replies):
+            node = outbox.node_of(reply)
+            if node is None or node in answered:
                 logger.warning(
                     "round %d: ignored a reply from node %s, which was not asked or already answered",
                     server_round,
-                    node,
+                    reply.metadata.src_node_id,
                 )
                 continue
             answered.add(node)
@@ -221,7 +228,7 @@ class PrivacyFedAvg(FedAvg):
                         }
                     )
                 )
-        for node in sorted(set(self.sampled.get(MessageType.TRAIN, ())) - answered):
+        for node in sorted(set(outbox.nodes) - answered):
             self._drop(server_round, node, "no reply", NO_REPLY)
         if not trained:
             return None, None
@@ -236,10 +243,13 @@ class PrivacyFedAvg(FedAvg):
         return arrays, metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        replies = list(replies)
+        outbox = self.outbox[MessageType.EVALUATE]
+        replies = outbox.with_late_replies(replies)
         evaluated = []
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = outbox.node_of(reply)
+            if node is None:
+                continue  # nobody asked it: nothing to name or to count
             if reply.has_error():
                 logger.warning(
                     "evaluation failed on client %s: %s", self._name(node), error_summary(reply.error.reason)
