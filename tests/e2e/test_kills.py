@@ -33,7 +33,10 @@ pytestmark = pytest.mark.slow
 PUMAS = (1101, 1102, 1103, 1104)  # the victims; 1105 trains undisturbed
 POINTS = ("received", "training", "recorded", "returning", "random", "sending")
 DELAYS = {"random": 1.0, "sending": 0.3}  # a timed kill lands uniformly within this many seconds
-BATCHES, ROUNDS, TIMEOUT = 5, 9, 20.0
+BATCHES, ROUNDS, TIMEOUT = 5, 11, 20.0
+# A kill while a reply uploads holds the ServerApp's pull until Flower's object push session
+# expires (180 s), past the round timeout: a batch, and the run, must leave room for that.
+UPLOAD_CUT_S = 200
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -82,7 +85,7 @@ def check_ledger(path: Path, released_steps: int, budget: float) -> dict:
     return {"steps": steps, "rounds": rounds}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(flower, tmp_path):
     rng = random.Random(20)
     control = tmp_path / "control"
@@ -112,7 +115,7 @@ def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(
         points = {name: POINTS[(batch * len(PUMAS) + i) % len(POINTS)] for i, name in enumerate(victims)}
         for name, point in points.items():
             arm(control, name, batch, point)
-        pending, deadline, polled = set(victims), time.monotonic() + 240, time.monotonic()
+        pending, deadline, polled = set(victims), time.monotonic() + 240 + UPLOAD_CUT_S, time.monotonic()
         while pending:
             assert time.monotonic() < deadline, f"batch {batch}: {pending} never reached their points"
             if time.monotonic() - polled > 10:  # a run that ended can reach no point: say why at once
@@ -144,8 +147,10 @@ def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(
                 pending.discard(name)
             time.sleep(0.05)
 
-    run = flower.wait_finished(run_id, timeout=400)
-    assert run["status"] == "finished:completed", flower.run_log(run_id)
+    run = flower.wait_finished(run_id, timeout=400 + UPLOAD_CUT_S)
+    log = flower.run_log(run_id)
+    assert run["status"] == "finished:completed", log
+    assert "ignored a reply" not in log  # an error the runtime made for a killed client is that client's
     assert len(kills) == BATCHES * len(PUMAS) == 20
     folder = only_folder(results)
     with (folder / "replies.csv").open(newline="") as handle:
