@@ -323,7 +323,12 @@ class RunRecorder:
         return draw_progress(self.rounds, self.folder / "progress.png")
 
     def write_summary(self, extra: dict[str, Any], error: str | None = None) -> dict[str, Any]:
-        """summary.json; `error` marks a run that stopped on an exception (what it had is kept)."""
+        """summary.json; `error` marks a run that stopped on an exception (what it had is kept).
+        A failed run that never created its ledger file says so instead of naming it as if it held
+        spends (a deployment's `ledger` is a sentence: its ledgers are on the SuperNodes)."""
+        ledger = extra.get("ledger")
+        if error is not None and isinstance(ledger, str) and Path(ledger).is_absolute() and not Path(ledger).exists():
+            extra = {**extra, "ledger": f"none: the run stopped before {ledger} was created"}
         last = self.rounds[-1] if self.rounds else {}
         summary = {
             "status": "completed" if error is None else "failed",

@@ -22,7 +22,9 @@ from fedprivacy import participant
 from fedprivacy.errors import InputError
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.results import RunRecorder
 from fedprivacy.runconfig import DEFAULTS, parse_node_config, parse_run_config
+from server.app import DEPLOYED_LEDGERS
 from server.app import app as server_app
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -402,6 +404,19 @@ def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(sim
         "needs a CSV file: in a simulation every client reads the run config's "
         "data-path (an absolute path on this machine)"
     )
+
+
+def test_a_failed_runs_summary_names_a_ledger_only_once_it_exists(tmp_path):
+    """A run that stopped before any client opened its ledger must not point at a file that is not
+    there; one that got further, or a deployment's sentence, is kept as it is."""
+    recorder = RunRecorder(tmp_path)
+    absent, present = tmp_path / "absent.sqlite", tmp_path / "present.sqlite"
+    present.touch()
+    failed = recorder.write_summary({"ledger": str(absent)}, error="X: y")
+    assert failed["ledger"] == f"none: the run stopped before {absent} was created"
+    assert recorder.write_summary({"ledger": str(present)}, error="X: y")["ledger"] == str(present)
+    assert recorder.write_summary({"ledger": str(absent)})["ledger"] == str(absent)  # completed: as configured
+    assert recorder.write_summary({"ledger": DEPLOYED_LEDGERS}, error="X: y")["ledger"] == DEPLOYED_LEDGERS
 
 
 def test_a_completed_run_says_so_in_its_summary(simulate, run_config):
