@@ -2,13 +2,16 @@
 
 Two things Flower's runtime (1.41–1.42) does that would otherwise cost a live client its place in
 the run:
-- `Grid.send_and_receive` polls for replies every 3 s until the round timeout and then stops
-  without a last pull, and one of its pulls can block for minutes: a reply whose upload was cut
-  (a SuperNode killed while sending) is retried until the SuperLink's object push session
-  expires, 180 s later. A reply that reached the SuperLink while the pull was blocked, or in
-  the last seconds of the round, was never handed to the strategy: its client counted as
-  silent and was not asked again. `Outbox.with_late_replies` pulls once more for every message
-  still unanswered when Flower's loop returns.
+- `Grid.send_and_receive` polls for replies (every 3 s in a deployment) until the round timeout
+  and then stops without a last pull, and in a deployment one of its pulls can block for
+  minutes: a reply whose upload was cut (a SuperNode killed while sending) is retried until the
+  SuperLink's object push session expires, 180 s after the last piece arrived. A reply that
+  reached the SuperLink while the pull was blocked, or in the last seconds of the round, was
+  never handed to the strategy: its client counted as silent and was not asked again.
+  `Outbox.with_late_replies` pulls once more for every message still unanswered when Flower's
+  loop returns, and keeps what clients sent: an error the runtime makes in that pull (a message
+  the SuperLink refused or let expire, another cut upload) leaves its client without a reply,
+  as before.
 - An error reply the runtime makes on a client's behalf (the node is gone, its reply's upload
   was cut) comes from the SuperLink's own node id, not the client's. `Outbox.node_of` names the
   client by the message the reply answers, so the error is the client's dropped reply, not a
@@ -53,8 +56,10 @@ class Outbox:
         return None
 
     def with_late_replies(self, replies: Iterable[Message]) -> list[Message]:
-        """`replies`, and those of the still unanswered messages that the SuperLink holds now."""
+        """`replies`, and the replies clients sent to the still unanswered messages that the
+        SuperLink holds now."""
         replies = list(replies)
         answered = {r.metadata.reply_to_message_id for r in replies}
         waiting = [message_id for message_id in self._sent() if message_id not in answered]
-        return replies + list(self.grid.pull_messages(waiting)) if waiting else replies
+        late = self.grid.pull_messages(waiting) if waiting else []
+        return replies + [r for r in late if r.metadata.src_node_id in self.nodes]

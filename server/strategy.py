@@ -269,11 +269,8 @@ class PrivacyFedAvg(FedAvg):
                 self.participation.releases_no_evaluation(node)
             else:
                 evaluated.append(RecordDict({"metrics": MetricRecord(values)}))
-        if (
-            replies
-            and len(self.participation.evaluation_off) == len({r.metadata.src_node_id for r in replies})
-            and not evaluated
-        ):
+        repliers = {node for reply in replies if (node := outbox.node_of(reply)) is not None}
+        if repliers and repliers <= self.participation.evaluation_off and not evaluated:
             logger.info(
                 "clients release no evaluation (deployed clients keep their test rows private): "
                 "federated evaluation stops"

@@ -5,7 +5,9 @@ sending its reply: the killed node's reply comes back as an error the ServerApp'
 (from the SuperLink's node id, answering the node's message), and the pull that waited for it
 returns after the round timeout, so Flower's polling never pulls the reply another node had sent
 meanwhile. Both clients must be told apart from silent ones: the late reply is aggregated, the cut
-one is that client's error, and neither is excluded as a client that never answered.
+one is that client's error, and neither is excluded as a client that never answered. A third
+client's message finds only a runtime error in that last pull (the SuperLink let it expire): that
+client did not answer, as before.
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ from server.app import app as server_app
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # seeded noise on purpose
 
 SUPERLINK_NODE = 1  # the node id the SuperLink and the ServerApp's runtime send from
-CUT, LATE = 101, 102  # the first two in-process nodes
-CUT_REASON = "Reply message objects are unavailable. The sender may not have completed the upload."
+CUT, LATE, EXPIRED = 101, 102, 103  # the in-process nodes of clients 0, 1 and 2
+CUT_REASON = (
+    "Reply message objects are unavailable. The sender may not have completed the upload before the "
+    "object-push session expired."
+)
+EXPIRED_REASON = "Message Unavailable: the message could not be found, it expired or never existed."
 
 
 def link_grid(base: type) -> type:
     class LinkGrid(base):
-        """Round 1 as the HTTP grid delivers it when node CUT was killed while uploading."""
+        """Round 1 as the HTTP grid delivers it when node CUT was killed while uploading, LATE's
+        reply came while the pull waited, and EXPIRED's message had expired by the last pull."""
 
         def push_messages(self, messages: Iterable[Message], timeout: float | None = None) -> Iterable[str]:
             messages = list(messages)
@@ -46,11 +53,12 @@ def link_grid(base: type) -> type:
                 return list(self.pull_messages(ids))
             self.rounds_cut += 1
             by_node = {self.last[i].metadata.dst_node_id: i for i in ids}
-            self.replies[by_node[CUT]] = self._runtime_error(by_node[CUT])
-            held = by_node[LATE]  # it arrived while the pull waited for CUT's upload
-            return list(self.pull_messages([i for i in ids if i != held]))
+            self.replies[by_node[CUT]] = self._runtime_error(by_node[CUT], CUT_REASON)
+            self.replies[by_node[EXPIRED]] = self._runtime_error(by_node[EXPIRED], EXPIRED_REASON)
+            held = {by_node[LATE], by_node[EXPIRED]}  # not there yet when Flower pulled
+            return list(self.pull_messages([i for i in ids if i not in held]))
 
-        def _runtime_error(self, message_id: str) -> Message:
+        def _runtime_error(self, message_id: str, reason: str) -> Message:
             sent = self.last[message_id].metadata
             asked_of_link = Metadata(
                 run_id=sent.run_id,
@@ -64,7 +72,7 @@ def link_grid(base: type) -> type:
                 message_type=sent.message_type,
             )
             return Message(
-                Error(code=0, reason=CUT_REASON),
+                Error(code=0, reason=reason),
                 reply_to=Message(content=self.last[message_id].content, metadata=asked_of_link),
             )
 
@@ -82,8 +90,11 @@ def test_a_reply_pulled_late_and_an_error_made_for_a_client_count_for_their_clie
     (folder,) = [p for p in Path(config["results-dir"]).iterdir() if p.is_dir()]
     replies = read_csv(folder / "replies.csv")
     first = {r["client_id"]: (r["outcome"], r["reason"]) for r in replies if r["round"] == "1"}
-    assert first == {"0": ("error", CUT_REASON), "1": ("trained", ""), "2": ("trained", "")}, first
+    assert first == {
+        "0": ("error", CUT_REASON),
+        "1": ("trained", ""),
+        "node-103": ("no reply", "no reply within the round timeout"),
+    }, first
     assert "ignored a reply" not in caplog.text
-    assert "not sampled again" not in caplog.text
     second = {r["client_id"]: r["outcome"] for r in replies if r["round"] == "2"}
-    assert second == {"0": "trained", "1": "trained", "2": "trained"}  # nobody was excluded
+    assert second == {"0": "trained", "1": "trained"}  # the silent one is excluded, nobody else
