@@ -379,6 +379,25 @@ def test_a_pums_node_reads_each_line_alone_and_has_no_size_limit(tmp_path, monke
     assert sizes == [100, 100]
 
 
+def test_held_out_rows_read_as_a_node_reads_them_evaluate_a_deployments_model(tmp_path):
+    """docs/deployment.md's way to score a deployment (which reports no accuracy): read held-out
+    rows as a node would, from a path given as text, and evaluate the saved state dict."""
+    import torch
+
+    from fedprivacy.data.loaders import load_pums
+    from fedprivacy.models import build_model, evaluate_model
+
+    sample = Path(__file__).parents[1].parent / "shared/data/pums/fulton_pums5_sample100.csv"
+    held_out = load_pums(str(sample), client_column=None, per_row=True)
+    trained = build_model("logreg", held_out.features.shape[1], held_out.num_classes)
+    torch.save(trained.state_dict(), tmp_path / "model.pt")
+    model = build_model("logreg", held_out.features.shape[1], held_out.num_classes)
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))
+    loss, accuracy = evaluate_model(model, held_out)
+    assert (loss, accuracy) == evaluate_model(trained, held_out) and 0.0 <= accuracy <= 1.0
+    assert len(held_out.labels) == 100
+
+
 def test_a_file_of_one_class_or_no_rows_trains_as_any_other(tmp_path):
     """Refusing a file with a single class (or none) told apart the neighbour that held the one
     record of the other class; the node declares its classes, so it trains."""

@@ -76,12 +76,13 @@ def _physical_lines(handle: BinaryIO) -> Iterator[bytes | None]:
         yield from line.split(b"\r")
 
 
-def read_numeric_rows(path: Path, columns: Sequence[str]) -> pd.DataFrame:
+def read_numeric_rows(path: Path | str, columns: Sequence[str]) -> pd.DataFrame:
     """`columns` of every line of `path` whose cells there are all numbers (finite in float32), as
     float64; every other line is left out on its own, and how many goes to this machine's log only.
 
     Refused, whatever the records: a missing file, an empty one, a header lacking a column or not
     on the first line."""
+    path = Path(path).expanduser()
     header = read_header(path, columns)
     positions = [header.index(column) for column in columns]
     kept = array("d")
