@@ -343,6 +343,48 @@ def test_windows_and_old_mac_line_endings_read_as_unix_ones(tmp_path, ending):
     assert sum(unix.values()) == 30 and training_rows(tmp_path / "other.csv", tmp_path) == unix
 
 
+@pytest.mark.parametrize("header_end", [b"\r", b"\r\n"])
+def test_one_more_record_in_a_file_of_lone_cr_endings_adds_only_itself_past_a_mebibyte(tmp_path, header_end):
+    """Lone \r ends a line: the 1 MiB limit is each line's, so a file of them past 1 MiB is read
+    whole, and one more record adds one row (it used to fail the client, or read no row at all)."""
+    body = b"".join(b"%d,%d,%d,%d\r" % (i % 5, i % 3, i % 7, i % 2) for i in range(150_000))
+    without = b"f0,f1,f2,y" + header_end + body
+    assert len(without) > 2**20
+    (tmp_path / "without.csv").write_bytes(without)
+    (tmp_path / "with.csv").write_bytes(without + b"4,4,4,1\r")
+    rows_without = training_rows(tmp_path / "without.csv", tmp_path)
+    rows_with = training_rows(tmp_path / "with.csv", tmp_path)
+    assert sum(rows_without.values()) == 150_000
+    assert rows_with - rows_without == Counter({(4.0, 4.0, 4.0, 1): 1}) and not rows_without - rows_with
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")), max_size=12),
+    ends=st.lists(st.sampled_from([b"\n", b"\r", b"\r\n"]), min_size=12, max_size=12),
+    last_ended=st.booleans(),
+    block=st.integers(1, 9),
+)
+def test_lines_and_the_length_limit_do_not_depend_on_how_the_file_is_read(lines, ends, last_ended, block):
+    """Whatever the block size, each \n or \r ends a line and a line over the limit is None alone."""
+    import io
+    import re
+
+    from fedprivacy.data import rows
+
+    data = b"".join(line + end for line, end in zip(lines, ends, strict=False))
+    if lines and not last_ended:
+        data = data[: -len(ends[len(lines) - 1])]
+    pieces = re.split(rb"[\r\n]", data)
+    if pieces[-1] == b"":
+        pieces.pop()  # what follows the last line end
+    expected = [None if len(piece) > 6 else piece for piece in pieces]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rows, "MAX_LINE_BYTES", 6)
+        patch.setattr(rows, "_BLOCK_BYTES", block)
+        assert list(rows._physical_lines(io.BytesIO(data))) == expected
+
+
 def test_a_node_config_declares_at_most_a_thousand_classes(tmp_path):
     with pytest.raises(InputError, match="num-classes=2000: must be an integer from 2 to 1000"):
         parse_node_config(csv_node(tmp_path / "d.csv", tmp_path, **{"num-classes": 2000}))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import re
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,6 +37,8 @@ from fedprivacy.errors import InputError
 logger = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 2**20  # a row of numbers is far shorter; a longer line is left out unread
+_BLOCK_BYTES = 2**16  # read in blocks, split on both line ends
+_LINE_END = re.compile(rb"[\r\n]")
 
 
 def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] | None:
@@ -43,7 +46,7 @@ def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] |
     if line.count(b'"') % 2:  # a piece of a quoted cell cut by a line break
         return None
     try:
-        text = line.decode("utf-8").rstrip("\r\n")
+        text = line.decode("utf-8")
         fields = text.split(",") if '"' not in text else next(csv.reader([text], strict=True))  # same fields
     except (UnicodeDecodeError, csv.Error, StopIteration):
         return None
@@ -65,15 +68,28 @@ def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] |
 
 
 def _physical_lines(handle: BinaryIO) -> Iterator[bytes | None]:
-    """The file's lines, ended by \n, \r\n or a lone \r (as a spreadsheet on an old Mac saves them);
-    None for a line over `MAX_LINE_BYTES`, whose bytes are skipped in pieces, never held whole."""
-    while line := handle.readline(MAX_LINE_BYTES + 1):
-        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            while (rest := handle.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
-                pass
-            yield None
-            continue
-        yield from line.split(b"\r")
+    """The file's lines, without their ends: each \n and each \r ends one (so \r\n gives a line
+    and a blank one, and a lone \r ends a line as a spreadsheet on an old Mac saves it); None for a
+    line over `MAX_LINE_BYTES`, whose bytes are dropped as they stream by, never held whole. The
+    limit applies to each such line whatever ends it, so no line's length depends on another's."""
+    carried = b""  # the start of a line that the block's end cut
+    skipping = False  # inside a line over the limit: drop its bytes until it ends
+    while block := handle.read(_BLOCK_BYTES):
+        *ended, rest = _LINE_END.split(block)
+        for piece in ended:
+            if skipping or len(carried) + len(piece) > MAX_LINE_BYTES:
+                yield None
+            else:
+                yield carried + piece
+            carried, skipping = b"", False
+        if not skipping and len(carried) + len(rest) > MAX_LINE_BYTES:
+            carried, skipping = b"", True
+        elif not skipping:
+            carried += rest
+    if skipping:
+        yield None
+    elif carried:
+        yield carried
 
 
 def read_numeric_rows(path: Path | str, columns: Sequence[str]) -> pd.DataFrame:
@@ -90,11 +106,11 @@ def read_numeric_rows(path: Path | str, columns: Sequence[str]) -> pd.DataFrame:
     with path.open("rb") as handle:
         lines = _physical_lines(handle)
         first = next(lines, None) or b""
-        if next(csv.reader([first.decode("utf-8-sig", errors="replace").rstrip("\r\n")]), []) != header:
+        if next(csv.reader([first.decode("utf-8-sig", errors="replace")]), []) != header:
             raise InputError("data", str(path), "its header must be the first line: no line break inside a name")
         for line in lines:
             if line is not None and not line.strip():
-                continue  # a blank line holds no record (nor the \n left of a \r\n ending)
+                continue  # a blank line holds no record (nor the empty one between \r and \n)
             values = None if line is None else _numbers(line, len(header), positions)
             if values is None:
                 left_out += 1
