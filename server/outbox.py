@@ -35,11 +35,7 @@ class Outbox:
     def __init__(self, grid: Grid, messages: list[Message]) -> None:
         self.grid = grid
         self.messages = messages
-
-    @property
-    def nodes(self) -> list[int]:
-        """The nodes asked, in the order they were asked."""
-        return [m.metadata.dst_node_id for m in self.messages]
+        self.nodes = frozenset(m.metadata.dst_node_id for m in messages)  # the nodes asked
 
     def _sent(self) -> dict[str, int]:
         """Message id -> the node it went to, for the messages the grid gave an id."""

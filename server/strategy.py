@@ -228,7 +228,7 @@ class PrivacyFedAvg(FedAvg):
                         }
                     )
                 )
-        for node in sorted(set(outbox.nodes) - answered):
+        for node in sorted(outbox.nodes - answered):
             self._drop(server_round, node, "no reply", NO_REPLY)
         if not trained:
             return None, None
