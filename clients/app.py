@@ -84,6 +84,20 @@ def _handler(body: Callable[[Message, Context, RunSettings, NodeSettings | None]
     return handle
 
 
+def _say_it_resumes(client: LocalClient, ledger: Ledger, run_id: str) -> None:
+    """A SuperNode restarted mid-run (its in-memory state is gone, its ledger has spent in this
+    run): tell its operator, in the node's own log, that the plan and the spends carry on."""
+    logger.warning(
+        "client %s resumes run %s after a restart: its plan and spends come from its ledger "
+        "(%d steps recorded over all runs, epsilon spent %.4f of %g)",
+        client.client_id,
+        run_id,
+        ledger.steps_spent(client.account),
+        ledger.epsilon_spent(client.account),
+        client.epsilon,
+    )
+
+
 @app.train()
 @_handler
 def train(msg: Message, context: Context, settings: RunSettings, node: NodeSettings | None) -> Message:
@@ -94,7 +108,9 @@ def train(msg: Message, context: Context, settings: RunSettings, node: NodeSetti
     saved = context.state.get("trainer")
     with Ledger(client.ledger_path) as ledger:
         open_account(client, settings, ledger, run_id)
-        plan, _ = run_plan(client, settings, ledger, run_id)
+        plan, made_now = run_plan(client, settings, ledger, run_id)
+        if saved is None and not made_now and run_id in ledger.runs(client.account):
+            _say_it_resumes(client, ledger, run_id)
         result = train_round(
             client,
             settings,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -235,9 +236,10 @@ def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(simulate,
     assert "2 out of budget" in capsys.readouterr().out
 
 
-def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_config, monkeypatch):
+def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_config, monkeypatch, caplog):
     """A node loses its in-memory state before round 2: it must take its plan and its spend
-    from the ledger (re-planning is made impossible), and finish exactly its plan."""
+    from the ledger (re-planning is made impossible), and finish exactly its plan; its log says it
+    resumed, once, and the other node's says nothing of the kind."""
     restarted = 101
 
     def no_replanning(*args, **kwargs):
@@ -257,7 +259,10 @@ def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_con
     wrapper = RestartBeforeRound2()
     grid = in_process.Grid.simulation(wrapper, 2, run_config)
     wrapper.grid = grid
-    in_process.run_server(server_app, grid, run_config)
+    with caplog.at_level(logging.WARNING, logger="clients.app"):
+        in_process.run_server(server_app, grid, run_config)
+    resumed = [r.getMessage() for r in caplog.records if "resumes run" in r.getMessage()]
+    assert len(resumed) == 1 and resumed[0].startswith("client 0 resumes run 1 after a restart"), resumed
     folder = run_folder(Path(run_config["results-dir"]))
     rows = read_csv(folder / "clients.csv")
     assert len(rows) == 2

@@ -187,8 +187,12 @@ def start_deployment(flower, node_configs: list[str], tls: dict[str, Path] | Non
 @pytest.mark.timeout(420)
 def test_deployment_runs_and_a_second_run_finds_the_ledger(flower, tmp_path):
     """Run 1 spends about half of each budget (proactive); run 2 (calibrated, which alone would
-    spend all of it) starts from the ledgers and stops each client before it would overspend."""
-    start_deployment(flower, pums_nodes(tmp_path, {1101: 1.0, 1102: 1.0}))
+    spend all of it) starts from the ledgers and stops each client before it would overspend.
+    What a node leaves to its own log (a line of its file left out) is in its SuperNode's output."""
+    configs = pums_nodes(tmp_path, {1101: 1.0, 1102: 1.0})
+    with (tmp_path / "puma1101.csv").open("a") as data:
+        data.write("a line that is no record\n")
+    start_deployment(flower, configs)
     common = "dataset='pums' min-clients=2"
     first = flower.submit(
         "deployment", f"{common} num-server-rounds=1 rule='proactive' results-dir='{tmp_path / 'r1'}'"
@@ -199,6 +203,7 @@ def test_deployment_runs_and_a_second_run_finds_the_ledger(flower, tmp_path):
     assert set(run1) == {"puma-1101", "puma-1102"}
     assert all(r["status"] == "ok" and float(r["epsilon_spent"]) <= 1.0 for r in run1.values())
     assert "federated (the server has no data)" in flower.run_log(first)
+    assert "1 line(s) left out" in flower.log("supernode0") and "left out" not in flower.log("supernode1")
 
     second = flower.submit(
         "deployment",
