@@ -23,6 +23,7 @@ it sends); a grid that gives the messages no id (the in-process one) gets no ext
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from flwr.app import Message
@@ -37,8 +38,10 @@ class Outbox:
         self.messages = messages
         self.nodes = frozenset(m.metadata.dst_node_id for m in messages)  # the nodes asked
 
+    @functools.cached_property
     def _sent(self) -> dict[str, int]:
-        """Message id -> the node it went to, for the messages the grid gave an id."""
+        """Message id -> the node it went to, for the messages the grid gave an id (read once,
+        at the first reply: the grid writes the ids as it sends)."""
         return {m.metadata.message_id: m.metadata.dst_node_id for m in self.messages if m.metadata.message_id}
 
     def node_of(self, reply: Message) -> int | None:
@@ -48,7 +51,7 @@ class Outbox:
         if sender in self.nodes:
             return sender
         if reply.has_error():
-            return self._sent().get(reply.metadata.reply_to_message_id)
+            return self._sent.get(reply.metadata.reply_to_message_id)
         return None
 
     def with_late_replies(self, replies: Iterable[Message]) -> list[Message]:
@@ -56,6 +59,6 @@ class Outbox:
         SuperLink holds now."""
         replies = list(replies)
         answered = {r.metadata.reply_to_message_id for r in replies}
-        waiting = [message_id for message_id in self._sent() if message_id not in answered]
+        waiting = [message_id for message_id in self._sent if message_id not in answered]
         late = self.grid.pull_messages(waiting) if waiting else []
         return replies + [r for r in late if r.metadata.src_node_id in self.nodes]

@@ -244,12 +244,17 @@ class PrivacyFedAvg(FedAvg):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         outbox = self.outbox[MessageType.EVALUATE]
-        replies = outbox.with_late_replies(replies)
-        evaluated = []
-        for reply in replies:
+        evaluated, repliers = [], set()
+        for reply in outbox.with_late_replies(replies):
             node = outbox.node_of(reply)
             if node is None:
-                continue  # nobody asked it: nothing to name or to count
+                logger.warning(
+                    "round %d: ignored an evaluation reply from node %s, which was not asked",
+                    server_round,
+                    reply.metadata.src_node_id,
+                )
+                continue
+            repliers.add(node)
             if reply.has_error():
                 logger.warning(
                     "evaluation failed on client %s: %s", self._name(node), error_summary(reply.error.reason)
@@ -269,7 +274,6 @@ class PrivacyFedAvg(FedAvg):
                 self.participation.releases_no_evaluation(node)
             else:
                 evaluated.append(RecordDict({"metrics": MetricRecord(values)}))
-        repliers = {node for reply in replies if (node := outbox.node_of(reply)) is not None}
         if repliers and repliers <= self.participation.evaluation_off and not evaluated:
             logger.info(
                 "clients release no evaluation (deployed clients keep their test rows private): "

@@ -99,7 +99,7 @@ def load_digits(path: Path | None = None, images: bool = False) -> Dataset:
 
 
 def load_pums(
-    path: Path | None = None,
+    path: Path | str | None = None,
     extended: bool = True,
     client_column: str | None = "puma",
     age: str = "linear",
@@ -174,7 +174,7 @@ def _age_bands(age: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def load_csv(
-    path: Path | None = None,
+    path: Path | str | None = None,
     label: str | None = None,
     features: Sequence[str] | None = None,
     client_column: str | None = None,

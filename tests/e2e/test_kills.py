@@ -85,7 +85,7 @@ def check_ledger(path: Path, released_steps: int, budget: float) -> dict:
     return {"steps": steps, "rounds": rounds}
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(flower, tmp_path):
     rng = random.Random(20)
     control = tmp_path / "control"
