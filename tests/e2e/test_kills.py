@@ -165,6 +165,9 @@ def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(
             assert db.execute("SELECT COUNT(*) FROM plans WHERE run_id = ?", (run_id,)).fetchone()[0] == 1
         # a round the server aggregated was spent in the ledger, once
         assert {r for (r, c), o in outcomes.items() if c == name and o == "trained"} <= set(state["rounds"])
+        last = max((k for k in kills if k["client"] == name), key=lambda k: k["kill"])
+        if last["ledger_steps"] > 0:  # it had spent in this run: its last SuperNode says it resumed
+            assert f"client {name} resumes run {run_id} after a restart" in flower.log(f"{name}-{BATCHES}")
     for k in kills:
         k["reply_reached_server"] = outcomes.get((k["round"], k["client"])) == "trained"
     (tmp_path / "kills.json").write_text(json.dumps(kills, indent=1))
