@@ -1,4 +1,4 @@
-"""A deployed node's CSV file, read one physical line at a time: no record can change how another
+r"""A deployed node's CSV file, read one physical line at a time: no record can change how another
 is read, nor fail the file.
 
 pandas parses a file as a whole: a column's type, the quoting and the index are decided from all
@@ -68,7 +68,7 @@ def _numbers(line: bytes, width: int, positions: Sequence[int]) -> list[float] |
 
 
 def _physical_lines(handle: BinaryIO) -> Iterator[bytes | None]:
-    """The file's lines, without their ends: each \n and each \r ends one (so \r\n gives a line
+    r"""The file's lines, without their ends: each \n and each \r ends one (so \r\n gives a line
     and a blank one, and a lone \r ends a line as a spreadsheet on an old Mac saves it); None for a
     line over `MAX_LINE_BYTES`, whose bytes are dropped as they stream by, never held whole. The
     limit applies to each such line whatever ends it, so no line's length depends on another's."""
