@@ -39,7 +39,9 @@ from fedprivacy.participant import (
     simulation_client,
     train_round,
 )
+from fedprivacy.replies import RELEASED_KEY
 from fedprivacy.runconfig import NodeSettings, RunSettings, parse_node_config, parse_run_config
+from fedprivacy.training.capture import trained_names
 
 app = ClientApp()
 logger = logging.getLogger(__name__)
@@ -150,4 +152,5 @@ def initial_model(msg: Message, context: Context, settings: RunSettings, node: N
     client = _client(context, msg.content["config"], settings, node)
     torch.manual_seed(settings.seed)
     model = new_model(settings, client.data.train.features, client.data.train.num_classes)
-    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict())}), reply_to=msg)
+    released = ConfigRecord({RELEASED_KEY: trained_names(model)})
+    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "model": released}), reply_to=msg)

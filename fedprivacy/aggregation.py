@@ -9,6 +9,9 @@ Weights are computed from public values only; aggregation is post-processing and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.plan import Plan
 
@@ -34,3 +37,16 @@ def aggregation_weight(scheme: str, plan: Plan, server_round: int, num_examples:
     if scheme == "inverse-noise":  # every certified plan adds noise: the variance is > 0
         return 1.0 / update_noise_variance(plan, server_round)
     raise InputError("aggregation", scheme, f"must be one of: {', '.join(AGGREGATIONS)}")
+
+
+T = TypeVar("T")
+
+
+def with_released(current: Mapping[str, T], average: Mapping[str, T]) -> dict[str, T]:
+    """The new global model: the average of what the clients released (their trained parameters,
+    `fedprivacy.training.capture.trained_names`) over the current model, whose other entries (buffers,
+    frozen parameters) stay the server's: no client ever sends them."""
+    unknown = sorted(set(average) - set(current))
+    if unknown:
+        raise KeyError(f"released entries {unknown} are not in the global model")
+    return {key: average.get(key, value) for key, value in current.items()}

@@ -19,8 +19,10 @@ from torch import Tensor, nn
 
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError
+from fedprivacy.model_checks import check_model
 from fedprivacy.model_registry import InputShape, ModelFactory, model_factory, register_model
 from fedprivacy.training import UnsupportedLayerError, check_supported
+from fedprivacy.training.isolation import register_rowwise
 
 __all__ = [
     "MODELS",
@@ -58,6 +60,9 @@ class AsImage(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x.reshape(x.shape[0], *self.shape)
+
+
+register_rowwise(AsImage)  # a reshape within each row: the built-in CNN runs as one batched forward
 
 
 def logreg(input_shape_or_features: Sequence[int] | int, num_classes: int) -> nn.Module:
@@ -137,67 +142,13 @@ def build_model(name: str, input_shape_or_num_features: Sequence[int] | int, num
         check_supported(model)
     except UnsupportedLayerError as error:
         raise UnsupportedLayerError(f"model={name!r} (factory {target}): {error}") from None
-    if (factory, shape, num_classes) not in _GIVES_LOGITS:  # once per process: engines rebuild per client
-        _check_logits(name, target, model, shape, num_classes)
-        _GIVES_LOGITS.add((factory, shape, num_classes))
+    if (factory, shape, num_classes) not in _CHECKED:  # once per process: engines rebuild per client
+        check_model(name, target, model, shape, num_classes)
+        _CHECKED.add((factory, shape, num_classes))
     return model
 
 
-_GIVES_LOGITS: set[tuple[ModelFactory, InputShape, int]] = set()
-
-
-def _check_logits(name: str, target: str, model: nn.Module, shape: InputShape, num_classes: int) -> None:
-    """Two zero examples must give two rows of `num_classes` logits: a factory that ignores its
-    arguments fails here, naming itself, rather than as a shape error inside a client's round. And
-    an example's logits must not depend on the other examples of its batch (`_check_rows_apart`)."""
-    training = model.training
-    parameter = next(model.parameters(), None)
-    device = None if parameter is None else parameter.device
-    model.eval()
-    try:
-        with torch.no_grad():
-            out = model(torch.zeros((2, *shape), device=device))
-    except Exception as error:
-        raise InputError(
-            "model",
-            name,
-            f"the model from {target} cannot take a batch of input_shape={shape}: {type(error).__name__}: {error}",
-        ) from error
-    finally:
-        model.train(training)
-    if not isinstance(out, Tensor) or tuple(out.shape) != (2, num_classes):
-        got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-        raise InputError(
-            "model",
-            name,
-            f"the model from {target} gives {got} for 2 examples; need (2, {num_classes}): one logit per class",
-        )
-    model.eval()
-    try:
-        with torch.no_grad():
-            _check_rows_apart(name, target, model, shape, device)
-    finally:
-        model.train(training)
-
-
-def _check_rows_apart(name: str, target: str, model: nn.Module, shape: InputShape, device: torch.device | None) -> None:
-    """Refuse a model whose logits for one example change when another example of the batch changes
-    (a mean over the batch, a batch statistic): DP-SGD bounds each example's influence by clipping
-    its own gradient, which such a model would break, and the per-layer rules cannot see it. Probed
-    once per factory and shape, in eval mode, with a seeded batch of three examples whose first is
-    then replaced by large values."""
-    generator = torch.Generator().manual_seed(0)
-    batch = torch.rand((3, *shape), generator=generator).to(device)
-    before = model(batch)
-    batch[0] = 1e3 * torch.rand(shape, generator=generator).to(device) + 7.0
-    after = model(batch)
-    if not torch.equal(before[1:], after[1:]):
-        raise UnsupportedLayerError(
-            f"model={name!r} (factory {target}): changing one example of a batch changed the logits of the "
-            "others, so the model mixes the examples of a batch (a batch mean or statistic); DP-SGD clips each "
-            "example's own gradient and cannot bound such a model's; compute every example from itself alone "
-            "(GroupNorm or LayerNorm instead of BatchNorm)"
-        )
+_CHECKED: set[tuple[ModelFactory, InputShape, int]] = set()
 
 
 EVALUATION_ROWS = 1024  # rows per forward pass when evaluating

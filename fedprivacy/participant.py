@@ -44,6 +44,7 @@ from fedprivacy.privacy.planner import plan_client, with_rule_comparison
 from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig import DEFAULTS, NodeSettings, RunSettings, default_ledger_path
 from fedprivacy.runconfig_keys import RUN_KEYS
+from fedprivacy.training.capture import trained_names
 from fedprivacy.training.trainer import DPTrainer, check_finite
 
 logger = logging.getLogger(__name__)
@@ -431,6 +432,13 @@ def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> 
     return build_model(settings.model, features.shape[1:], num_classes)  # one example's shape: (d,) or (C, H, W)
 
 
+def released_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a client sends of its trained model: the trained parameters, which went through
+    clipping and noise, and nothing else (no buffer, no frozen parameter), in the trainer's order."""
+    state = model.state_dict()
+    return {name: state[name].detach().cpu() for name in trained_names(model)}
+
+
 def plan_from_settings(
     settings: RunSettings,
     num_examples: int,
@@ -628,8 +636,7 @@ def train_round(
     metrics = reply_metrics(client, plan, spent, steps, trained=True, on_gpu=dev.type == "cuda")
     if settings.diagnostics:  # simulations only (open_account refuses it in a deployment)
         metrics.update(diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples))
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return RoundResult(state, metrics, trainer.state_dict())
+    return RoundResult(released_state(model), metrics, trainer.state_dict())
 
 
 def reply_metrics(

@@ -32,6 +32,7 @@ COUNTS = ("num-examples", "steps-planned", "steps-done")
 EVALUATE_KEYS = ("num-examples", "loss", "accuracy", "evaluation-off")
 
 ModelSpec = dict[str, tuple[tuple[int, ...], str]]  # array key -> (shape, dtype)
+RELEASED_KEY = "released"  # the initial model's reply names the entries clients release (its trained parameters)
 
 
 class InvalidReply(ValueError):
@@ -55,6 +56,16 @@ class TrainReply:
 def model_spec(arrays: Mapping[str, np.ndarray]) -> ModelSpec:
     """The keys, shapes and dtypes every reply's weights must match."""
     return {key: (tuple(value.shape), str(value.dtype)) for key, value in arrays.items()}
+
+
+def check_released(names: Any, arrays: Mapping[str, Any]) -> list[str]:
+    """The names of the entries a client releases, as the initial model's reply gives them: a
+    non-empty list of the model's own keys, each once."""
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise InvalidReply(f"{RELEASED_KEY} must list the model's trained entries by name")
+    if len(set(names)) != len(names) or not set(names) <= set(arrays):
+        raise InvalidReply(f"{RELEASED_KEY} names entries the model lacks, or one twice")
+    return list(names)
 
 
 def _number(key: str, value: Any) -> float:

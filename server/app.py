@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedprivacy.errors import InputError, error_summary
 from fedprivacy.models import evaluate_model
 from fedprivacy.participant import new_model, unused_data_keys
+from fedprivacy.replies import RELEASED_KEY, InvalidReply, check_released
 from fedprivacy.results import (
     DIAGNOSTICS_NOTE,
     RunRecorder,
@@ -31,6 +32,7 @@ from fedprivacy.results import (
     resolved_config,
 )
 from fedprivacy.runconfig import RunSettings, parse_run_config
+from fedprivacy.training.capture import trained_names
 from server.console import reporting
 from server.evaluation import central_evaluation, server_test_set
 from server.optimizers import ServerOptimizer
@@ -43,24 +45,28 @@ DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the serve
 
 def _initial_arrays(
     settings: RunSettings, test: Any, grid: Grid, nodes: list[int], config: ConfigRecord
-) -> ArrayRecord:
-    """The seeded initial model: sized from the server's test set, or asked of the clients in
-    turn (one misconfigured node must not end the run: its refusal is logged and the next one asked)."""
+) -> tuple[ArrayRecord, list[str]]:
+    """The seeded initial model and the names of its trained parameters (what clients release):
+    sized from the server's test set, or asked of the clients in turn (one misconfigured node must
+    not end the run: its refusal is logged and the next one asked)."""
     if test is not None:
         torch.manual_seed(settings.seed)
-        return ArrayRecord(new_model(settings, test.features, test.num_classes).state_dict())
+        model = new_model(settings, test.features, test.num_classes)
+        return ArrayRecord(model.state_dict()), trained_names(model)
     refusals = []
     for node in nodes:
         query = Message(RecordDict({"config": config}), dst_node_id=node, message_type=MessageType.QUERY)
         (reply,) = grid.send_and_receive([query], timeout=settings.round_timeout)
-        if not reply.has_error():
-            return reply.content["arrays"]
-        refusals.append(f"node {node}: {error_summary(reply.error.reason)}")
-        logger.warning(
-            "client on node %d could not build the initial model (%s); asking another node",
-            node,
-            error_summary(reply.error.reason),
-        )
+        if reply.has_error():
+            reason = error_summary(reply.error.reason)
+        else:
+            try:
+                arrays = reply.content["arrays"]
+                return arrays, check_released(reply.content["model"][RELEASED_KEY], arrays)
+            except (KeyError, TypeError, InvalidReply) as error:
+                reason = f"its initial model is not usable ({error})"
+        refusals.append(f"node {node}: {reason}")
+        logger.warning("client on node %d could not build the initial model (%s); asking another node", node, reason)
     raise RuntimeError(f"no client could build the initial model: {'; '.join(refusals)}")
 
 
@@ -164,7 +170,9 @@ def _federate(
         settings.rule,
         evaluation,
     )
-    initial = _initial_arrays(settings, test, grid, list(nodes), strategy.round_config(ConfigRecord(), 0))
+    initial, strategy.released = _initial_arrays(
+        settings, test, grid, list(nodes), strategy.round_config(ConfigRecord(), 0)
+    )
     model = None if test is None else new_model(settings, test.features, test.num_classes)
 
     def end_of_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:

@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fedprivacy.aggregation import aggregation_weight
+from fedprivacy.aggregation import aggregation_weight, with_released
 from fedprivacy.errors import error_summary
 from fedprivacy.participation import Outcome, Participation
 from fedprivacy.privacy.plan import Plan
@@ -123,7 +123,8 @@ class PrivacyFedAvg(FedAvg):
         self.names: dict[int, str] = {}
         self.plans: dict[int, Plan] = {}
         self.outbox: dict[str, Outbox] = {}  # message type -> this round's messages
-        self.model: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.model: dict[str, tuple[tuple[int, ...], str]] = {}  # what a train reply must hold
+        self.released: list[str] = []  # the model's trained parameters: all that clients send
         self.aggregation = aggregation
         self.optimizer = optimizer
         self.current: ArrayRecord | None = None  # the global model this round's clients started from
@@ -161,7 +162,8 @@ class PrivacyFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        self.model = model_spec(_numpy(arrays))
+        current = _numpy(arrays)
+        self.model = model_spec({key: current[key] for key in self.released})
         self.current = arrays
         nodes = self.participation.trainers(server_round, self.connected_nodes(grid))
         return self._messages(grid, nodes, arrays, self.round_config(config, server_round), MessageType.TRAIN)
@@ -233,14 +235,16 @@ class PrivacyFedAvg(FedAvg):
         if not trained:
             return None, None
         # FedAvg's own weighted mean, over the checked replies only
-        arrays = aggregate_arrayrecords(trained, WEIGHT_KEY)  # by examples, or by inverse noise variance
+        average = aggregate_arrayrecords(trained, WEIGHT_KEY)  # by examples, or by inverse noise variance
         metrics = aggregate_train_metrics(trained, self.weighted_by_key)
-        if not all(np.isfinite(a.numpy()).all() for a in arrays.values()):
+        if not all(np.isfinite(a.numpy()).all() for a in average.values()):
             logger.warning("round %d: the aggregate is not finite; the global model stays as it was", server_round)
             return None, metrics
-        if self.optimizer is not None and self.current is not None:
-            arrays = self.optimizer.step(server_round, self.current, arrays)
-        return arrays, metrics
+        assert self.current is not None  # configure_train set it
+        current = dict(self.current)
+        if self.optimizer is not None:  # steps the released entries only; the others are never sent
+            average = self.optimizer.step(server_round, ArrayRecord({k: current[k] for k in average}), average)
+        return ArrayRecord(with_released(current, dict(average))), metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         outbox = self.outbox[MessageType.EVALUATE]

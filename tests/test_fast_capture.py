@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedprivacy.models import build_model
+from fedprivacy.training.capture import BatchedCapture, convolution_as_product, trained_layers
 from fedprivacy.training.layers.base import UnsupportedLayerError
-from sims.fast.capture import BatchedCapture, convolution_as_product, trained_layers
 
 
 class Mixed(nn.Module):

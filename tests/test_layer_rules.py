@@ -300,14 +300,14 @@ def test_a_subclass_that_keeps_forward_uses_its_base_rule() -> None:
 
 def test_a_layer_norm_over_the_batch_dimension_is_refused() -> None:
     clipper = PerExampleClipper(nn.Sequential(nn.LayerNorm((4, 3)), nn.Linear(3, 2)))
-    with pytest.raises(UnsupportedLayerError, match="the batch dimension included"):
+    with pytest.raises(UnsupportedLayerError, match="cannot run one example at a time.*normalized_shape=\\[4, 3\\]"):
         clipper.clipped_sum(torch.randn(4, 3), torch.randint(0, 2, (4,)), 1.0)
 
 
 def test_a_model_that_mixes_rows_of_the_batch_is_refused() -> None:
-    """Examples folded together into other rows: the second layer's rows are not examples."""
+    """Examples folded together into other rows: each example, computed alone, has no such rows."""
     model = nn.Sequential(nn.Linear(3, 4), nn.Flatten(0), nn.Unflatten(0, (2, 8)), nn.Linear(8, 2))
-    with pytest.raises(UnsupportedLayerError, match="sees 2 rows where the batch has 4"):
+    with pytest.raises(UnsupportedLayerError, match="cannot run one example at a time"):
         PerExampleClipper(model).clipped_sum(torch.randn(4, 3), torch.randint(0, 2, (2,)), 1.0)
 
 
@@ -368,13 +368,26 @@ class FoldsTheBatch(nn.Module):
         return self.lin(x.unsqueeze(0)).squeeze(0)
 
 
-def test_a_model_that_folds_the_batch_into_one_row_is_refused() -> None:
+def test_a_model_that_folds_the_batch_into_one_row_is_still_clipped_per_example() -> None:
     """Clipped as one row, the whole batch would get one clip weight: one record could then move the
-    sum by up to 2C. The trainer's clipper and the shared function both count rows against examples."""
+    sum by up to 2C. Computed one example at a time, the fold is a fold of one example, and each
+    example is clipped on its own (checked against torch.func's per-example gradients). The shared
+    function still counts rows against examples."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 4) * 10, torch.randint(0, 3, (8,))
-    with pytest.raises(UnsupportedLayerError, match="sees 1 rows where the batch has 8 examples"):
-        PerExampleClipper(FoldsTheBatch()).clipped_sum(x, y, 1.0)
+    model = FoldsTheBatch()
+    batch = PerExampleClipper(model).clipped_sum(x, y, 1.0)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(weights, xi, yi):
+        return F.cross_entropy(functional_call(model, weights, (xi[None],)), yi[None])
+
+    per_example = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    norms = torch.sqrt(sum(g.flatten(1).double().square().sum(1) for g in per_example.values()))
+    weights = (1.0 / norms).clamp(max=1.0)
+    for (name, _), summed in zip(model.named_parameters(), batch.grad_sums, strict=True):
+        g = per_example[name].double()
+        assert torch.allclose(summed.double(), (weights.view(-1, *[1] * (g.dim() - 1)) * g).sum(0), atol=1e-6)
     layer = nn.Linear(4, 3)
     with pytest.raises(UnsupportedLayerError, match="sees 2 rows where the batch has 8 examples"):
         clipped_sums([LayerRecord(layer, torch.randn(2, 4), torch.randn(2, 3))], 1.0, 2, batch=4)

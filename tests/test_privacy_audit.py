@@ -23,6 +23,7 @@ from independent import CERTIFICATE_REL_TOL, pld_epsilon
 from clients.app import app as client_app
 from fedprivacy.participant import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS
 from fedprivacy.privacy.planner import plan_client
+from fedprivacy.replies import RELEASED_KEY
 from server.app import app as server_app
 from sims import audit
 
@@ -198,10 +199,13 @@ def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_da
     assert runs["D"] == runs["D'"] == runs["D-"]  # nothing but the (noised) weights depends on the record
     kinds = [kind for kind, _ in runs["D"]]
     assert kinds.count("train") == 2 and kinds.count("evaluate") == 1  # evaluation is declined once, then not asked
+    (released,) = [content["model"][RELEASED_KEY] for kind, content in runs["D"] if kind == "query"]
+    assert released == ["1.weight", "1.bias"]  # logreg's trained parameters: Flatten, then Linear
     for kind, content in runs["D"]:
         assert not (isinstance(content, tuple) and content[0] == "error"), content
         if kind == "train":
             assert set(content) == {"metrics", "client", "arrays"}
+            assert content["arrays"] == sorted(released)  # the trained parameters and nothing else
             assert set(content["metrics"]) == set(PUBLIC_REPLY_KEYS)
             assert not set(content["metrics"]) & set(DIAGNOSTIC_KEYS)
             assert (content["metrics"]["epsilon-budget"], content["metrics"]["delta"]) == (
@@ -212,7 +216,7 @@ def test_every_reply_holds_public_values_only_and_is_the_same_on_neighbouring_da
         elif kind == "evaluate":
             assert content == {"metrics": {"num-examples": 0, "evaluation-off": 1}}
         else:
-            assert kind == "query" and set(content) == {"arrays"}
+            assert kind == "query" and set(content) == {"arrays", "model"}
 
 
 @pytest.mark.parametrize(

@@ -145,11 +145,49 @@ def test_frozen_batch_norm_is_still_refused() -> None:
         PerExampleClipper(model)
 
 
-def test_in_place_activation_is_refused() -> None:
-    model = nn.Sequential(nn.Linear(15, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
-    clipper = PerExampleClipper(model)
-    with pytest.raises(UnsupportedLayerError, match="in place"):
-        clipper.clipped_sum(torch.randn(4, 15), torch.randint(0, 2, (4,)), 1.0)
+class Residual(nn.Module):
+    """Adds a block's output to the block's own input, in place (`h += block(h)`, after the block
+    read h) or not: ordinary autograd cannot train the in-place form, whose weight gradients need
+    the input it overwrote; the capture keeps what each layer saw."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.first = nn.Linear(15, 8)
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = 2.0 * self.first(x)
+        if self.in_place:
+            h += torch.relu(self.block(h))
+        else:
+            h = h + torch.relu(self.block(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    "in_place,out_of_place",
+    [
+        (  # kept apart by construction: one batched forward
+            lambda: nn.Sequential(nn.Linear(15, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)),
+            lambda: nn.Sequential(nn.Linear(15, 8), nn.ReLU(), nn.Linear(8, 2)),
+        ),
+        (lambda: Residual(in_place=True), lambda: Residual(in_place=False)),  # one example at a time
+    ],
+)
+def test_in_place_operations_give_the_per_example_gradients(in_place, out_of_place) -> None:
+    """A layer's output or input written in place after the layer ran changes neither A nor D: the
+    capture adds its probe to a new tensor and keeps what each layer saw."""
+    torch.manual_seed(0)
+    model, reference = in_place(), out_of_place()
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(6, 15), torch.randint(0, 2, (6,))
+    got = PerExampleClipper(model).clipped_sum(x, y, 0.1)
+    want = PerExampleClipper(reference).clipped_sum(x, y, 0.1)
+    assert torch.equal(got.sq_norms, want.sq_norms)
+    for g, w in zip(got.grad_sums, want.grad_sums, strict=True):
+        assert torch.equal(g, w)
 
 
 class CallsItsLayerTwice(nn.Module):

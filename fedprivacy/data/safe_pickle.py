@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from fedprivacy.data.limits import check_load
 from fedprivacy.errors import InputError
 
 # The reconstruction functions, taken from numpy's own reductions (public API): their module is
@@ -53,7 +54,10 @@ class ArrayUnpickler(pickle.Unpickler):
 
 def load_arrays(file: Path, what: str) -> Any:
     """The object pickled in `file`, refused with the file and the callable named if it needs any
-    other than `ALLOWED`, or if it is not a pickle at all. `what` says what the file should be."""
+    other than `ALLOWED`, or if it is not a pickle at all. `what` says what the file should be.
+    A pickle's objects take at most a few times its size (a reference costs 2 bytes in the file and 8
+    in memory; an array's data is in the file): the file, counted 8 times, must fit the limit."""
+    check_load(file, f"{what}, unpickled", 8 * file.stat().st_size)
     try:
         return ArrayUnpickler(io.BytesIO(file.read_bytes()), encoding="bytes").load()
     except Refused as refused:

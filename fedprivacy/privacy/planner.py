@@ -105,6 +105,8 @@ def resolve_schedule(
         steps = proactive_steps(epochs, epsilon)  # finite: k ≤ limits.EPOCHS_MAX
         limits.steps("epochs" if epochs_given else "epsilon", epochs if epochs_given else epsilon, steps)
     rate = epochs / steps
+    if 1.0 < rate <= 1.0 + 1e-9:  # k a rounding above a whole number of steps (1.0000000000000002): q = 1
+        rate = 1.0
     if rate > 1.0:
         raise InputError(
             "epochs",

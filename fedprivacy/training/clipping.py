@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedprivacy.training.capture import BatchedCapture, LayerRecord
 from fedprivacy.training.layers import LayerRule, LayerTerms, registered_layers, rule_for, trainable
 from fedprivacy.training.layers.linear import linear_norms
 from fedprivacy.training.norms import (
@@ -64,15 +64,6 @@ __all__ = [
     "clipped_sums",
     "linear_norms",
 ]
-
-
-@dataclass
-class LayerRecord:
-    """What a capture gives one trained layer: its first forward input and its output gradient."""
-
-    module: nn.Module
-    a: Tensor  # [K·B, ...]
-    d: Tensor  # [K·B, ...]
 
 
 @dataclass
@@ -236,6 +227,13 @@ def check_supported(model: nn.Module) -> None:
                 f"clipping rule{because}; rules exist for {known}: freeze it (requires_grad=False), use one of "
                 "those, or register a rule for it with fedprivacy.training.layers.register_layer_rule"
             )
+        unclipped = [n for n, _ in params if rule.parameters is not None and n not in rule.parameters]
+        if unclipped:
+            raise UnsupportedLayerError(
+                f"{where} holds trained parameter {unclipped[0]!r}, which its rule does not clip (it clips "
+                f"{', '.join(rule.parameters or ())}): a parameter attached to a layer is neither clipped nor noised; "
+                "freeze it (requires_grad=False) or give it a module of its own with a rule"
+            )
         try:
             rule.check(module)
         except UnsupportedLayerError as refused:
@@ -251,38 +249,21 @@ def check_supported(model: nn.Module) -> None:
 
 
 class PerExampleClipper:
-    """Computes clipped per-example gradient sums for a model, by forward hooks on its trained layers.
-
-    The hooks record only while `clipped_sum` runs, so the model is usable normally otherwise.
-    """
+    """Computes clipped per-example gradient sums for one client's model: the shared capture
+    (`fedprivacy.training.capture.BatchedCapture`, one client, each example computed alone) on the
+    model's own weights, then the shared clipping (`clipped_sums` with K = 1)."""
 
     def __init__(self, model: nn.Module) -> None:
         check_supported(model)
         self.model = model
-        self.layers = [m for m in model.modules() if trainable(m)]
-        if not self.layers:
-            raise UnsupportedLayerError("the model has no trainable parameters: nothing to clip")
+        self.capture = BatchedCapture(model)
+        # The model's own tensors (detached views: the step updates the parameters in place, and the
+        # views see it), by state name, for the capture's functional calls.
+        self._weights = {name: t.detach() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+        named = dict(model.named_parameters())
         # Parameters in layer order, each layer's in its own order; grad_sums follow this order.
-        self.parameters: list[nn.Parameter] = [p for m in self.layers for _, p in trainable(m)]
-        self._records: dict[nn.Module, tuple[Tensor, Tensor, int]] = {}
-        self._recording = False
+        self.parameters: list[nn.Parameter] = [named[name] for name in self.capture.trained_names]
         self._float64 = Float64Scratch()
-        for layer in self.layers:
-            layer.register_forward_hook(self._record)
-
-    def _record(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        if not self._recording:
-            return
-        if module in self._records:
-            raise UnsupportedLayerError(
-                f"layer {type(module).__name__} is called more than once per forward pass "
-                "(shared weights): per-example norms would not add up per call"
-            )
-        if not isinstance(output, Tensor):
-            raise UnsupportedLayerError(
-                f"layer {type(module).__name__} returns {type(output).__name__}: its rule needs a single output tensor"
-            )
-        self._records[module] = (inputs[0].detach(), output, output._version)
 
     def clipped_sum(self, inputs: Tensor, targets: Tensor, clip_norm: float) -> ClippedBatch:
         """Σᵢ clip_C(∇loss_i) over the batch, with each example's gradient clipped over ALL
@@ -293,14 +274,16 @@ class PerExampleClipper:
         when summed), the batch is redone one example at a time, so that only the offenders are
         dropped.
         """
-        records, losses, loss_sum = self._capture(inputs, targets)
-        result = _clipped_rows(records, clip_norm, 1, self._float64, True, inputs.shape[0])  # one client
+        captured = self.capture.single(self._weights, inputs, targets)
+        losses = captured.losses[0]
+        loss_sum = losses.sum()
+        result = _clipped_rows(captured.records, clip_norm, 1, self._float64, True, inputs.shape[0])  # one client
         nonfinite = 0 if result.dropped is None else int(result.dropped.sum())
         if result.broken is None or not bool(result.broken[0]):
             if nonfinite:
                 loss_sum = torch.where(result.dropped, 0.0, losses).sum()
             grad_sums = [s[0] for s in result.grad_sums]
-            return ClippedBatch(grad_sums, result.sq_norms, loss_sum.detach(), clip_norm, nonfinite)
+            return ClippedBatch(grad_sums, result.sq_norms, loss_sum, clip_norm, nonfinite)
         if inputs.shape[0] == 1:
             zeros = [torch.zeros_like(p) for p in self.parameters]
             return ClippedBatch(
@@ -314,37 +297,3 @@ class PerExampleClipper:
             clip_norm,
             sum(b.nonfinite for b in singles),
         )
-
-    def _capture(self, inputs: Tensor, targets: Tensor) -> tuple[list[LayerRecord], Tensor, Tensor]:
-        """One forward and one backward pass: each trained layer's input A and output gradient D,
-        the per-example losses and their sum."""
-        self._records.clear()
-        self._recording = True
-        try:
-            logits = self.model(inputs)
-        finally:
-            self._recording = False
-        losses = F.cross_entropy(logits, targets, reduction="none")
-        outputs = []
-        for layer in self.layers:
-            if layer not in self._records:
-                raise UnsupportedLayerError(
-                    f"layer {layer} was not called in the forward pass; freeze its parameters "
-                    "(requires_grad=False) if it is not meant to be trained"
-                )
-            _, out, version = self._records[layer]
-            if out._version != version:
-                raise UnsupportedLayerError(
-                    f"the output of {layer} was modified in place (e.g. ReLU(inplace=True)); "
-                    "use out-of-place activations"
-                )
-            outputs.append(out)
-        # Gradients with respect to layer outputs only: autograd skips the parameter gradients.
-        loss_sum = losses.sum()
-        deltas = torch.autograd.grad(loss_sum, outputs, allow_unused=True)
-        records = [
-            LayerRecord(layer, self._records[layer][0], torch.zeros_like(out) if delta is None else delta)
-            for layer, out, delta in zip(self.layers, outputs, deltas, strict=True)
-        ]
-        self._records.clear()
-        return records, losses, loss_sum

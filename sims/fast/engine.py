@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import torch
 from flwr.app import ArrayRecord
 
-from fedprivacy.aggregation import aggregation_weight
+from fedprivacy.aggregation import aggregation_weight, with_released
 from fedprivacy.errors import error_summary
 from fedprivacy.ledger import (
     BudgetExceeded,
@@ -73,6 +73,7 @@ from fedprivacy.results import (
     resolved_config,
 )
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
+from fedprivacy.training.capture import trained_names
 from fedprivacy.training.rng import SeededRunWarning
 from server.evaluation import central_evaluation, server_test_set
 from server.optimizers import ServerOptimizer
@@ -507,7 +508,7 @@ def _aggregate_and_evaluate(
     results: WorkerRoundResult,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
     """The round's new global model and its central (loss, accuracy)."""
-    new_state = _aggregate(global_state, trained, results, server_round, settings, optimizer)
+    new_state = _aggregate(global_state, trained, results, server_round, settings, optimizer, trained_names(model))
     return new_state, _central_metrics(model, new_state, test)
 
 
@@ -518,10 +519,12 @@ def _aggregate(
     server_round: int,
     settings: RunSettings,
     optimizer: ServerOptimizer | None,
+    released: list[str],
 ) -> dict[str, torch.Tensor]:
-    """As the strategy: each update weighted by its client's examples or inverse noise variance
-    (weight factors w/Σw in float32, as Flower's aggregation), then the server optimiser's step;
-    the previous model if nobody trained or the average is not finite."""
+    """As the strategy: each update (the `released` entries, the trained parameters) weighted by its
+    client's examples or inverse noise variance (weight factors w/Σw in float32, as Flower's
+    aggregation), then the server optimiser's step; the previous model if nobody trained or the
+    average is not finite."""
     if not trained:
         return global_state
     rows = torch.tensor([k for _, k in trained])
@@ -532,14 +535,14 @@ def _aggregate(
     factors = torch.tensor([w / total for w in weights], dtype=torch.float32)
     average = {
         key: torch.tensordot(factors, stacked[rows], dims=1)
-        for key, stacked in zip(global_state, results.weights, strict=True)
+        for key, stacked in zip(released, results.weights, strict=True)
     }
     if not all(bool(torch.isfinite(v).all()) for v in average.values()):  # as the strategy: keep the model
         return global_state
-    if optimizer is None:
-        return average
-    stepped = optimizer.step(server_round, ArrayRecord(global_state), ArrayRecord(average))
-    return stepped.to_torch_state_dict()
+    if optimizer is not None:  # steps the released entries only, as the strategy
+        current = ArrayRecord({key: global_state[key] for key in released})
+        average = optimizer.step(server_round, current, ArrayRecord(average)).to_torch_state_dict()
+    return with_released(global_state, average)
 
 
 def _evaluate_federated(

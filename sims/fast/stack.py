@@ -27,11 +27,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from fedprivacy.training.capture import BatchedCapture
 from fedprivacy.training.clipping import PerExampleClipper, clipped_sums
 from fedprivacy.training.norms import NORM_DTYPE, Float64Scratch
 from fedprivacy.training.step import noise_scale
 from fedprivacy.training.trainer import UNCLIPPED
-from sims.fast.capture import BatchedCapture
 
 
 @dataclass

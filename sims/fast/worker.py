@@ -22,6 +22,7 @@ from torch import Tensor
 
 from fedprivacy.models import build_model
 from fedprivacy.participant import diagnostics as training_diagnostics
+from fedprivacy.participant import released_state
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import DPTrainer
 from fedprivacy.training.rng import DrawRequest, SeededRunWarning, StepRandomness, draw_batch
@@ -50,7 +51,8 @@ class RoundRequest:
 
 @dataclass
 class WorkerRoundResult:
-    """New weights of the clients that trained (stacked, in state-dict key order) and their state."""
+    """New trained parameters of the clients that trained (stacked, in the trainer's order,
+    `capture.trained_names`: all a client releases) and their trainer state."""
 
     indices: list[int]
     weights: list[Tensor]
@@ -162,7 +164,7 @@ class LocalWorker:
                     private=self.private,
                 )
             report = trainer.run_round(server_round)
-            results.append([v.detach() for v in model.state_dict().values()])
+            results.append(list(released_state(model).values()))
             states.append(trainer.state_dict())
             notes.append(
                 training_diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples)
@@ -230,9 +232,8 @@ class LocalWorker:
                 )
             ]
         states = adaptive.states([{"step": f + c} for f, c in zip(firsts, counts, strict=True)])
-        return WorkerRoundResult(
-            [r.index for r in requests], [w.cpu() for w in weights], states, notes, self.device.type == "cuda"
-        )
+        released = [weights[position].cpu() for position in clients.trained]  # never a buffer
+        return WorkerRoundResult([r.index for r in requests], released, states, notes, self.device.type == "cuda")
 
     def _draws(
         self,

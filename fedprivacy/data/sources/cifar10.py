@@ -22,6 +22,7 @@ from fedprivacy.errors import InputError
 SPLITS = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
 META = "batches.meta"
 IMAGE = (3, 32, 32)
+INT64_MIN, INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 LAYOUT = "a CIFAR-10 python folder holds data_batch_1 … data_batch_5, test_batch and batches.meta"
 
 
@@ -44,9 +45,10 @@ def _batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
         shown = f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
         raise InputError("data", str(file), f"its b'data' is {shown}; CIFAR-10 batches hold uint8 [n, 3072]")
     labels = _entry(batch, b"labels", file)
-    # The type and length are checked before any conversion: a pickle can make a list of n references
-    # to one huge bytes object for a few bytes of file, and np.asarray of it would ask for n times its size.
-    if isinstance(labels, list) and all(type(label) is int for label in labels):
+    # The type, length and range are checked before any conversion: a pickle can make a list of n
+    # references to one huge bytes object for a few bytes of file, and np.asarray of it would ask for n
+    # times its size; an integer beyond int64 would overflow.
+    if isinstance(labels, list) and all(type(label) is int and INT64_MIN <= label <= INT64_MAX for label in labels):
         labels = np.asarray(labels, dtype=np.int64)
     if (
         not isinstance(labels, np.ndarray)

@@ -9,12 +9,14 @@ numeric arrays of one shape. Labels are a ClassLabel (its classes are K) or inte
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedprivacy.data.arrays import class_labels, client_groups, feature_names, float_features, pixels
+from fedprivacy.data.limits import check_load
 from fedprivacy.data.registry import Source
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError
@@ -32,10 +34,18 @@ def _parquet(path: Path, files: list[Path]) -> Any:
     import pyarrow.parquet as pq
 
     try:
+        # what the columns take once decompressed, from each file's metadata, before any is read
+        check_load(path, "its parquet columns decompressed", sum(_parquet_bytes(pq.ParquetFile(f)) for f in files))
         table = pa.concat_tables([pq.read_table(f) for f in files])
     except (pa.ArrowException, OSError) as exc:
         raise InputError("data", str(path), f"its parquet cannot be read as one table ({exc})") from None
     return datasets.Dataset(table)
+
+
+def _parquet_bytes(file: Any) -> int:
+    """The uncompressed size of a parquet file's row groups, as its metadata declares it."""
+    metadata = file.metadata
+    return sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
 
 
 def _from_disk(path: Path) -> Any:
@@ -93,33 +103,57 @@ def _image_column(table: Any, image_column: str | None, where: str) -> str:
     )
 
 
-def _images(table: Any, column: str, where: str) -> np.ndarray:
-    """Every image of `column`, decoded: all must share one size and one of the `CHANNELS` modes."""
-    import datasets
+def _opened(cell: Any, column: str, row: int, where: str) -> Any:
+    """One image cell opened by Pillow, which reads its header only (mode, size): nothing decoded yet.
+    A cell holds the encoded bytes, or the path of a local file (the `datasets` Image layout)."""
+    from PIL import Image
 
-    images = table.select_columns([column]).cast_column(column, datasets.Image(decode=True))
+    source = None if cell is None else cell.get("bytes") or cell.get("path")
+    if source is None:
+        raise InputError(f"column {column}", f"example {row}", f"{where}: image is missing")
+    try:
+        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InputError(f"column {column}", f"example {row}", f"{where}: not a readable image ({exc})") from None
+
+
+def _unlike(column: str, row: int, where: str, image: Any, first: tuple[str, tuple[int, int]] | None) -> InputError:
+    """An image whose mode is not one of `CHANNELS`, or whose size or mode is not the first's."""
+    if image.mode not in CHANNELS:
+        why = f"image is mode {image.mode}; images must be 8-bit {', '.join(CHANNELS)}"
+    else:
+        shown = "" if first is None else f", example 0 is {first[0]} {first[1][0]}×{first[1][1]}"
+        why = f"image is {image.mode} {image.size[0]}×{image.size[1]}{shown}: every image needs the same size and mode"
+    return InputError(f"column {column}", f"example {row}", f"{where}: {why}")
+
+
+def _images(table: Any, column: str, where: str) -> np.ndarray:
+    """Every image of `column`, decoded: all must share one size and one of the `CHANNELS` modes.
+    Sizes and modes are read from each image's header before it is decoded, and the whole
+    array's memory is checked against the limit (`fedprivacy.data.limits`) before the first is."""
+    import datasets
+    from PIL import ImageOps
+
+    cells = table.select_columns([column]).cast_column(column, datasets.Image(decode=False))
     out: np.ndarray | None = None
     first: tuple[str, tuple[int, int]] | None = None
-    for start in range(0, len(images), DECODE_BATCH):
-        for row, image in enumerate(images[start : start + DECODE_BATCH][column], start):
-            if image is None or image.mode not in CHANNELS:
-                shown = "missing" if image is None else f"mode {image.mode}"
-                raise InputError(
-                    f"column {column}",
-                    f"example {row}",
-                    f"{where}: image is {shown}; images must be 8-bit {', '.join(CHANNELS)}",
-                )
+    first_pixels = 0
+    for start in range(0, len(cells), DECODE_BATCH):
+        for row, cell in enumerate(cells[start : start + DECODE_BATCH][column], start):
+            with _opened(cell, column, row, where) as opened:
+                width, height = opened.size
+                if opened.mode not in CHANNELS or (first_pixels and width * height != first_pixels):
+                    raise _unlike(column, row, where, opened, first)
+                if not first_pixels:
+                    first_pixels = width * height
+                    values = len(cells) * CHANNELS[opened.mode] * first_pixels
+                    check_load(where, f"its {len(cells)} images of {width}×{height} decoded", values * 5)
+                image = ImageOps.exif_transpose(opened)  # decoded now, turned as its EXIF orientation says
             if out is None:
                 first = (image.mode, image.size)
-                width, height = image.size
-                out = np.empty((len(images), CHANNELS[image.mode], height, width), dtype=np.uint8)
+                out = np.empty((len(cells), CHANNELS[image.mode], image.size[1], image.size[0]), dtype=np.uint8)
             elif (image.mode, image.size) != first:
-                raise InputError(
-                    f"column {column}",
-                    f"example {row}",
-                    f"{where}: image is {image.mode} {image.size[0]}×{image.size[1]}, example 0 is "
-                    f"{first[0]} {first[1][0]}×{first[1][1]}: every image needs the same size and mode",
-                )
+                raise _unlike(column, row, where, image, first)
             array = np.asarray(image)
             out[row] = array[None] if array.ndim == 2 else array.transpose(2, 0, 1)
     assert out is not None  # the table has at least 2 rows (checked by the caller)

@@ -6,12 +6,14 @@ file named by an untrusted run config runs no code.
 
 from __future__ import annotations
 
+import math
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from fedprivacy.data.arrays import class_labels, client_groups, example_count, feature_names, float_features
+from fedprivacy.data.limits import check_load
 from fedprivacy.data.registry import Source
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError
@@ -33,8 +35,11 @@ def _arrays(file: Path) -> dict[str, np.ndarray]:
     if not magic.startswith(ZIP_MAGIC):
         raise InputError("data", str(file), "is not a .npz file (the zip of .npy arrays that np.savez writes)")
     try:
+        check_load(file, "its arrays, with the features as float32", _declared_bytes(file))
         with np.load(file, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
+    except InputError:
+        raise
     except ValueError as exc:  # np.load refuses an object array, which only pickle can read
         if "allow_pickle" in str(exc):
             raise InputError(
@@ -43,6 +48,35 @@ def _arrays(file: Path) -> dict[str, np.ndarray]:
         raise InputError("data", str(file), f"is not a readable .npz file ({exc})") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise InputError("data", str(file), f"is not a readable .npz file ({exc})") from None
+
+
+def _declared_bytes(file: Path) -> int:
+    """What the archive's arrays will take in memory, from their .npy headers (read without the
+    data), plus the float32 copy of the features: refused when a header declares more data than
+    the archive says its member holds (a shape that would allocate terabytes for a few bytes)."""
+    total = 0
+    with zipfile.ZipFile(file) as archive:
+        for info in archive.infolist():
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+                elif version == (2, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+                else:
+                    raise ValueError(f"{info.filename} is a .npy of version {version}; numeric arrays use 1.0 or 2.0")
+                nbytes = math.prod(shape) * dtype.itemsize
+                if nbytes > info.file_size:
+                    raise InputError(
+                        "data",
+                        str(file),
+                        f"its {info.filename} declares shape {list(shape)} of {dtype} ({nbytes:,} bytes) but holds "
+                        f"{info.file_size:,} bytes: not a file np.savez wrote",
+                    )
+                total += nbytes
+                if info.filename == "features.npy":
+                    total += math.prod(shape) * np.dtype(np.float32).itemsize
+    return total
 
 
 def load_npz(path: Path | None = None, num_classes: int | None = None) -> Dataset:

@@ -47,6 +47,11 @@ class LayerRule(ABC):
     layer of your own; `PerExampleRule` does the numerics for a rule that can materialise its
     per-example gradients."""
 
+    # The names of the parameters this rule clips on its layer; None: every trainable parameter the
+    # layer holds (a user's `PerExampleRule` forms them all). A layer holding a trained parameter its
+    # rule does not clip is refused (`fedprivacy.training.clipping.check_supported`).
+    parameters: tuple[str, ...] | None = None
+
     def check(self, module: nn.Module) -> None:  # noqa: B027 (optional hook: most layers need no check)
         """Refuse settings of `module` this rule cannot clip (raise UnsupportedLayerError naming the
         setting and what to use instead; the caller adds the layer's name). Default: accept all."""

@@ -54,6 +54,8 @@ def from_patch_order(module: nn.Conv1d | nn.Conv2d, sums: Tensor) -> Tensor:
 class ConvRule(LayerRule):
     """nn.Conv1d and nn.Conv2d with a batch dimension."""
 
+    parameters = ("weight", "bias")
+
     def terms(self, module: nn.Module, x: Tensor, d: Tensor, to64: ToFloat64) -> LayerTerms:
         if x.dim() != len(module.kernel_size) + 2:
             raise UnsupportedLayerError(

@@ -18,6 +18,8 @@ from fedprivacy.training.norms import NORM_DTYPE, Slack, ToFloat64, UnsupportedL
 class EmbeddingRule(LayerRule):
     """nn.Embedding without max_norm or scale_grad_by_freq."""
 
+    parameters = ("weight",)
+
     def check(self, module: nn.Module) -> None:
         if module.max_norm is not None:
             raise UnsupportedLayerError(

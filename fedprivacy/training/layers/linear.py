@@ -146,6 +146,8 @@ def positional_sums(
 class LinearRule(LayerRule):
     """nn.Linear, on input of any rank: the last dimension is the features, the others positions."""
 
+    parameters = ("weight", "bias")
+
     def terms(self, module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64) -> LayerTerms:
         if a.dim() == 2 and module.weight.requires_grad and module.bias is not None and module.bias.requires_grad:
             # The common case in closed form: ‖gᵢ‖² = ‖dᵢ‖²‖aᵢ‖² + ‖dᵢ‖² (weight, then bias).

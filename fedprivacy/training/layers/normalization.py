@@ -27,6 +27,8 @@ def _affine_grads(module: nn.Module, normalised: Tensor, d: Tensor, shape: tuple
 class LayerNormRule(PerExampleRule):
     """nn.LayerNorm(elementwise_affine=True), over trailing dimensions of a batched input."""
 
+    parameters = ("weight", "bias")
+
     def per_example(self, module: nn.Module, a: Tensor, d: Tensor) -> list[Tensor]:
         normalised_dims = len(module.normalized_shape)
         if a.dim() <= normalised_dims:
@@ -41,6 +43,8 @@ class LayerNormRule(PerExampleRule):
 
 class GroupNormRule(PerExampleRule):
     """nn.GroupNorm(affine=True) on (batch, channels, *) input: γ and β are per channel."""
+
+    parameters = ("weight", "bias")
 
     def per_example(self, module: nn.Module, a: Tensor, d: Tensor) -> list[Tensor]:
         normalised = F.group_norm(a, module.num_groups, None, None, module.eps)

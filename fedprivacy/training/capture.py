@@ -1,17 +1,21 @@
-"""Each trained layer's inputs A and output gradients D for K clients at once, each client with its
-own weights: what the shared clipping (`fedprivacy.training.clipping.clipped_sums`) needs.
+"""Each trained layer's inputs A and output gradients D, for one client (the trainer) or for K
+clients at once, each with its own weights (the fast engine): what the shared clipping
+(`fedprivacy.training.clipping.clipped_sums`) needs.
 
-The trainer captures A and D with forward hooks on the plain model, one client at a time. Here the
-same hooks run inside `torch.func.vmap` over clients of `torch.func.functional_call(template,
-client's weights)`: every operation is batched over the clients by PyTorch's own batching rules
-(a Linear's product becomes a batched matrix product, a convolution with per-client weights a
-grouped convolution with K·G groups, a norm layer's affine a broadcast), so any model the trainer
-accepts runs as one forward and one backward for the whole stack, with no per-layer code here.
-Each hook returns the layer's output plus a zero "probe" tensor, so that the gradient of the
-summed losses with respect to the probes is D, and returns the layer's input as an extra output
-of the batched function, which is A. The backward forms only the gradients with respect to the
-layers' outputs, never the parameters' (the weights do not require gradients here): the clipped
-sums are formed from A and D by the layer rules.
+Forward hooks on the model's trained layers record each layer's input (A) and add a zero "probe"
+tensor to its output, so that the gradient of the summed losses with respect to the probes is D.
+The backward forms only the gradients with respect to the layers' outputs, never the parameters'
+(the weights do not require gradients here): the clipped sums are formed from A and D by the
+layer rules. The model runs as `torch.func.functional_call(template, weights)`, so whatever a
+forward assigns to its registered parameters and buffers is undone when it returns.
+
+Each example is computed alone (`fedprivacy.training.isolation`): a model made only of modules that
+keep rows apart by construction runs as one batched forward; any other runs one example at a time
+under `torch.func.vmap`, so that no record can reach another example's activations or gradients
+(a batch mean is the mean of one row). For K clients the same function runs under a second vmap,
+over the clients: every operation is batched by PyTorch's own batching rules (a Linear's product
+becomes a batched matrix product, a convolution with per-client weights a grouped convolution
+with K·G groups, a norm layer's affine a broadcast), with no per-layer code here.
 
 Chosen by measurement (docs/simulator.md, "The fast engine"): hand-written stacked Linear layers
 (batched products written out, forward and backward) were 3-5% faster per round on logistic
@@ -21,8 +25,9 @@ run as products of patches (`convolution_as_product`), 4× faster than the group
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,9 +37,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from fedprivacy.training.clipping import LayerRecord
+from fedprivacy.training.isolation import AttributeWatch, rows_apart_by_construction
 from fedprivacy.training.layers.base import UnsupportedLayerError
 from fedprivacy.training.layers.conv import patch_weight, patches
+
+
+@dataclass
+class LayerRecord:
+    """What a capture gives one trained layer: its first forward input and its output gradient."""
+
+    module: nn.Module
+    a: Tensor  # [K·B, ...]
+    d: Tensor  # [K·B, ...]
 
 
 @dataclass
@@ -49,13 +63,19 @@ class Captured:
 def trained_layers(model: nn.Module) -> list[tuple[str, nn.Module, list[str]]]:
     """(name, module, names of its trained parameters) of every module holding trainable
     parameters, in `model.modules()` order and each module's own parameter order: the order of the
-    trainer's `PerExampleClipper.parameters`, of the noise and of the clipped sums."""
+    trained parameters, of the noise and of the clipped sums everywhere."""
     layers = []
     for name, module in model.named_modules():
         own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
         if own:
             layers.append((name, module, own))
     return layers
+
+
+def trained_names(model: nn.Module) -> list[str]:
+    """The state-dict names of the trained parameters, in the trainer's order: the only entries of
+    a model that go through clipping and noise, and so the only ones a client releases."""
+    return [f"{layer}.{p}" if layer else p for layer, _, own in trained_layers(model) for p in own]
 
 
 class _Call:
@@ -81,11 +101,12 @@ class _Call:
 
 
 class BatchedCapture:
-    """Batched forward and backward of `template` for K clients, each with its own state.
+    """Forward and backward of `template` for one client's rows (`single`) or for K clients, each
+    with its own state (`__call__`, `gradient_sums`), every example computed alone.
 
     `keys` are the names of the state (`template.state_dict()` order) whose stacked values
-    [K, *shape] the capture is called with. Hooks on `template` record only while a capture runs,
-    so the template is usable normally otherwise. `conv_as_matmul` computes the template's
+    [K, *shape] the stacked calls take. Hooks on `template` record only while a capture runs, so
+    the template is usable normally otherwise. `conv_as_matmul` computes the template's
     convolutions as one batched product over patches (`convolution_as_product`), for GPUs;
     `channels_last` stores the image-shaped outputs of trained layers (K·B, C, H, W) with their
     channels innermost, for CPUs: the values are the same, but the layers after them run faster
@@ -93,26 +114,39 @@ class BatchedCapture:
     a model that cannot take them is run without them from its first failure (`_batched`).
     """
 
+    IS_CAPTURE = True  # its hooks are not a user's (`isolation.rows_apart_by_construction`)
+
     def __init__(
-        self, template: nn.Module, keys: Sequence[str], conv_as_matmul: bool = False, channels_last: bool = False
+        self,
+        template: nn.Module,
+        keys: Sequence[str] | None = None,
+        conv_as_matmul: bool = False,
+        channels_last: bool = False,
     ) -> None:
         self.template = template
         self.channels_last = channels_last
-        self.keys = list(keys)
+        self.keys = list(template.state_dict()) if keys is None else list(keys)
         self.layers = trained_layers(template)
         if not self.layers:
             raise UnsupportedLayerError("the model has no trainable parameters")
-        # the trained parameters' state names, in the trainer's order (of the noise and the sums)
-        self.trained_names = [f"{layer}.{p}" if layer else p for layer, _, own in self.layers for p in own]
+        self.trained_names = trained_names(template)
+        self.dtype = template.get_parameter(self.trained_names[0]).dtype  # of the probes, hence of D
+        self.rows_apart = rows_apart_by_construction(template)
+        self._watch = None if self.rows_apart else AttributeWatch(template)
         self._position = {id(module): k for k, (_, module, _) in enumerate(self.layers)}
         self._call: _Call | None = None
         self._shapes: dict[tuple[Any, ...], tuple[list[torch.Size], int]] = {}
-        for _, module, _ in self.layers:
-            module.register_forward_hook(self._hook)
+        self._handles = [module.register_forward_hook(self._hook) for _, module, _ in self.layers]
         if conv_as_matmul:
             for module in template.modules():
                 if type(module) in (nn.Conv1d, nn.Conv2d):
                     module.forward = partial(convolution_as_product, module)
+
+    def remove_hooks(self) -> None:
+        """Detach the capture from its template (a model checked once and then handed on)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor | None:
         call = self._call
@@ -124,13 +158,76 @@ class BatchedCapture:
                 f"layer {self.layers[k][0]!r} ({type(module).__name__}) is called more than once per forward "
                 "pass (shared weights): per-example norms would not add up per call"
             )
-        call.inputs[k] = inputs[0]
+        if not isinstance(output, Tensor):
+            raise UnsupportedLayerError(
+                f"layer {self.layers[k][0]!r} ({type(module).__name__}) returns {type(output).__name__}: its rule "
+                "needs a single output tensor"
+            )
+        # A user's forward may later change a layer's input in place (`x += block(x)`): keep what the
+        # layer saw. Modules kept apart by construction never do.
+        call.inputs[k] = inputs[0] if self.rows_apart or call.plain else inputs[0].clone()
         if call.plain:
             return self._laid_out(output)
         if call.probes is None:
             call.shapes[k] = output.shape[1:]
             return None
         return self._laid_out(output + call.probes[k])
+
+    def _template_call(
+        self, weights: Mapping[str, Tensor] | None, probes: Sequence[Tensor] | None, x: Tensor, plain: bool
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The template on rows `x` with `weights` (None: its own, for a model kept apart by
+        construction, whose modules never assign to their state): its logits and its trained layers'
+        inputs."""
+        call = self._call = _Call(probes, plain)
+        try:
+            logits = self.template(x) if weights is None else functional_call(self.template, dict(weights), (x,))
+        finally:
+            self._call = None
+        return logits, call.recorded(self.layers)
+
+    def _client(
+        self, weights: Mapping[str, Tensor] | None, probes: Sequence[Tensor], x: Tensor, plain: bool = False
+    ) -> tuple[Tensor, list[Tensor]]:
+        """One client's logits [B, classes] and layer inputs [B, ...] for its rows `x` [B, ...],
+        probes [B, *output shape] per layer (none when `plain`): one batched forward for a model that keeps rows apart
+        by construction, else one example at a time under vmap."""
+        if self.rows_apart:
+            return self._template_call(weights, probes, x, plain)
+
+        def alone(x_i: Tensor, probes_i: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            one = [p.unsqueeze(0) for p in probes_i]
+            logits, inputs = self._template_call(weights, one, x_i.unsqueeze(0), plain)
+            return _one_row(logits, "the model's output"), [
+                _one_row(a, f"the input of layer {self.layers[k][0]!r}") for k, a in enumerate(inputs)
+            ]
+
+        return vmap(alone, randomness="different")(x, probes)
+
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        """A forward that fails when each example is computed alone says so (a layer normalising
+        over the batch dimension, a reshape across it, data-dependent Python control flow)."""
+        if self.rows_apart:
+            yield
+            return
+        try:
+            yield
+        except UnsupportedLayerError:
+            raise
+        except (RuntimeError, ValueError, IndexError, TypeError) as error:
+            raise UnsupportedLayerError(
+                "the model cannot run one example at a time (each example is computed alone, under "
+                "torch.func.vmap, so that no record reaches another example's gradient; a model that mixes the "
+                f"examples of its batch, or folds them together, cannot): {type(error).__name__}: {error}"
+            ) from error
+
+    def _checked(self, result: Any) -> Any:
+        """`result` once the forward is known to have left no tensor behind (models not kept apart
+        by construction, `isolation.AttributeWatch`)."""
+        if self._watch is not None:
+            self._watch.check()
+        return result
 
     def _batched(self, forward: Callable[..., Any], *args: Any) -> Any:
         """`forward` under vmap over the clients (randomness="different": a dropout layer draws each
@@ -139,14 +236,14 @@ class BatchedCapture:
         input), it runs from then on without them: the same call is redone from the same random
         state (channels-last is for CPUs only), and an error that has another cause raises again."""
         if not self.channels_last:
-            return vmap(forward, randomness="different")(*args)
+            return self._checked(vmap(forward, randomness="different")(*args))
         random_state = torch.get_rng_state()
         try:
-            return vmap(forward, randomness="different")(*args)
+            return self._checked(vmap(forward, randomness="different")(*args))
         except RuntimeError:
             self.channels_last = False
             torch.set_rng_state(random_state)
-        return vmap(forward, randomness="different")(*args)
+        return self._checked(vmap(forward, randomness="different")(*args))
 
     def _laid_out(self, out: Tensor) -> Tensor:
         if self.channels_last and out.dim() == 4:  # (B, C, H, W) inside vmap over the clients
@@ -154,8 +251,8 @@ class BatchedCapture:
         return out
 
     def _output_shapes(self, example: Tensor) -> list[torch.Size]:
-        """Each trained layer's output shape per example, from one example through the template
-        (a layer's output has one row per example: BatchNorm, which mixes them, is refused)."""
+        """Each trained layer's output shape per example (a layer's output has one row per example:
+        BatchNorm, which mixes them, is refused)."""
         return self._probe(example)[0]
 
     def example_products(self, example: Tensor) -> int:
@@ -164,12 +261,15 @@ class BatchedCapture:
         return self._probe(example)[1]
 
     def _probe(self, example: Tensor) -> tuple[list[torch.Size], int]:
+        """Shapes and products from a zero example of `example`'s shape (never a record), on a copy
+        of the template's state (whatever its forward writes is not kept)."""
         key = (tuple(example.shape), example.dtype, example.device)
         if key not in self._shapes:
             call = self._call = _Call(None)
+            copies = {name: t.detach().clone() for name, t in self.template.state_dict(keep_vars=True).items()}
             try:
-                with torch.no_grad():
-                    self.template(example.unsqueeze(0))
+                with torch.no_grad(), self._alone():
+                    functional_call(self.template, copies, (torch.zeros_like(example).unsqueeze(0),))
             finally:
                 self._call = None
             call.recorded(self.layers)
@@ -182,28 +282,35 @@ class BatchedCapture:
             self._shapes[key] = (shapes, products)
         return self._shapes[key]
 
+    def single(self, weights: Mapping[str, Tensor], features: Tensor, labels: Tensor) -> Captured:
+        """A and D of every trained layer and the per-example losses [1, B] for one client's rows
+        `features` [B, ...] with `labels` [B], its state `weights` (by state-dict name, unstacked:
+        the template's own tensors, which a model kept apart by construction reads directly)."""
+        weights = None if self.rows_apart else weights
+        batch = labels.shape[0]
+        zero = torch.zeros((), dtype=self.dtype, device=features.device)
+        probes = [zero.expand(batch, *shape).requires_grad_() for shape in self._output_shapes(features[0])]
+        with self._alone():
+            logits, inputs = self._checked(self._client(weights, probes, features))
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        deltas = torch.autograd.grad(losses.sum(), probes, allow_unused=True, materialize_grads=True)
+        records = [
+            LayerRecord(module, a.detach(), d) for (_, module, _), a, d in zip(self.layers, inputs, deltas, strict=True)
+        ]
+        return Captured(records, losses.detach().unsqueeze(0))
+
     def __call__(self, state: Sequence[Tensor], features: Tensor, labels: Tensor, valid: Tensor) -> Captured:
         """A and D of every trained layer and the per-example cross-entropy losses, for the
         sampled rows `features` [K, B, ...] with `labels` [K, B]; rows where `valid` [K, B] is
         False are padding: their loss is 0 and so is their D."""
         clients, batch = labels.shape
-        zero = torch.zeros((), dtype=features.dtype, device=features.device)
+        zero = torch.zeros((), dtype=self.dtype, device=features.device)
         probes = [  # one zero seen at every position (stride 0): nothing to fill; their gradients are dense
             zero.expand(clients, batch, *shape).requires_grad_() for shape in self._output_shapes(features[0, 0])
         ]
         weights = dict(zip(self.keys, state, strict=True))
-
-        def logits_and_inputs(
-            weights: dict[str, Tensor], probes: list[Tensor], x: Tensor
-        ) -> tuple[Tensor, list[Tensor]]:
-            call = self._call = _Call(probes)
-            try:
-                logits = functional_call(self.template, weights, (x,))
-            finally:
-                self._call = None
-            return logits, call.recorded(self.layers)
-
-        logits, inputs = self._batched(logits_and_inputs, weights, probes, features)
+        with self._alone():
+            logits, inputs = self._batched(self._client, weights, probes, features)
         # the loss outside vmap, on all K·B rows at once (its batching rule cost a third of a logreg capture)
         losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
         losses = torch.where(valid, losses, 0.0)
@@ -227,23 +334,25 @@ class BatchedCapture:
         weights = {
             key: s.detach().requires_grad_() if key in trained else s for key, s in zip(self.keys, state, strict=True)
         }
-
-        def logits_of(weights: dict[str, Tensor], x: Tensor) -> Tensor:
-            call = self._call = _Call(None, plain=True)
-            try:
-                logits = functional_call(self.template, weights, (x,))
-            finally:
-                self._call = None
-            call.recorded(self.layers)  # every trained layer called, once (the hooks refuse twice)
-            return logits
-
-        logits = self._batched(logits_of, weights, features)
+        with self._alone():
+            logits, _ = self._batched(partial(self._client, plain=True), weights, [], features)
         losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
         losses = torch.where(valid, losses, 0.0)
         sums = list(torch.autograd.grad(losses.sum(), [weights[name] for name in self.trained_names]))
         if not math.isfinite(float(torch.stack(torch._foreach_norm(sums)).sum())):
             return None
         return sums, losses.detach()
+
+
+def _one_row(x: Tensor, what: str) -> Tensor:
+    """One example's `x` [1, ...] as [...]: a model that folds its example into other than one row
+    (a reshape across the batch dimension) cannot be clipped per example."""
+    if x.dim() == 0 or x.shape[0] != 1:
+        raise UnsupportedLayerError(
+            f"{what} has {x.shape[0] if x.dim() else 'no'} rows for one example: a model that reshapes or mixes "
+            "the batch dimension cannot be clipped per example"
+        )
+    return x.squeeze(0)
 
 
 def convolution_as_product(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
