@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedprivacy.identity import simulated_account
 from fedprivacy.ledger import SCHEMA, Budget, Ledger
-from fedprivacy.participant import simulated_account
 from fedprivacy.privacy.accountants import NoiseEvent
 
 NAMES_SCHEMA = """

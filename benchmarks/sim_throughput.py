@@ -205,7 +205,8 @@ def mixed_budgets(clients: int, budgets: int) -> dict[str, str]:
 def worker_clients(model: str, clients: int, rounds: int) -> tuple[list[Any], dict[int, Any]]:
     """The scenario's clients as a worker takes them (seeded noise) and their plans (ε = 1)."""
     from fedprivacy.data.partition import load_clients
-    from fedprivacy.participant import partition_kwargs, plan_from_settings
+    from fedprivacy.plans import plan_from_settings
+    from fedprivacy.recipe import partition_kwargs
     from fedprivacy.runconfig import DEFAULTS, parse_run_config
     from sims.fast.worker import WorkerClient
 

@@ -5,9 +5,10 @@ Honest comparison, same work per step for every implementation:
   - a FIXED-size batch for every implementation (Poisson sampling is left out of all of them:
     it is data indexing, identical work for each, and variable sizes would only add noise);
   - the DP implementations each clip per example, add Gaussian noise to the sum and take the
-    optimizer step; ours is the trainer's `fedprivacy.training.step.dp_step` with its noise drawn
-    as the trainer draws it: a ChaCha20 stream per step under a fresh OS key, the `--inner` steps
-    of a timed repeat in one pass (the trainer draws a round's steps in one pass);
+    optimizer step; ours is the trainer's step (`fedprivacy.training.stack.ClientStack`, one
+    client) with its noise drawn as the trainer draws it: a ChaCha20 stream per step under a fresh
+    OS key, the `--inner` steps of a timed repeat in one pass (the trainer draws a round's steps in
+    one pass);
   - `fedprivacy-torchrng` is the same step with the noise source it replaced (torch's generator
     reseeded from 64 bits of OS entropy every step, which keeps only 32 of them on the CPU): the
     ratio of the two is what cryptographically strong noise costs;
@@ -38,7 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.training import DPTrainer, PerExampleClipper, StepDraws, StepRandomness, dp_step
+from fedprivacy.training import ClientStack, DPTrainer, StepDraws, StepInputs, StepRandomness
+from fedprivacy.training.stack import noise_scale
 
 CASES = [  # (model, num_features, num_classes, input shape)
     ("logreg", 15, 2, (15,)),
@@ -86,21 +88,21 @@ def torch_generator_normals(count: int, device: torch.device, block: int) -> Cal
 
 
 def dp_step_with(normals: Callable[[int, torch.device, int], Callable[[], torch.Tensor]]):
+    """The trainer's step: the stack of one client on the model's own weights (`ClientStack`)."""
+
     def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: int) -> Callable[[], None]:
-        clipper = PerExampleClipper(model)
-        next_normals = normals(sum(p.numel() for p in clipper.parameters), x.device, block)
+        stack = ClientStack(model, stacked=False)
+        state = [t.unsqueeze(0) for t in model.state_dict().values()]
+        next_normals = normals(stack.noise_count, x.device, block)
+        one = {"dtype": torch.float64, "device": x.device}
+        clip = torch.tensor([CLIP], **one)
+        fixed = (noise_scale(torch.tensor([SIGMA], **one), clip), clip, torch.tensor([float(len(x))], device=x.device))
+        valid = torch.ones((1, len(x)), dtype=torch.bool, device=x.device)
+        active, rate = torch.ones(1, dtype=torch.bool, device=x.device), torch.full((1,), LR, device=x.device)
 
         def step() -> None:
-            dp_step(
-                clipper,
-                x,
-                y,
-                sigma=SIGMA,
-                clip_norm=CLIP,
-                expected_batch=float(len(x)),
-                normals=next_normals(),
-                learning_rate=lambda grads: LR,
-            )
+            inputs = StepInputs(x[None], y[None], valid, next_normals()[None], *fixed, active)
+            stack.step(state, inputs, lambda released: rate)
 
         return step
 

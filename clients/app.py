@@ -1,4 +1,4 @@
-"""The ClientApp: each message is handled by fedprivacy.participant; this file only translates.
+"""The ClientApp: each message is handled by the library's client modules; this file only translates.
 
 Simulation: the node config holds `partition-id`/`num-partitions`; data and budgets come from the
 run config, and the ledger path from the server's train config (the run's results folder unless
@@ -23,23 +23,17 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedprivacy import recipe
+from fedprivacy.admission import open_account
+from fedprivacy.client_round import evaluate_local, train_round
 from fedprivacy.errors import ClientRefusal, PlanRefused
+from fedprivacy.identity import LocalClient, deployed_client, simulation_client
 from fedprivacy.ledger import Ledger
-from fedprivacy.participant import (
-    LocalClient,
-    deployed_client,
-    evaluate_local,
-    new_model,
-    open_account,
-    run_plan,
-    simulation_client,
-    train_round,
-)
-from fedprivacy.replies import RELEASED_KEY
+from fedprivacy.plans import run_plan
+from fedprivacy.protocol import RELEASED_KEY
 from fedprivacy.runconfig import NodeSettings, RunSettings, parse_node_config, parse_run_config
 from fedprivacy.training.capture import trained_names
 
@@ -150,7 +144,6 @@ def evaluate(msg: Message, context: Context, settings: RunSettings, node: NodeSe
 def initial_model(msg: Message, context: Context, settings: RunSettings, node: NodeSettings | None) -> Message:
     """The seeded initial model, for a server that has no data to size it (a deployment)."""
     client = _client(context, msg.content["config"], settings, node)
-    torch.manual_seed(settings.seed)
-    model = new_model(settings, client.data.train.features, client.data.train.num_classes)
+    model = recipe.initial_model(settings, client.data.train.features, client.data.train.num_classes)
     released = ConfigRecord({RELEASED_KEY: trained_names(model)})
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "model": released}), reply_to=msg)

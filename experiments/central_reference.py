@@ -23,7 +23,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.neural_network import MLPClassifier
 
 from fedprivacy.data.partition import load_clients
-from fedprivacy.participant import partition_kwargs
+from fedprivacy.recipe import partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 
 

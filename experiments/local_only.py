@@ -2,7 +2,7 @@
 
 For every seed of a rotated-budget sweep (experiment 5 of docs/experiments.md) and every (client,
 own ε) pair its rotations hold, the client plans exactly as it does in the federation
-(`fedprivacy.participant.plan_from_settings`: the same N, ε, δ, k, C, η and rule, so the same σ, q
+(`fedprivacy.plans.plan_from_settings`: the same N, ε, δ, k, C, η and rule, so the same σ, q
 and T), starts from the same initial model (the seed's), draws the same seeded noise, runs all T
 DP-SGD steps with `fedprivacy.training.DPTrainer` and no averaging, and is scored on its own test
 rows. The rows are the federation's (`simulation_client`: the same partitions and split). A
@@ -28,8 +28,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from fedprivacy.admission import client_noise_seed
+from fedprivacy.identity import simulation_client
 from fedprivacy.models import evaluate_model
-from fedprivacy.participant import client_noise_seed, new_model, plan_from_settings, simulation_client
+from fedprivacy.plans import plan_from_settings
+from fedprivacy.recipe import new_model
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.training import DPTrainer
 

@@ -19,7 +19,7 @@ import torch
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.models import evaluate_model
-from fedprivacy.participant import new_model, partition_kwargs
+from fedprivacy.recipe import new_model, partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 
 

@@ -1,5 +1,7 @@
-"""How the server weighs the clients' updates: by examples (FedAvg), or by the inverse of the
-noise variance each client's update carries.
+"""How the server turns the clients' updates into the next global model, one function for the
+ServerApp's strategy and the fast engine (`aggregate`): each update weighed by its client's
+examples (FedAvg) or by the inverse of the noise variance it carries, averaged, checked finite,
+stepped by the server's optimiser if the run has one, and merged into the current model.
 
 Clients with different budgets release updates with very different noise. The variance of the
 noise in a client's round update follows from its plan alone (σ_t, C, q, N and η_t of the round's
@@ -9,11 +11,14 @@ Weights are computed from public values only; aggregation is post-processing and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.plan import Plan
+
+if TYPE_CHECKING:  # the run config's checks read AGGREGATIONS, and `fedprivacy --help` loads no torch
+    from torch import Tensor
 
 AGGREGATIONS = ("examples", "inverse-noise")
 
@@ -50,3 +55,28 @@ def with_released(current: Mapping[str, T], average: Mapping[str, T]) -> dict[st
     if unknown:
         raise KeyError(f"released entries {unknown} are not in the global model")
     return {key: average.get(key, value) for key, value in current.items()}
+
+
+ServerStep = Callable[[dict[str, "Tensor"], dict[str, "Tensor"]], dict[str, "Tensor"]]  # (current, average) -> new
+
+
+def aggregate(
+    current: Mapping[str, Tensor],
+    updates: Mapping[str, Tensor],
+    weights: Sequence[float],
+    server_step: ServerStep | None = None,
+) -> dict[str, Tensor] | None:
+    """The next global model from `updates`, each entry the released values of the K clients that
+    trained, stacked [K, *shape], with their weights: the weighted mean (factors w/Σw in float32),
+    then `server_step` from the current values of those entries, merged into `current`
+    (`with_released`). None when the mean is not finite: the model stays as it was."""
+    import torch
+
+    total = sum(weights)
+    factors = torch.tensor([w / total for w in weights], dtype=torch.float32)
+    average = {key: torch.tensordot(factors, stacked, dims=1) for key, stacked in updates.items()}
+    if not all(bool(torch.isfinite(v).all()) for v in average.values()):
+        return None
+    if server_step is not None:  # steps the released entries only; the others are never sent
+        average = server_step({key: current[key] for key in average}, average)
+    return with_released(current, average)

@@ -146,9 +146,8 @@ def _check_forward_keeps_state(
     model.train()
     capture = BatchedCapture(model)
     try:
-        weights = {key: value.detach() for key, value in [*model.named_parameters(), *model.named_buffers()]}
         with _forked(device):
-            capture.single(weights, batch, labels)
+            capture.single(None, batch, labels)  # the model's own weights
     except UnsupportedLayerError as error:
         raise _refused(name, target, str(error)) from None
     except Exception as error:  # the model cannot run one example at a time: say so, with PyTorch's reason

@@ -2,7 +2,7 @@
 
 A federated run meets clients that crash, hang, and send garbage (a bug, a bit flip, a lying
 client). The server therefore treats a reply as untrusted input: it must hold exactly the public
-keys of `fedprivacy.participant` (SECURITY.md), finite numbers in their ranges, a plan that parses
+keys of `fedprivacy.protocol` (SECURITY.md), finite numbers in their ranges, a plan that parses
 and stays the same for the whole run, and weights with the global model's keys, shapes and dtypes,
 all finite. Its `num-examples` (the FedAvg weight) may not exceed the N of the client's own plan:
 a client cannot inflate its weight mid-run. N itself is self-reported; the server cannot verify it
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from fedprivacy.participant import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.protocol import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS, RELEASED_KEY
 
 MAX_CLIENT_ID = 200  # characters: a name, not a payload
 FLAGS = ("budget-exhausted", "on-gpu")
@@ -32,7 +32,6 @@ COUNTS = ("num-examples", "steps-planned", "steps-done")
 EVALUATE_KEYS = ("num-examples", "loss", "accuracy", "evaluation-off")
 
 ModelSpec = dict[str, tuple[tuple[int, ...], str]]  # array key -> (shape, dtype)
-RELEASED_KEY = "released"  # the initial model's reply names the entries clients release (its trained parameters)
 
 
 class InvalidReply(ValueError):

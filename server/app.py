@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import flwr
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedprivacy.errors import InputError, error_summary
 from fedprivacy.models import evaluate_model
-from fedprivacy.participant import new_model, unused_data_keys
-from fedprivacy.replies import RELEASED_KEY, InvalidReply, check_released
+from fedprivacy.protocol import RELEASED_KEY
+from fedprivacy.recipe import initial_model, new_model, unused_data_keys
+from fedprivacy.replies import InvalidReply, check_released
 from fedprivacy.results import (
     DIAGNOSTICS_NOTE,
     RunRecorder,
@@ -50,8 +50,7 @@ def _initial_arrays(
     sized from the server's test set, or asked of the clients in turn (one misconfigured node must
     not end the run: its refusal is logged and the next one asked)."""
     if test is not None:
-        torch.manual_seed(settings.seed)
-        model = new_model(settings, test.features, test.num_classes)
+        model = initial_model(settings, test.features, test.num_classes)
         return ArrayRecord(model.state_dict()), trained_names(model)
     refusals = []
     for node in nodes:

@@ -13,7 +13,7 @@ import numpy as np
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.data.types import Dataset
-from fedprivacy.participant import data_file_missing, partition_kwargs
+from fedprivacy.recipe import data_file_missing, partition_kwargs
 from fedprivacy.runconfig import RunSettings
 
 

@@ -11,9 +11,11 @@ unchanged) and takes its step from the current global model: momentum SGD on the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from flwr.app import Array, ArrayRecord, Message, Metadata, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvgM
+from torch import Tensor
 
 from fedprivacy.runconfig import RunSettings
 
@@ -46,6 +48,14 @@ class ServerOptimizer:
         if settings.server_optimizer == "fedadam":
             return cls(FedAdam(eta=settings.server_learning_rate, tau=settings.server_tau, **common))
         return None
+
+    def for_round(self, server_round: int) -> Callable[[dict[str, Tensor], dict[str, Tensor]], dict[str, Tensor]]:
+        """This round's step as `fedprivacy.aggregation.aggregate` takes it: (current, average) -> new."""
+
+        def step(current: dict[str, Tensor], average: dict[str, Tensor]) -> dict[str, Tensor]:
+            return self.step(server_round, ArrayRecord(current), ArrayRecord(average)).to_torch_state_dict()
+
+        return step
 
     def step(self, server_round: int, current: ArrayRecord, average: ArrayRecord) -> ArrayRecord:
         """The new global model: the strategy's step from `current` given the clients' `average`."""

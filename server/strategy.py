@@ -27,12 +27,12 @@ import time
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from fedprivacy.aggregation import aggregation_weight, with_released
+from fedprivacy.aggregation import aggregate, aggregation_weight
 from fedprivacy.errors import error_summary
 from fedprivacy.participation import Outcome, Participation
 from fedprivacy.privacy.plan import Plan
@@ -196,7 +196,8 @@ class PrivacyFedAvg(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        trained: list[RecordDict] = []
+        trained: list[RecordDict] = []  # each trained reply's metrics with its weight
+        updates: list[dict[str, np.ndarray]] = []
         answered: set[int] = set()
         outbox = self.outbox[MessageType.TRAIN]
         for reply in outbox.with_late_replies(replies):
@@ -222,29 +223,24 @@ class PrivacyFedAvg(FedAvg):
                 weight = aggregation_weight(
                     self.aggregation, checked.plan, server_round, int(checked.metrics["num-examples"])
                 )
-                trained.append(
-                    RecordDict(
-                        {
-                            "arrays": ArrayRecord({k: Array(v) for k, v in checked.arrays.items()}),
-                            "metrics": MetricRecord({**checked.metrics, WEIGHT_KEY: weight}),
-                        }
-                    )
-                )
+                trained.append(RecordDict({"metrics": MetricRecord({**checked.metrics, WEIGHT_KEY: weight})}))
+                updates.append(checked.arrays)
         for node in sorted(outbox.nodes - answered):
             self._drop(server_round, node, "no reply", NO_REPLY)
         if not trained:
             return None, None
-        # FedAvg's own weighted mean, over the checked replies only
-        average = aggregate_arrayrecords(trained, WEIGHT_KEY)  # by examples, or by inverse noise variance
         metrics = aggregate_train_metrics(trained, self.weighted_by_key)
-        if not all(np.isfinite(a.numpy()).all() for a in average.values()):
+        assert self.current is not None  # configure_train set it
+        new = aggregate(  # over the checked replies only, weighed by examples or by inverse noise variance
+            self.current.to_torch_state_dict(),
+            {key: torch.from_numpy(np.stack([u[key] for u in updates])) for key in self.released},
+            [float(r["metrics"][WEIGHT_KEY]) for r in trained],
+            None if self.optimizer is None else self.optimizer.for_round(server_round),
+        )
+        if new is None:
             logger.warning("round %d: the aggregate is not finite; the global model stays as it was", server_round)
             return None, metrics
-        assert self.current is not None  # configure_train set it
-        current = dict(self.current)
-        if self.optimizer is not None:  # steps the released entries only; the others are never sent
-            average = self.optimizer.step(server_round, ArrayRecord({k: current[k] for k in average}), average)
-        return ArrayRecord(with_released(current, dict(average))), metrics
+        return ArrayRecord(new), metrics
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         outbox = self.outbox[MessageType.EVALUATE]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.data.partition import load_clients
-from fedprivacy.participant import partition_kwargs, require_data_file
+from fedprivacy.recipe import partition_kwargs, require_data_file
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 from sims.inprocess import InProcessGrid, run_server
 

@@ -24,7 +24,7 @@ from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.data.partition import load_clients, partition_rows
 from fedprivacy.data.splits import split_indices
-from fedprivacy.participant import partition_kwargs
+from fedprivacy.recipe import partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 from sims.runner import natural_client_count
 

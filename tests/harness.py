@@ -3,7 +3,8 @@
 - `app_defaults`: the run config `flwr run .` starts from, read from pyproject.toml;
 - `RecordingGrid`: `sims.inprocess.InProcessGrid` that also records whom it sent what, and can
   restart a node;
-- `load_scenario`: a scenario file validated as `fedprivacy sweep FILE` does with no flags.
+- `load_scenario`: a scenario file validated as `fedprivacy sweep FILE` does with no flags;
+- `PUMS_DIR`, `PUMS`, `PUMS_SAMPLE` and `pums_file`: the PUMS extract beside the repository.
 
 Import it by name (`from harness import ...`), as faultkit or independent: pytest puts tests/ on
 the path.
@@ -16,12 +17,24 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from flwr.app import Message, RecordDict
 
 from sims.inprocess import InProcessGrid
 from sims.sweep.spec import SweepSpec, read_scenario, validate
 
 PROJECT = Path(__file__).resolve().parents[1]
+PUMS_DIR = PROJECT.parent / "shared" / "data" / "pums"
+PUMS = PUMS_DIR / "fulton_pums5_full.csv"
+PUMS_SAMPLE = PUMS_DIR / "fulton_pums5_sample100.csv"
+
+
+def pums_file(name: str = PUMS.name) -> Path:
+    """A PUMS test file; a missing one fails the test and says what is missing (never a silent skip)."""
+    path = PUMS_DIR / name
+    if not path.is_file():
+        pytest.fail(f"missing test data {path}: the PUMS files live in ../shared/data/pums beside the repo")
+    return path
 
 
 def app_defaults() -> dict[str, Any]:

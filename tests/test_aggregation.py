@@ -70,11 +70,11 @@ def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(simul
     from server import strategy as strategy_module
 
     seen = []
-    aggregate = strategy_module.aggregate_arrayrecords
+    aggregate = strategy_module.aggregate
     monkeypatch.setattr(
         strategy_module,
-        "aggregate_arrayrecords",
-        lambda records, key: (seen.append(records), aggregate(records, key))[1],
+        "aggregate",
+        lambda current, updates, weights, step: (seen.append(weights), aggregate(current, updates, weights, step))[1],
     )
     folder = simulate({"aggregation": "inverse-noise", "results-dir": str(tmp_path / "inv")})
     plans = {
@@ -82,8 +82,7 @@ def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(simul
         for p in (folder / "plans").glob("*.json")
         if p.stem != "index"
     }
-    for server_round, records in enumerate(seen, start=1):
-        weights = [float(r["metrics"]["aggregation-weight"]) for r in records]
+    for server_round, weights in enumerate(seen, start=1):
         expected = sorted(1 / update_noise_variance(plan, server_round) for plan in plans.values())
         assert sorted(weights) == pytest.approx(expected)
     by_examples = simulate({"aggregation": "examples", "results-dir": str(tmp_path / "ex")})
@@ -106,3 +105,24 @@ def test_a_flower_server_optimizer_steps_from_the_global_model_under_the_same_bu
     assert not torch.equal(torch.load(plain / "model.pt")["1.weight"], torch.load(stepped / "model.pt")["1.weight"])
     spent = {f: pd.read_csv(f / "clients.csv").set_index("client_id").epsilon_spent for f in (plain, stepped)}
     assert spent[plain].equals(spent[stepped])  # post-processing: the same privacy spent
+
+
+def test_one_aggregate_weighs_checks_steps_and_merges():
+    """The strategy's and the fast engine's one aggregation: the weighted mean of the released
+    entries, the server step from their current values only, the other entries kept; a mean that
+    is not finite keeps the model (None)."""
+    from fedprivacy.aggregation import aggregate
+
+    current = {"scale": torch.full((2,), 7.0), "w": torch.zeros(2)}
+    updates = {"w": torch.tensor([[1.0, 2.0], [3.0, 6.0]])}
+    seen = []
+
+    def step(values, average):
+        seen.append(sorted(values))
+        return {key: average[key] + 1.0 for key in average}
+
+    new = aggregate(current, updates, [1.0, 3.0], step)
+    assert seen == [["w"]] and list(new) == ["scale", "w"]
+    assert torch.equal(new["scale"], current["scale"])
+    torch.testing.assert_close(new["w"], torch.tensor([2.5 + 1.0, 5.0 + 1.0]))
+    assert aggregate(current, {"w": torch.tensor([[1.0, float("nan")]])}, [1.0]) is None

@@ -435,7 +435,7 @@ def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path):
 # process died, and the proactive rule raised a bare "math domain error". Such schedules are refused
 # in one line naming the input that set q, before any accountant work, for every rule.
 
-from fedprivacy.participant import plan_from_settings  # noqa: E402
+from fedprivacy.plans import plan_from_settings  # noqa: E402
 from fedprivacy.privacy import limits  # noqa: E402
 from fedprivacy.privacy.planner import plan_client  # noqa: E402
 

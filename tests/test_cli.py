@@ -11,8 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from harness import pums_file
 
-PUMS_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "pums"
 CONTRACT_FIELDS = {
     "rule",
     "n",
@@ -30,12 +30,6 @@ CONTRACT_FIELDS = {
     "conditions",
     "sigma_by_rule",
 }
-
-
-def pums_file(name: str = "fulton_pums5_full.csv") -> Path:
-    path = PUMS_DIR / name
-    assert path.is_file(), f"missing test data {path}: the PUMS files live in ../shared/data/pums beside the repo"
-    return path
 
 
 def fedprivacy(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -12,15 +12,16 @@ import numpy as np
 import pandas as pd
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from harness import PUMS
 
 from clients.app import app as client_app
 from fedprivacy.errors import ClientRefusal
+from fedprivacy.identity import deployed_client
 from fedprivacy.ledger import Ledger
-from fedprivacy.participant import deployed_client, new_model
+from fedprivacy.recipe import new_model
 from fedprivacy.runconfig import parse_node_config, parse_run_config
 from server.app import app as server_app
 
-PUMS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 

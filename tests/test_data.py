@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from harness import pums_file
 from sklearn.linear_model import LogisticRegression
 
 from fedprivacy.data import (
@@ -22,16 +23,6 @@ from fedprivacy.data import (
 )
 from fedprivacy.data.partition import iid_shards
 from fedprivacy.errors import InputError
-
-PUMS_DIR = Path(__file__).parents[1].parent / "shared/data/pums"
-
-
-def pums_file(name: str) -> Path:
-    """A PUMS test file; a missing one fails the test and says what is missing (never a silent skip)."""
-    path = PUMS_DIR / name
-    if not path.is_file():
-        pytest.fail(f"missing test data {path}: the PUMS files live in ../shared/data/pums beside the repo")
-    return path
 
 
 def row_id_dataset(n: int = 300, num_classes: int = 3) -> Dataset:

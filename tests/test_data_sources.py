@@ -26,13 +26,7 @@ from fedprivacy.data import load_clients, load_dataset
 from fedprivacy.data.docs import with_tables
 from fedprivacy.data.registry import sources
 from fedprivacy.errors import InputError
-from fedprivacy.participant import (
-    data_file_missing,
-    dataset_identity,
-    partition_kwargs,
-    partitioning_of,
-    require_data_file,
-)
+from fedprivacy.recipe import data_file_missing, dataset_identity, partition_kwargs, partitioning_of, require_data_file
 from fedprivacy.runconfig import parse_node_config, parse_run_config
 from fedprivacy.runconfig_keys import RUN_KEYS
 
@@ -586,7 +580,7 @@ def test_feature_columns_are_set_by_the_run_config_and_are_not_part_of_the_accou
 
 
 def test_a_data_key_the_data_set_does_not_read_is_said_to_be_ignored(tmp_path):
-    from fedprivacy.participant import unused_data_keys
+    from fedprivacy.recipe import unused_data_keys
     from sims.fast.engine import run_fast
 
     digits = {"dataset": "digits", "num-classes": 5, "feature-columns": "a,b", "label-column": "y"}

@@ -19,16 +19,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from harness import PUMS_SAMPLE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from clients.app import app as client_app
+from fedprivacy.admission import open_account
 from fedprivacy.cli import app as cli_app
 from fedprivacy.errors import ClientRefusal, InputError
+from fedprivacy.identity import deployed_client
 from fedprivacy.ledger import DataMismatch, Ledger
-from fedprivacy.participant import deployed_client, file_digest, open_account
 from fedprivacy.privacy.accountants import NoiseEvent
+from fedprivacy.recipe import file_digest
 from fedprivacy.runconfig import parse_node_config, parse_run_config
 from server.app import app as server_app
 
@@ -406,7 +409,7 @@ def test_a_pums_node_reads_each_line_alone_and_has_no_size_limit(tmp_path, monke
     node's file has none (it is streamed; only the used cells are kept)."""
     from fedprivacy.data import tables
 
-    source = (Path(__file__).parents[1].parent / "shared/data/pums/fulton_pums5_sample100.csv").read_bytes()
+    source = PUMS_SAMPLE.read_bytes()
     lines = source.splitlines()
     (tmp_path / "without.csv").write_bytes(source)
     (tmp_path / "with.csv").write_bytes(b"\n".join([lines[0], lines[1] + b",extra", *lines[1:]]) + b"\n")
@@ -429,7 +432,7 @@ def test_held_out_rows_read_as_a_node_reads_them_evaluate_a_deployments_model(tm
     from fedprivacy.data.loaders import load_pums
     from fedprivacy.models import build_model, evaluate_model
 
-    sample = Path(__file__).parents[1].parent / "shared/data/pums/fulton_pums5_sample100.csv"
+    sample = PUMS_SAMPLE
     held_out = load_pums(str(sample), client_column=None, per_row=True)
     trained = build_model("logreg", held_out.features.shape[1], held_out.num_classes)
     torch.save(trained.state_dict(), tmp_path / "model.pt")

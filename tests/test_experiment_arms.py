@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from fedprivacy.data.partition import load_clients
-from fedprivacy.participant import partition_kwargs
+from fedprivacy.recipe import partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, parse_run_config
 from sims.sweep.driver import run_sweep
 from sims.sweep.grid import cells

@@ -334,23 +334,23 @@ def test_the_noise_scale_is_sigma_times_c_in_float64_rounded_up_once(in_process,
     import dataclasses
 
     from fedprivacy.privacy.proactive import proactive_sigma
-    from fedprivacy.training.step import noise_scale
-    from sims.fast import stack
+    from fedprivacy.training import stack
+    from fedprivacy.training.stack import noise_scale
 
     clip, sigma = 1.3, proactive_sigma(1.0, 1e-5)
     scale = float(noise_scale(sigma, clip))
     assert scale >= sigma * clip and scale - sigma * clip <= 2**-23 * sigma * clip
     two_roundings = float(torch.tensor(sigma, dtype=torch.float32) * torch.tensor(clip, dtype=torch.float32))
     assert two_roundings < sigma * clip  # what the check below tells apart
-    release, seen = stack.release_stacked, []
+    release, seen = stack.release, []
 
     def spy(sums, step, add_noise=True):
         unit = dataclasses.replace(step, expected_batch=torch.ones_like(step.expected_batch))
         noise = release([torch.zeros_like(s) for s in sums], unit, add_noise)  # the noise alone, undivided
-        seen.append((torch.cat([n.flatten(1) for n in noise], dim=1), step.normals.clone(), step.active.clone()))
+        seen.append((noise, step.normals.clone(), step.active.clone()))
         return release(sums, step, add_noise)
 
-    monkeypatch.setattr(stack, "release_stacked", spy)
+    monkeypatch.setattr(stack, "release", spy)
     config = {
         **in_process.defaults(),
         "rule": "proactive",
@@ -517,8 +517,7 @@ def test_a_batched_round_gives_each_client_the_trainers_weights(model, buckets, 
     into two stacks, each padded to its own largest batch."""
 
     from fedprivacy.models import build_model, register_model
-    from fedprivacy.training import DPTrainer
-    from sims.fast import stack
+    from fedprivacy.training import DPTrainer, stack
     from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
 
     register_model("test-gn-cnn")(_gn_cnn)
@@ -530,13 +529,14 @@ def test_a_batched_round_gives_each_client_the_trainers_weights(model, buckets, 
     torch.manual_seed(0)
     start = {k: v.detach().clone() for k, v in build_model(model, 64, 10).state_dict().items()}
 
-    batches = []  # every active client's batch size at every step of the stack
+    batches = []  # every active client's batch size at every step of the worker's stack (not the trainers')
     step = stack.ClientStack.step
     monkeypatch.setattr(
         stack.ClientStack,
         "step",
         lambda self, state, inputs, *rest, **options: (
-            batches.extend(inputs.valid.sum(1)[inputs.active].tolist()) or step(self, state, inputs, *rest, **options)
+            (self.stacked and batches.extend(inputs.valid.sum(1)[inputs.active].tolist()))
+            or step(self, state, inputs, *rest, **options)
         ),
     )
     worker = LocalWorker(
@@ -637,13 +637,13 @@ def test_clients_are_split_by_batch_size_on_a_cpu_only_where_the_arithmetic_is_t
     """256 clients with Poisson batches: the digits CNN (83,200 multiply-adds per example) in four
     stacks of 64 sorted by batch size, each as wide as its largest batch; the MLP (1,088) in one."""
     from fedprivacy.models import build_model
-    from sims.fast import stack
+    from fedprivacy.training import stack
 
     clients = stack.ClientStack(build_model(model, features, 2))
     sizes = torch.randint(0, 40, (256,), generator=torch.Generator().manual_seed(4))
     valid = torch.arange(40) < sizes.unsqueeze(1)  # sampled rows first, as the worker gathers them
     step = stack.StepInputs(torch.zeros(256, 40, features), torch.zeros(256, 40, dtype=torch.long), valid, *[None] * 5)
-    found = clients._buckets(step)
+    found = clients._buckets(step.features, step.valid)
     assert clients.capture.example_products(step.features[0, 0]) == {"cnn": 83_200, "mlp": 1_088}[model]
     assert len(found) == buckets
     if buckets:
@@ -653,15 +653,14 @@ def test_clients_are_split_by_batch_size_on_a_cpu_only_where_the_arithmetic_is_t
         assert max(sizes[found[0][0]]) <= min(sizes[found[-1][0]])
 
 
-def test_a_client_whose_batched_sums_overflow_is_redone_by_the_trainers_clipper(monkeypatch):
+def test_a_client_whose_batched_sums_overflow_is_redone_one_example_at_a_time(monkeypatch):
     """Injected fault: the stack's clipped sums come back non-finite for client 1 (as an overflow
-    among finite per-example terms could make them); the step redoes that client alone with the
-    trainer's clipper and releases its sum, and leaves the others' as they were."""
+    among finite per-example terms could make them); the step redoes that client one example at a
+    time, releases the sum the trainer's clipper gives on its rows, and leaves the others' as they were."""
     import dataclasses
 
     from fedprivacy.models import build_model
-    from fedprivacy.training.clipping import PerExampleClipper
-    from sims.fast import stack
+    from fedprivacy.training import PerExampleClipper, stack
 
     torch.manual_seed(2)
     model = build_model("mlp", 15, 2)
@@ -673,7 +672,7 @@ def test_a_client_whose_batched_sums_overflow_is_redone_by_the_trainers_clipper(
         y,
         valid,
         torch.zeros(3, clients.noise_count),
-        torch.zeros(3, dtype=torch.float64),
+        torch.zeros(3),
         torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64),
         torch.ones(3),
         torch.ones(3, dtype=torch.bool),
@@ -682,13 +681,19 @@ def test_a_client_whose_batched_sums_overflow_is_redone_by_the_trainers_clipper(
 
     def overflowing(*args, **options):
         result = shared(*args, **options)
+        if result.grad_sums[0].shape[0] != 3:  # an example redone alone: no fault
+            return result
         sums = [s.clone() for s in result.grad_sums]
         sums[0][1] = math.inf
-        return dataclasses.replace(result, grad_sums=sums, broken=torch.tensor([False, True, False]))
+        broken = torch.tensor([False, True, False])
+        return dataclasses.replace(result, grad_sums=sums, broken=broken, all_finite=False)  # as the sums report it
+
+    moved = torch.Generator().manual_seed(4)  # each client its own weights: the redo must use client 1's
+    own = [v + 0.1 * torch.randn(3, *v.shape, generator=moved) for v in model.state_dict().values()]
 
     def released(fault: bool) -> list[torch.Tensor]:
         seen: list[list[torch.Tensor]] = []
-        state = [v.unsqueeze(0).repeat(3, *(1,) * v.dim()) for v in model.state_dict().values()]
+        state = [v.clone() for v in own]
         with monkeypatch.context() as patch:
             if fault:
                 patch.setattr(stack, "clipped_sums", overflowing)
@@ -696,8 +701,8 @@ def test_a_client_whose_batched_sums_overflow_is_redone_by_the_trainers_clipper(
         return seen[0]
 
     redone, clean = released(True), released(False)
-    reference = build_model("mlp", 15, 2)  # the trainer's clipper, on client 1's rows
-    reference.load_state_dict(model.state_dict())
+    reference = build_model("mlp", 15, 2)  # the trainer's clipper, on client 1's rows and weights
+    reference.load_state_dict(dict(zip(model.state_dict(), (v[1] for v in own), strict=True)))
     alone = PerExampleClipper(reference).clipped_sum(x[1][valid[1]], y[1][valid[1]], 1.0)
     for got, want, before in zip(redone, alone.grad_sums, clean, strict=True):
         torch.testing.assert_close(got[1], want, rtol=1e-5, atol=1e-7)  # qN = 1, no noise: the sum itself

@@ -16,10 +16,11 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from harness import PUMS
 from independent import CERTIFICATE_REL_TOL, plan_prefix_events, pld_epsilon
 
 from clients.app import app as client_app
-from fedprivacy import participant
+from fedprivacy import plans
 from fedprivacy.errors import InputError
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
@@ -29,7 +30,6 @@ from server.app import DEPLOYED_LEDGERS
 from server.app import app as server_app
 
 PROJECT = Path(__file__).resolve().parents[1]
-PUMS = PROJECT.parent / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # seeded-noise warnings: tests seed on purpose
 
@@ -150,7 +150,9 @@ def test_budgets_must_match_the_clients():
 def test_each_simulated_client_plans_with_its_own_delta(simulate, run_config):
     simulate({**run_config, "epsilons": "1,2", "deltas": "1e-5,1e-7", "num-server-rounds": 1}, num_nodes=2)
     folder = run_folder(Path(run_config["results-dir"]))
-    for row in read_csv(folder / "clients.csv"):
+    rows = read_csv(folder / "clients.csv")
+    assert sorted(row["client_id"] for row in rows) == ["0", "1"]  # both clients, each checked below
+    for row in rows:
         plan = json.loads((folder / "plans" / f"{row['client_id']}.json").read_text())
         expected = {"0": (1.0, 1e-5), "1": (2.0, 1e-7)}[row["client_id"]]
         assert (plan["epsilon"], plan["delta"]) == expected and float(row["delta"]) == expected[1]
@@ -250,7 +252,7 @@ def test_a_restarted_client_resumes_its_plan_from_the_ledger(in_process, run_con
 
         def __call__(self, message, context):
             if message.metadata.message_type == "train" and int(message.content["config"]["server-round"]) == 2:
-                monkeypatch.setattr(participant, "plan_client", no_replanning)
+                monkeypatch.setattr(plans, "plan_client", no_replanning)
                 if context.node_id == restarted:
                     self.grid.restart_node(restarted)
                     context = self.grid.contexts[restarted]

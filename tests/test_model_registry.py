@@ -25,7 +25,7 @@ from clients.app import app as client_app
 from fedprivacy import model_registry
 from fedprivacy.errors import InputError
 from fedprivacy.models import build_model, register_model
-from fedprivacy.participant import new_model
+from fedprivacy.recipe import new_model
 from fedprivacy.runconfig import parse_run_config
 from fedprivacy.training import UnsupportedLayerError
 from server.app import app as server_app
@@ -88,7 +88,7 @@ def test_a_decorated_model_is_named_by_the_run_config_and_built_for_the_data() -
 
     settings = parse_run_config({"model": "two-layer"})
     assert settings.model == "two-layer"
-    model = new_model(settings, np.zeros((7, 1, 8, 8), dtype=np.float32), 10)  # the participant's call
+    model = new_model(settings, np.zeros((7, 1, 8, 8), dtype=np.float32), 10)  # the client's call
     assert shapes[-1] == (1, 8, 8)  # one example's real shape, not a flattened count
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
     assert "two-layer" in model_registry.model_names()

@@ -27,8 +27,7 @@ from fedprivacy.models import build_model
 from fedprivacy.privacy import limits
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.runconfig import parse_run_config
-from fedprivacy.training import DPTrainer, PerExampleClipper
-from sims.fast import stack
+from fedprivacy.training import DPTrainer, PerExampleClipper, stack
 
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
 
@@ -163,7 +162,7 @@ def stack_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, clip: float) 
         labels=y.unsqueeze(0),
         valid=torch.ones(1, len(x), dtype=torch.bool),
         normals=torch.zeros(1, parameters),
-        sigma=torch.zeros(1),
+        noise_std=torch.zeros(1),
         clip=torch.tensor([clip]),
         expected_batch=torch.tensor([float(len(x))]),
         active=torch.ones(1, dtype=torch.bool),

@@ -326,7 +326,7 @@ class WithBufferAndFrozen(nn.Module):
 
 
 def test_what_a_client_releases_is_its_trained_parameters_only():
-    from fedprivacy.participant import released_state
+    from fedprivacy.client_round import released_state
 
     model = WithBufferAndFrozen()
     assert trained_names(model) == ["head.weight", "head.bias"]

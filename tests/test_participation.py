@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 
 from clients.app import app as client_app
-from fedprivacy import participant
+from fedprivacy import identity
 from fedprivacy.participation import MAX_CONSECUTIVE_FAILURES, Participation, sample_clients
 from fedprivacy.results import RunRecorder
 from server.app import app as server_app
@@ -221,14 +221,14 @@ def test_the_strategy_and_the_fast_engine_ask_the_same_clients_through_the_share
         return str(path)
 
     apps_seen = recording(monkeypatch)
-    monkeypatch.setattr("clients.app.simulation_client", failing_client(participant.simulation_client, failing))
+    monkeypatch.setattr("clients.app.simulation_client", failing_client(identity.simulation_client, failing))
     apps_config = {**second, "ledger-path": ledger_copy("apps.sqlite"), "results-dir": str(tmp_path / "apps")}
     grid = in_process.Grid.simulation(client_app, clients, apps_config, run_id=2)
     in_process.run_server(server_app, grid, apps_config)
     monkeypatch.undo()
 
     fast_seen = recording(monkeypatch)
-    monkeypatch.setattr(fast_engine, "simulation_client", failing_client(participant.simulation_client, failing))
+    monkeypatch.setattr(fast_engine, "simulation_client", failing_client(identity.simulation_client, failing))
     fast_config = {**second, "ledger-path": ledger_copy("fast.sqlite"), "results-dir": str(tmp_path / "fast")}
     run_fast(fast_config, clients, run_id=2, say=lambda _: None)
     monkeypatch.undo()

@@ -18,16 +18,15 @@ import dp_accounting
 import numpy as np
 import pandas as pd
 import pytest
+from harness import PUMS
 from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 from clients.app import app as client_app
-from fedprivacy.participant import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS
 from fedprivacy.privacy.planner import plan_client
-from fedprivacy.replies import RELEASED_KEY
+from fedprivacy.protocol import DIAGNOSTIC_KEYS, PUBLIC_REPLY_KEYS, RELEASED_KEY
 from server.app import app as server_app
 from sims import audit
 
-PUMS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
 TRIALS = 4000  # per side: ~4 s each
 # The negative control at 8,000 per side: at 4,000 its bound fell once in about a hundred runs just
 # under the ε = 3 certificate (2.995; 40 runs: smallest 3.05, median 3.66); at 8,000, 15 runs gave

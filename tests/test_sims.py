@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from harness import PUMS_SAMPLE
 
 from fedprivacy.errors import InputError
 from sims.baseline import nonprivate_baseline
 from sims.runner import Scenario, read_results, run_scenario
 from sims.validation import training_rows_file
 
-PUMS_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "pums" / "fulton_pums5_sample100.csv"
 TINY = {"num-server-rounds": 2, "noise-seed": 3, "epochs": 2.0}  # digits, 2 clients: a few seconds
 
 

@@ -12,7 +12,7 @@ from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import DPTrainer, NonFiniteModel, PerExampleClipper, check_finite
 from fedprivacy.training import clipping as clipping_module
-from fedprivacy.training import step as step_module
+from fedprivacy.training import stack as stack_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
 
@@ -117,7 +117,8 @@ def test_sums_that_overflow_after_the_norms_are_redone_example_by_example(monkey
         # the batch, and example 4 alone (its float64 norm alone may differ from the batch's in the last float32 bits)
         if len(result.sq_norms) > 1 or math.isclose(float(result.sq_norms[0]), offender, rel_tol=1e-5):
             sums = [result.grad_sums[0] + math.inf, *result.grad_sums[1:]]
-            return result._replace(grad_sums=sums, broken=torch.ones(1, dtype=torch.bool))  # as the sums report it
+            dropped = torch.zeros(len(result.sq_norms), dtype=torch.bool)  # no norm was the cause
+            return result._replace(grad_sums=sums, dropped=dropped, broken=torch.ones(1, dtype=torch.bool))
         return result
 
     monkeypatch.setattr(clipping_module, "_clipped_rows", overflowing)
@@ -169,13 +170,14 @@ def test_a_diverging_run_releases_only_finite_gradients(monkeypatch):
     """A learning rate of 1e36 makes the forward pass overflow within a few steps; every released
     (noisy) gradient must stay finite: what becomes of the weights then is post-processing."""
     released = []
-    update = step_module.sgd_update
+    release = stack_module.release
 
-    def spy(parameters, grads, lr):
-        released.append([g.clone() for g in grads])
-        update(parameters, grads, lr)
+    def spy(sums, step, add_noise=True):
+        out = release(sums, step, add_noise)
+        released.append([out.clone()])
+        return out
 
-    monkeypatch.setattr(step_module, "sgd_update", spy)
+    monkeypatch.setattr(stack_module, "release", spy)
     torch.manual_seed(0)
     x, y = torch.randn(32, 15) * 10, torch.randint(0, 2, (32,))
     trainer = DPTrainer(build_model("mlp", 15, 2), plan(12, 1e36), x, y, seed=5)

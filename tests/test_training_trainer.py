@@ -17,9 +17,11 @@ from fedprivacy.training import (
     DPTrainer,
     PlanExhausted,
     SeededRunWarning,
+    StepInputs,
     StepRandomness,
     release,
 )
+from fedprivacy.training.stack import noise_scale
 
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
 
@@ -145,7 +147,10 @@ def test_release_adds_noise_of_std_sigma_c_to_the_sum(compute_device: torch.devi
     sigma, clip, coords = 1.3, 0.7, 40_000
     clean = torch.randn(coords, generator=torch.Generator().manual_seed(5)).to(compute_device)
     normals = StepRandomness(11).draws(0, 1, 0, 0.5, coords, device=compute_device).noise[0]
-    released = release([clean.clone()], sigma, clip, expected_batch=1.0, normals=normals)[0]
+    one = {"dtype": torch.float64, "device": compute_device}
+    std = noise_scale(torch.tensor([sigma], **one), torch.tensor([clip], **one))
+    step = StepInputs(None, None, None, normals[None], std, None, torch.ones(1, device=compute_device), None)
+    released = release([clean[None].clone()], step)[0]
     assert released.device.type == compute_device.type
     noise = released - clean
     # Sample std of n normals has relative s.e. 1/sqrt(2n) = 0.35%; allow 5 s.e.

@@ -16,14 +16,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+from harness import PUMS
 
 from clients.app import app as client_app
-from fedprivacy import participant
+from fedprivacy import client_round
 from fedprivacy.data.partition import load_client, load_clients, partition
 from fedprivacy.data.splits import held_out_count
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.errors import InputError
-from fedprivacy.participant import deployed_client, partition_kwargs, partitioning_of
+from fedprivacy.identity import deployed_client
+from fedprivacy.recipe import partition_kwargs, partitioning_of
 from fedprivacy.runconfig import parse_node_config, parse_run_config
 from server import app as server_module
 from server.app import app as server_app
@@ -33,7 +35,6 @@ from sims.fast.engine import run_fast
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-PUMS = Path(__file__).parents[1].parent / "shared/data/pums/fulton_pums5_full.csv"
 SYNTHETIC = {"dataset": "synthetic", "synthetic-examples": 400}
 
 
@@ -274,7 +275,7 @@ def test_both_engines_evaluate_on_the_validation_rows_and_never_on_a_test_row(in
 
     apps = EvaluatedRows()
     monkeypatch.setattr(server_module, "evaluate_model", apps.central_spy(server_module.evaluate_model))
-    monkeypatch.setattr(participant, "evaluate_model", apps.client_spy(participant.evaluate_model))
+    monkeypatch.setattr(client_round, "evaluate_model", apps.client_spy(client_round.evaluate_model))
     config = {**tuned, "results-dir": str(tmp_path / "apps")}
     in_process.run_server(server_app, in_process.Grid.simulation(client_app, 2, config), config)
     monkeypatch.undo()

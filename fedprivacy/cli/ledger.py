@@ -99,7 +99,7 @@ def accept_data(
     spends keep counting against the same budget. A different data set needs its own client-id."""
 
     def accept() -> None:
-        from fedprivacy.participant import file_digest
+        from fedprivacy.recipe import file_digest
 
         if not data.is_file():
             raise InputError("data", str(data), "no such file")

@@ -48,7 +48,7 @@ class Source:
     reads nothing; `path_help` says it in words, for messages. `option_help`: one line per loader
     option. `run_keys`: option → the run-config key that sets it in a simulation. `client_option`:
     the option naming the natural client column, set from the run config's partition-by.
-    `deployable`: a deployed node may read it (its node config says how; fedprivacy/participant.py
+    `deployable`: a deployed node may read it (its node config says how; fedprivacy/identity.py
     `deployed_client`).
     """
 

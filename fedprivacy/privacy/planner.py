@@ -115,7 +115,7 @@ def resolve_schedule(
         )
     # q = k/T: the refusal names the input that made it small. The default schedule (nothing
     # given: k ≥ 1, so qT ≥ 1 > δ and the calibration stays bounded) is left to the caller: a
-    # run's participant refuses q·N < 1 naming the client (fedprivacy/participant.py).
+    # run's client refuses q·N < 1 naming itself (fedprivacy/plans.py).
     if epochs_given:
         if steps_given or steps == 1:  # q = k/T grows with k
             hint = f"k = {epochs:g} epochs over T = {steps} steps; choose more epochs" + (

@@ -1,21 +1,22 @@
-"""Local DP-SGD: Poisson sampling, per-example clipping, Gaussian noise, SGD; see trainer.py."""
+"""Local DP-SGD: Poisson sampling, per-example clipping, Gaussian noise, SGD, for one client or a
+stack of K (`stack.py`); the trainer (`trainer.py`) is the stack of one."""
 
 from fedprivacy.training.clipping import (
     ClippedBatch,
     ClippedSums,
     LayerRecord,
-    PerExampleClipper,
     UnsupportedLayerError,
     check_supported,
     clipped_sums,
 )
 from fedprivacy.training.layers import LayerRule, LayerTerms, PerExampleRule, register_layer_rule, rule_for
 from fedprivacy.training.rng import SeededRunWarning, StepDraws, StepRandomness
-from fedprivacy.training.schedule import StepSize
-from fedprivacy.training.step import dp_step, release, sgd_update
+from fedprivacy.training.schedule import StepSizes
+from fedprivacy.training.stack import ClientStack, PerExampleClipper, StepInputs, StepReport, release
 from fedprivacy.training.trainer import DPTrainer, NonFiniteModel, PlanExhausted, TrainReport, check_finite
 
 __all__ = [
+    "ClientStack",
     "ClippedBatch",
     "ClippedSums",
     "DPTrainer",
@@ -27,17 +28,17 @@ __all__ = [
     "PerExampleRule",
     "PlanExhausted",
     "SeededRunWarning",
-    "StepRandomness",
     "StepDraws",
-    "StepSize",
+    "StepInputs",
+    "StepRandomness",
+    "StepReport",
+    "StepSizes",
     "TrainReport",
     "UnsupportedLayerError",
     "check_finite",
     "check_supported",
     "clipped_sums",
-    "dp_step",
     "register_layer_rule",
     "release",
     "rule_for",
-    "sgd_update",
 ]

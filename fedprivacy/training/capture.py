@@ -79,15 +79,18 @@ def trained_names(model: nn.Module) -> list[str]:
 
 
 class _Call:
-    """What the hooks see during one forward: the probes (None: only read the output shapes), and
-    the inputs and output shapes recorded so far, by layer position; `plain`: record nothing (a
-    forward for the plain gradients, where the hooks only lay the outputs out)."""
+    """What the hooks see during one forward: the probes (None: only read the output shapes; `lazy`:
+    make each layer's probe from its output, outside vmap), and the inputs, output shapes and
+    probes made so far, by layer position; `plain`: record nothing (a forward for the plain
+    gradients, where the hooks only lay the outputs out)."""
 
-    def __init__(self, probes: Sequence[Tensor] | None, plain: bool = False) -> None:
+    def __init__(self, probes: Sequence[Tensor] | None, plain: bool = False, lazy: bool = False) -> None:
         self.probes = probes
         self.plain = plain
+        self.lazy = lazy
         self.inputs: dict[int, Tensor] = {}
         self.shapes: dict[int, torch.Size] = {}
+        self.made: dict[int, Tensor] = {}
 
     def recorded(self, layers: list[tuple[str, nn.Module, list[str]]]) -> list[Tensor]:
         """The inputs in layer order; every trained layer must have been called."""
@@ -136,6 +139,7 @@ class BatchedCapture:
         self._position = {id(module): k for k, (_, module, _) in enumerate(self.layers)}
         self._call: _Call | None = None
         self._shapes: dict[tuple[Any, ...], tuple[list[torch.Size], int]] = {}
+        self._probes: dict[tuple[Any, ...], Tensor] = {}
         self._handles = [module.register_forward_hook(self._hook) for _, module, _ in self.layers]
         if conv_as_matmul:
             for module in template.modules():
@@ -168,6 +172,9 @@ class BatchedCapture:
         call.inputs[k] = inputs[0] if self.rows_apart or call.plain else inputs[0].clone()
         if call.plain:
             return self._laid_out(output)
+        if call.lazy:  # one batched forward, no vmap: the probe can take the output's own shape
+            probe = call.made[k] = self._probe_like(k, output.shape, output.dtype, output.device)
+            return self._laid_out(output + probe)
         if call.probes is None:
             call.shapes[k] = output.shape[1:]
             return None
@@ -245,6 +252,16 @@ class BatchedCapture:
             torch.set_rng_state(random_state)
         return self._checked(vmap(forward, randomness="different")(*args))
 
+    def _probe_like(self, layer: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Layer `layer`'s zero probe of `shape`: one zero seen at every position (stride 0, nothing to
+        fill), a leaf whose gradient autograd.grad returns without storing it, so one per layer and
+        shape serves every step (each layer its own: one probe for two layers would add their D)."""
+        key = (layer, tuple(shape), dtype, device)
+        probe = self._probes.get(key)
+        if probe is None:
+            probe = self._probes[key] = torch.zeros((), dtype=dtype, device=device).expand(key[1]).requires_grad_()
+        return probe
+
     def _laid_out(self, out: Tensor) -> Tensor:
         if self.channels_last and out.dim() == 4:  # (B, C, H, W) inside vmap over the clients
             return out.movedim(1, -1).contiguous().movedim(-1, 1)  # no copy if already so
@@ -282,17 +299,37 @@ class BatchedCapture:
             self._shapes[key] = (shapes, products)
         return self._shapes[key]
 
-    def single(self, weights: Mapping[str, Tensor], features: Tensor, labels: Tensor) -> Captured:
+    def single(
+        self, weights: Mapping[str, Tensor] | None, features: Tensor, labels: Tensor, valid: Tensor | None = None
+    ) -> Captured:
         """A and D of every trained layer and the per-example losses [1, B] for one client's rows
-        `features` [B, ...] with `labels` [B], its state `weights` (by state-dict name, unstacked:
-        the template's own tensors, which a model kept apart by construction reads directly)."""
-        weights = None if self.rows_apart else weights
-        batch = labels.shape[0]
-        zero = torch.zeros((), dtype=self.dtype, device=features.device)
-        probes = [zero.expand(batch, *shape).requires_grad_() for shape in self._output_shapes(features[0])]
-        with self._alone():
-            logits, inputs = self._checked(self._client(weights, probes, features))
+        `features` [B, ...] with `labels` [B] (rows where `valid` is False are padding: loss and D
+        0), with its state `weights` (by state-dict name, unstacked; None: the template's own)."""
+        if self.rows_apart:  # one forward outside vmap: each probe made from its layer's output
+            call = self._call = _Call(None, lazy=True)
+            try:
+                if weights is None:
+                    logits = self.template(features)
+                else:
+                    logits = functional_call(self.template, dict(weights), (features,))
+            finally:
+                self._call = None
+            inputs = call.recorded(self.layers)
+            probes = [call.made[k] for k in range(len(self.layers))]
+        else:
+            if weights is None:
+                named = [*self.template.named_parameters(), *self.template.named_buffers()]
+                weights = {name: t.detach() for name, t in named}
+            batch = labels.shape[0]
+            probes = [
+                self._probe_like(k, (batch, *shape), self.dtype, features.device)
+                for k, shape in enumerate(self._output_shapes(features[0]))
+            ]
+            with self._alone():
+                logits, inputs = self._checked(self._client(weights, probes, features))
         losses = F.cross_entropy(logits, labels, reduction="none")
+        if valid is not None:
+            losses = torch.where(valid, losses, 0.0)
         deltas = torch.autograd.grad(losses.sum(), probes, allow_unused=True, materialize_grads=True)
         records = [
             LayerRecord(module, a.detach(), d) for (_, module, _), a, d in zip(self.layers, inputs, deltas, strict=True)
@@ -304,9 +341,9 @@ class BatchedCapture:
         sampled rows `features` [K, B, ...] with `labels` [K, B]; rows where `valid` [K, B] is
         False are padding: their loss is 0 and so is their D."""
         clients, batch = labels.shape
-        zero = torch.zeros((), dtype=self.dtype, device=features.device)
-        probes = [  # one zero seen at every position (stride 0): nothing to fill; their gradients are dense
-            zero.expand(clients, batch, *shape).requires_grad_() for shape in self._output_shapes(features[0, 0])
+        probes = [
+            self._probe_like(k, (clients, batch, *shape), self.dtype, features.device)
+            for k, shape in enumerate(self._output_shapes(features[0, 0]))
         ]
         weights = dict(zip(self.keys, state, strict=True))
         with self._alone():

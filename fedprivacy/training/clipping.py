@@ -6,13 +6,10 @@ never forms the parameter gradients), are all its rule needs (`fedprivacy.traini
 per-example squared norms (float64 upper bounds on what is summed, `fedprivacy.training.norms`) and
 the clipped sums Σᵢ wᵢ·gᵢ, wᵢ = C / max(‖gᵢ‖, C), each example's gradient clipped over all trained
 parameters together. `clipped_sums` is that shared mechanism for K clients at once (rows
-client-major); the trainer's `PerExampleClipper` captures A and D by forward hooks and calls it
-with K = 1, and the fast engine calls it on its batched capture. This is exact for any model whose
-trained layers all have a rule and whose examples never mix. Refused by name: a trained layer
-without a rule, BatchNorm, tied weights, a layer that sees other than one row per example; and,
-when a model is built by name (`fedprivacy.models.build_model`), one whose logits for an example
-change with another example of its batch (a probe, in eval mode: a model that mixes examples only
-in training would pass it, so a model written by hand must not).
+client-major), on the capture's A and D (`fedprivacy.training.capture`, every example computed
+alone); the stack (`fedprivacy.training.stack`) calls it for the trainer's one client and the fast
+engine's K. Refused by name: a trained layer without a rule, BatchNorm, tied weights, a trained
+parameter its layer's rule does not clip, a layer that sees other than one row per example.
 
 An example whose gradient norm is not finite (an overflow, a NaN: a diverging run, or a model
 crafted so that one record overflows) contributes exactly zero, and its rows are zeroed before the
@@ -34,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from fedprivacy.training.capture import BatchedCapture, LayerRecord
+from fedprivacy.training.capture import LayerRecord
 from fedprivacy.training.layers import LayerRule, LayerTerms, registered_layers, rule_for, trainable
 from fedprivacy.training.layers.linear import linear_norms
 from fedprivacy.training.norms import (
@@ -55,7 +52,6 @@ __all__ = [
     "ClippedSums",
     "Float64Scratch",
     "LayerRecord",
-    "PerExampleClipper",
     "Slack",
     "ToFloat64",
     "UnsupportedLayerError",
@@ -81,7 +77,7 @@ class ClippedSums:
 class ClippedBatch:
     """What one batch gives the DP step: clipped gradient sums and statistics (on device)."""
 
-    grad_sums: list[Tensor]  # Σᵢ clip(gᵢ), aligned with PerExampleClipper.parameters
+    grad_sums: list[Tensor]  # Σᵢ clip(gᵢ), in the trained parameters' order (capture.trained_names)
     sq_norms: Tensor  # per-example squared norms before clipping (float64 upper bounds), shape (B,); 0 where dropped
     loss_sum: Tensor  # Σᵢ loss_i over the examples kept (scalar)
     clip_norm: float
@@ -165,7 +161,7 @@ def _clipped_rows(
     for part in terms[1:]:
         sq_norms, slack = sq_norms + part.sq_norms, slack.plus(part.slack)
     dtype = records[0].d.dtype
-    if isinstance(clip_norm, Tensor):  # each client's C on each of its rows
+    if isinstance(clip_norm, Tensor) and clients > 1:  # each client's C on each of its rows (one: broadcast)
         clip_norm = clip_norm.to(NORM_DTYPE).repeat_interleave(rows // clients)
 
     def weighted(terms: list[LayerTerms], sq_norms: Tensor, slack: Slack) -> list[Tensor]:
@@ -246,54 +242,3 @@ def check_supported(model: nn.Module) -> None:
                 "values: a float64 square can underflow to 0, a float16 sum overflow); convert the "
                 "model with model.float()"
             )
-
-
-class PerExampleClipper:
-    """Computes clipped per-example gradient sums for one client's model: the shared capture
-    (`fedprivacy.training.capture.BatchedCapture`, one client, each example computed alone) on the
-    model's own weights, then the shared clipping (`clipped_sums` with K = 1)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        check_supported(model)
-        self.model = model
-        self.capture = BatchedCapture(model)
-        # The model's own tensors (detached views: the step updates the parameters in place, and the
-        # views see it), by state name, for the capture's functional calls.
-        self._weights = {name: t.detach() for name, t in [*model.named_parameters(), *model.named_buffers()]}
-        named = dict(model.named_parameters())
-        # Parameters in layer order, each layer's in its own order; grad_sums follow this order.
-        self.parameters: list[nn.Parameter] = [named[name] for name in self.capture.trained_names]
-        self._float64 = Float64Scratch()
-
-    def clipped_sum(self, inputs: Tensor, targets: Tensor, clip_norm: float) -> ClippedBatch:
-        """Σᵢ clip_C(∇loss_i) over the batch, with each example's gradient clipped over ALL
-        trainable parameters together; cross-entropy loss on the model's logits.
-
-        Examples whose gradient norm is not finite contribute zero (`clipped_sums` drops them);
-        should the sums of the rest still overflow (finite norms built from terms that overflow
-        when summed), the batch is redone one example at a time, so that only the offenders are
-        dropped.
-        """
-        captured = self.capture.single(self._weights, inputs, targets)
-        losses = captured.losses[0]
-        loss_sum = losses.sum()
-        result = _clipped_rows(captured.records, clip_norm, 1, self._float64, True, inputs.shape[0])  # one client
-        nonfinite = 0 if result.dropped is None else int(result.dropped.sum())
-        if result.broken is None or not bool(result.broken[0]):
-            if nonfinite:
-                loss_sum = torch.where(result.dropped, 0.0, losses).sum()
-            grad_sums = [s[0] for s in result.grad_sums]
-            return ClippedBatch(grad_sums, result.sq_norms, loss_sum, clip_norm, nonfinite)
-        if inputs.shape[0] == 1:
-            zeros = [torch.zeros_like(p) for p in self.parameters]
-            return ClippedBatch(
-                zeros, torch.zeros_like(result.sq_norms), torch.zeros((), device=inputs.device), clip_norm, 1
-            )
-        singles = [self.clipped_sum(inputs[i : i + 1], targets[i : i + 1], clip_norm) for i in range(inputs.shape[0])]
-        return ClippedBatch(
-            [torch.stack(parts).sum(0) for parts in zip(*(b.grad_sums for b in singles), strict=True)],
-            torch.cat([b.sq_norms for b in singles]),
-            torch.stack([b.loss_sum for b in singles]).sum(),
-            clip_norm,
-            sum(b.nonfinite for b in singles),
-        )

@@ -1,13 +1,14 @@
-"""The learning rate of each step: the plan's deterministic schedules, or AdaGrad-norm.
+"""The learning rate of each step, for K clients at once: each plan's deterministic schedule, or
+AdaGrad-norm.
 
 AdaGrad-norm (ADP-SGD paper, §5.2) sets η_t = η / b_{t+1} with b²_{t+1} = b_t² + max(‖g_t‖², ν).
 Here g_t is the released NOISY averaged gradient, never the clean one, so the adaptation is
-post-processing and costs no privacy.
+post-processing and costs no privacy. b_t² is part of each client's trainer state.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -18,22 +19,34 @@ DEFAULT_B0 = 1.0
 DEFAULT_NU = 1e-4
 
 
-class StepSize:
-    """η_t for the plan's `lr_schedule`; holds b_t² for AdaGrad-norm (part of trainer state)."""
+class StepSizes:
+    """η_t of K clients' plans; holds each client's b_t² (float64) for AdaGrad-norm."""
 
-    def __init__(self, plan: Plan, b_squared: float | None = None) -> None:
-        self.plan = plan
-        self.adaptive = plan.lr_schedule == "adagrad_norm"
-        self.nu = float(plan.lr_params.get("nu", DEFAULT_NU))
-        b0 = float(plan.lr_params.get("b0", DEFAULT_B0))
-        self.b_squared = b0 * b0 if b_squared is None else float(b_squared)
-        if self.adaptive and not (self.b_squared > 0 and self.nu > 0):
-            raise ValueError(f"lr_params={plan.lr_params}: adagrad_norm needs b0 > 0 and nu > 0")
+    def __init__(self, plans: Sequence[Plan], b_squared: Sequence[float | None], device: torch.device) -> None:
+        adaptive, nu, start = [], [], []
+        for plan, b2 in zip(plans, b_squared, strict=True):
+            adaptive.append(plan.lr_schedule == "adagrad_norm")
+            nu.append(float(plan.lr_params.get("nu", DEFAULT_NU)))
+            b0 = float(plan.lr_params.get("b0", DEFAULT_B0))
+            start.append(b0 * b0 if b2 is None else float(b2))
+            if adaptive[-1] and not (start[-1] > 0 and nu[-1] > 0):
+                raise ValueError(f"lr_params={plan.lr_params}: adagrad_norm needs b0 > 0 and nu > 0")
+        self.any_adaptive = any(adaptive)
+        self.adaptive = torch.tensor(adaptive, device=device)
+        self.b_squared = torch.tensor(start, dtype=torch.float64, device=device)
+        self.nu = torch.tensor(nu, dtype=torch.float64, device=device)
+        self.base = torch.tensor([p.learning_rate for p in plans], dtype=torch.float64, device=device)
 
-    def rate(self, step: int, released: list[Tensor]) -> float:
-        """η for `step`, given the noisy gradient about to be applied (read only if adaptive)."""
-        if not self.adaptive:
-            return self.plan.learning_rate_at(step)
-        sq_norm = float(torch.stack([g.square().sum() for g in released]).sum())
-        self.b_squared += max(sq_norm, self.nu)
-        return self.plan.learning_rate / math.sqrt(self.b_squared)
+    def rate(self, released: list[Tensor], active: Tensor, scheduled: Tensor) -> Tensor:
+        """Each client's η [K] for this step: `scheduled` (the plans' schedules, [K]) where not
+        adaptive; AdaGrad-norm on the released gradients [K, ...] of the active clients otherwise."""
+        if not self.any_adaptive:
+            return scheduled
+        sq = torch.stack([g.flatten(1).double().square().sum(1) for g in released]).sum(0)
+        grow = self.adaptive & active
+        self.b_squared = torch.where(grow, self.b_squared + torch.maximum(sq, self.nu), self.b_squared)
+        return torch.where(self.adaptive, (self.base / self.b_squared.sqrt()).to(scheduled.dtype), scheduled)
+
+    def b_squared_of(self) -> list[float]:
+        """Each client's b² to keep in its trainer state."""
+        return [float(b) for b in self.b_squared.tolist()]

@@ -3,7 +3,9 @@
 It reads σ_t, q, C and T from the `Plan` and never recomputes them (ADP-SGD's α_t is already in
 σ_t). Every step Poisson-samples each local record with probability q, so batches vary in size
 and an empty batch is still a step: it spends privacy and adds noise like any other. The step
-counter and the AdaGrad-norm accumulator are the whole state needed to resume.
+itself is the stack's (`fedprivacy.training.stack.ClientStack`, K = 1, on the model's own
+weights): the trainer draws the samples and noise and keeps the count. The step counter and the
+AdaGrad-norm accumulator are the whole state needed to resume.
 
 `private=False` runs the same steps with the mechanism off (σ = 0, nothing clipped): the
 non-private baseline's local training (`sims.baseline`). It is a Python argument only: no run
@@ -22,15 +24,10 @@ from torch import Tensor, nn
 
 from fedprivacy.errors import ClientRefusal
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.training.clipping import PerExampleClipper
+from fedprivacy.training.norms import NORM_DTYPE
 from fedprivacy.training.rng import StepDraws, StepRandomness
-from fedprivacy.training.schedule import StepSize
-from fedprivacy.training.step import dp_step
-
-# The clip norm of a step with the mechanism off: above every gradient norm (a squared norm of
-# float32 gradients stays below 1e200 in float64, see clipping.py), so every clip weight is exactly
-# 1, and σ·C with σ = 0 is exactly 0 (C = inf would make it NaN); its square is still a float.
-UNCLIPPED = 1e150
+from fedprivacy.training.schedule import StepSizes
+from fedprivacy.training.stack import UNCLIPPED, ClientStack, StepInputs, noise_scale
 
 
 class PlanExhausted(RuntimeError):
@@ -87,9 +84,12 @@ class DPTrainer:
         self.model = model
         self.plan = plan
         self.private = private
-        self.clipper = PerExampleClipper(model)
-        self.device = self.clipper.parameters[0].device
-        dtype = self.clipper.parameters[0].dtype
+        self.stack = ClientStack(model, stacked=False)
+        self.state = [t.unsqueeze(0) for t in model.state_dict().values()]  # views: the step updates the model
+        named = dict(model.named_parameters())
+        self.parameters = [named[name] for name in self.stack.capture.trained_names]
+        self.device = self.parameters[0].device
+        dtype = self.parameters[0].dtype
         self.features = torch.as_tensor(features).to(self.device, dtype)
         self.labels = torch.as_tensor(labels, dtype=torch.long).to(self.device)
         if len(self.features) != len(self.labels):
@@ -100,33 +100,32 @@ class DPTrainer:
         self.num_rows = len(self.features)
         self.randomness = StepRandomness(seed)
         self.step = 0
-        self.step_size = StepSize(plan)
+        self.step_sizes = StepSizes([plan], [None], self.device)
         if state is not None:
             self.load_state_dict(state)
 
     # ----- state -----
     def state_dict(self) -> dict[str, Any]:
         """The step counter and AdaGrad-norm accumulator: JSON-serialisable."""
-        return {"step": self.step, "b_squared": self.step_size.b_squared}
+        return {"step": self.step, "b_squared": self.step_sizes.b_squared_of()[0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         step = int(state["step"])
         if not 0 <= step <= self.plan.steps:
             raise PlanExhausted(f"state step={step} outside the plan's 0..{self.plan.steps} steps")
         self.step = step
-        self.step_size = StepSize(self.plan, state.get("b_squared"))
+        self.step_sizes = StepSizes([self.plan], [state.get("b_squared")], self.device)
 
     def _draws(self, steps_wanted: int) -> StepDraws:
         """Samples and noise for the next steps, drawn together (at most a chunk's worth)."""
-        noise_count = sum(p.numel() for p in self.clipper.parameters)
-        steps = min(steps_wanted, self.randomness.chunk_steps(self.num_rows, noise_count))
+        steps = min(steps_wanted, self.randomness.chunk_steps(self.num_rows, self.stack.noise_count))
         return self.randomness.draws(
             self.step,
             steps,
             self.num_rows,
             self.plan.sampling_rate,
-            noise_count,
-            dtype=self.clipper.parameters[0].dtype,
+            self.stack.noise_count,
+            dtype=self.parameters[0].dtype,
             device=self.device,
         )
 
@@ -151,6 +150,16 @@ class DPTrainer:
             )
         return self.run_steps(count)
 
+    def _batch(self, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The sampled rows as a stack of one client: (features [1, B], labels [1, B], valid [1, B]);
+        an empty sample is one padding row of zeros, which contributes nothing."""
+        if len(index) == 0:
+            features = torch.zeros((1, 1, *self.features.shape[1:]), dtype=self.features.dtype, device=self.device)
+            labels = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            return features, labels, torch.zeros((1, 1), dtype=torch.bool, device=self.device)
+        rows = torch.ones((1, len(index)), dtype=torch.bool, device=self.device)
+        return self.features[index].unsqueeze(0), self.labels[index].unsqueeze(0), rows
+
     def run_steps(self, count: int) -> TrainReport:
         """The next `count` steps of the plan; refuses (before doing any) to pass step T."""
         if count < 0:
@@ -161,45 +170,56 @@ class DPTrainer:
                 f"{self.plan.steps} steps ({self.steps_left} left)"
             )
         plan = self.plan
-        q, clip = plan.sampling_rate, plan.clip_norm if self.private else UNCLIPPED
-        expected = q * plan.n
+        clip = plan.clip_norm if self.private else UNCLIPPED
+        expected = plan.expected_batch_size
         first = self.step
-        loss_sum = torch.zeros((), device=self.device)
-        clipped = torch.zeros((), dtype=torch.long, device=self.device)
-        examples = empty = nonfinite = 0
-        sigmas: list[float] = []
-        lr_used = math.nan
-
-        def learning_rate(grads: list[Tensor]) -> float:
-            nonlocal lr_used
-            lr_used = self.step_size.rate(self.step, grads)
-            return lr_used
+        one = {"device": self.device}
+        clip_t = torch.tensor([clip], dtype=NORM_DTYPE, **one)
+        expected_t = torch.tensor([expected], dtype=self.parameters[0].dtype, **one)
+        active = torch.ones(1, dtype=torch.bool, **one)
+        loss_sum = torch.zeros((), **one)
+        clipped = torch.zeros((), dtype=torch.long, **one)
+        nonfinite = torch.zeros((), dtype=torch.long, **one)
+        examples = empty = 0
+        steps = range(first, first + count)
+        sigmas = [plan.noise_multiplier(t) if self.private else 0.0 for t in steps]
+        # each step's σ_t·C, from σ_t in float64 as the plan has it, rounded once into the parameters' dtype
+        noise_std = noise_scale(torch.tensor(sigmas, dtype=NORM_DTYPE, **one), clip_t, self.parameters[0].dtype)
+        scheduled = torch.tensor([plan.learning_rate_at(t) for t in steps], dtype=self.parameters[0].dtype, **one)
+        rate = torch.full((1,), math.nan)
 
         self.model.train()
         draws: StepDraws | None = None
-        for _ in range(count):
-            sigma = plan.noise_multiplier(self.step) if self.private else 0.0
+        for i in range(count):
             if draws is None or self.step >= draws.first_step + len(draws.noise):
                 draws = self._draws(first + count - self.step)
             index = draws.sample(self.step)
-            batch = dp_step(
-                self.clipper,
-                self.features[index],
-                self.labels[index],
-                sigma=sigma,
-                clip_norm=clip,
-                expected_batch=expected,
-                normals=draws.normals(self.step),
-                learning_rate=learning_rate,
+            features, labels, valid = self._batch(index)
+            inputs = StepInputs(
+                features,
+                labels,
+                valid,
+                draws.normals(self.step).unsqueeze(0),
+                noise_std[i : i + 1],
+                clip_t,
+                expected_t,
+                active,
             )
-            if batch is None:
+
+            def learning_rate(released: list[Tensor], i: int = i) -> Tensor:
+                nonlocal rate
+                rate = self.step_sizes.rate(released, active, scheduled[i : i + 1])
+                return rate
+
+            report = self.stack.step(self.state, inputs, learning_rate, private=self.private)
+            if len(index) == 0:
                 empty += 1
             else:
                 examples += len(index)
-                loss_sum += batch.loss_sum
-                clipped += batch.clipped
-                nonfinite += batch.nonfinite
-            sigmas.append(sigma)
+                loss_sum += report.loss_sum[0]
+                clipped += report.clipped[0]
+                if not report.sums.all_finite:
+                    nonfinite += report.nonfinite[0]
             self.step += 1
 
         sigma_mean = sum(sigmas) / count if count else math.nan
@@ -210,9 +230,9 @@ class DPTrainer:
             empty_steps=empty,
             mean_loss=float(loss_sum) / examples if examples else math.nan,
             clip_fraction=int(clipped) / examples if examples else math.nan,
-            nonfinite_examples=nonfinite,
+            nonfinite_examples=int(nonfinite),
             sigma_mean=sigma_mean,
             noise_std_on_mean=sigma_mean * clip / expected,
-            last_learning_rate=lr_used,
+            last_learning_rate=float(rate[0]),
             seeded=self.randomness.seeded,
         )

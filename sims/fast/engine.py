@@ -6,13 +6,13 @@ ledger accounts, partitioning pins and seed rules (`open_account`), their plans
 (`plan_from_settings`, shared between clients with the same inputs), the round's noise events and
 affordability, the replies' public metrics (`reply_constants`), the round's participation rules
 (`fedprivacy.participation`: who trains, who evaluates, what a failure costs), the weighted average
-(`fedprivacy.aggregation`) and Flower's server optimisers (`server.optimizers`), central and
-federated evaluation, and the results folder (`RunRecorder`). What differs is how: plans are made
-once per run, a round's ledger writes are one transaction (committed while the clients train and
-the server aggregates their updates and evaluates the new model, in memory), and the clients'
-DP-SGD steps run batched (sims/fast/stack.py). With the same seeds the global model after every
-round equals the apps' to float tolerance and every client's ε is identical
-(tests/test_fast_engine.py).
+(`fedprivacy.aggregation.aggregate`, with Flower's server optimisers from `server.optimizers`),
+central and federated evaluation, and the results folder (`RunRecorder`). What differs is how:
+plans are made once per run, a round's ledger writes are one transaction (committed while the
+clients train and the server aggregates their updates and evaluates the new model, in memory),
+and the clients' DP-SGD steps run together (`fedprivacy.training.stack`, the trainer's own step
+for K clients). With the same seeds the global model after every round equals the apps' to float
+tolerance and every client's ε is identical (tests/test_fast_engine.py).
 
 `run_fast(..., private=False)` is the same run with clipping and noise off: the non-private
 baseline (`sims.baseline`). It is a Python argument, never a run-config key, so no run config can
@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from flwr.app import ArrayRecord
 
-from fedprivacy.aggregation import aggregation_weight, with_released
+from fedprivacy.admission import client_noise_seed, open_accounts
+from fedprivacy.aggregation import aggregate, aggregation_weight
 from fedprivacy.errors import error_summary
+from fedprivacy.identity import LocalClient, simulation_client
 from fedprivacy.ledger import (
     BudgetExceeded,
     Ledger,
@@ -49,21 +50,12 @@ from fedprivacy.ledger import (
     round_events,
 )
 from fedprivacy.models import evaluate_model
-from fedprivacy.participant import (
-    LocalClient,
-    client_noise_seed,
-    new_model,
-    open_accounts,
-    reply_constants,
-    reply_metrics,
-    require_data_file,
-    run_plans,
-    simulation_client,
-    unused_data_keys,
-)
 from fedprivacy.participation import Participation
+from fedprivacy.plans import run_plans
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.protocol import reply_constants, reply_metrics
+from fedprivacy.recipe import initial_model, require_data_file, unused_data_keys
 from fedprivacy.results import (
     DIAGNOSTICS_NOTE,
     RunRecorder,
@@ -246,8 +238,7 @@ def _run_rounds(
             },
         )
     )
-    torch.manual_seed(settings.seed)
-    model = new_model(settings, test.features, test.num_classes)
+    model = initial_model(settings, test.features, test.num_classes)
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     loss, accuracy = _central_metrics(model, global_state, test)
     recorder.evaluated("", accuracy, loss)
@@ -531,18 +522,13 @@ def _aggregate(
     weights = [
         aggregation_weight(settings.aggregation, c.plan, server_round, c.local.data.num_examples) for c, _ in trained
     ]
-    total = sum(weights)
-    factors = torch.tensor([w / total for w in weights], dtype=torch.float32)
-    average = {
-        key: torch.tensordot(factors, stacked[rows], dims=1)
-        for key, stacked in zip(released, results.weights, strict=True)
-    }
-    if not all(bool(torch.isfinite(v).all()) for v in average.values()):  # as the strategy: keep the model
-        return global_state
-    if optimizer is not None:  # steps the released entries only, as the strategy
-        current = ArrayRecord({key: global_state[key] for key in released})
-        average = optimizer.step(server_round, current, ArrayRecord(average)).to_torch_state_dict()
-    return with_released(global_state, average)
+    new = aggregate(
+        global_state,
+        {key: stacked[rows] for key, stacked in zip(released, results.weights, strict=True)},
+        weights,
+        None if optimizer is None else optimizer.for_round(server_round),
+    )
+    return global_state if new is None else new  # as the strategy: a mean that is not finite keeps the model
 
 
 def _evaluate_federated(

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedprivacy.models import build_model
-from fedprivacy.participant import diagnostics as training_diagnostics
-from fedprivacy.participant import released_state
+from fedprivacy.client_round import released_state
+from fedprivacy.models import build_model, evaluation_sums
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.training import DPTrainer
+from fedprivacy.protocol import diagnostics as training_diagnostics
+from fedprivacy.training import DPTrainer, stack
 from fedprivacy.training.rng import DrawRequest, SeededRunWarning, StepRandomness, draw_batch
-from sims.fast import stack
+from fedprivacy.training.schedule import StepSizes
 
 
 @dataclass(frozen=True)
@@ -195,13 +195,14 @@ class LocalWorker:
         for k, (request, first, count) in enumerate(zip(requests, firsts, counts, strict=True)):
             sigmas, rates = self.schedules[request.index]
             sigma[k, :count], rate[k, :count] = sigmas[first : first + count], rates[first : first + count]
-        # σ_t stays float64, as the plan has it, until stack.release_stacked multiplies σ_t·C into the normals
+        # σ_t stays float64, as the plan has it, until its σ_t·C is rounded once (`stack.noise_scale`)
         sigma, rate = torch.from_numpy(sigma), torch.from_numpy(rate).float()
-        adaptive = AdaptiveRates(plans, [r.state for r in requests], self.device)
+        sizes = StepSizes(plans, [(r.state or {}).get("b_squared") for r in requests], self.device)
         clip = torch.tensor([p.clip_norm for p in plans], dtype=torch.float64, device=self.device)
-        expected = torch.tensor([p.sampling_rate * p.n for p in plans], device=self.device)
+        expected = torch.tensor([p.expected_batch_size for p in plans], device=self.device)
         steps = torch.tensor(counts, device=self.device)
         sigma, rate = sigma.to(self.device), rate.to(self.device)
+        noise_std = stack.noise_scale(sigma, clip.unsqueeze(1))  # [K, steps]
         weights = [
             global_state[key].to(self.device).expand(len(requests), *global_state[key].shape).clone()
             for key in self.keys
@@ -209,17 +210,18 @@ class LocalWorker:
         totals = {"nonfinite": 0, "loss": 0, "clipped": 0, "examples": 0}
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
-            step = stack.StepInputs(*inputs, normals[:, s], sigma[:, s], clip, expected, steps > s)
+            step = stack.StepInputs(*inputs, normals[:, s], noise_std[:, s], clip, expected, steps > s)
             report = clients.step(
                 weights,
                 step,
-                lambda released, s=s, step=step: adaptive.rate(released, step.active, rate[:, s]),
+                lambda released, s=s, step=step: sizes.rate(released, step.active, rate[:, s]),
                 private=self.private,
             )
-            totals = {
-                key: totals[key] + value
-                for key, value in zip(totals, (report.nonfinite, report.loss_sum, report.clipped, report.examples))
-            }
+            if diagnostics:  # formed only when a simulation asks for them
+                totals = {
+                    key: totals[key] + value
+                    for key, value in zip(totals, (report.nonfinite, report.loss_sum, report.clipped, report.examples))
+                }
         notes = [{} for _ in requests]
         if diagnostics:
             examples = totals["examples"].clamp(min=1)
@@ -231,7 +233,7 @@ class LocalWorker:
                     totals["nonfinite"].tolist(),
                 )
             ]
-        states = adaptive.states([{"step": f + c} for f, c in zip(firsts, counts, strict=True)])
+        states = [{"step": f + c, "b_squared": b} for f, c, b in zip(firsts, counts, sizes.b_squared_of(), strict=True)]
         released = [weights[position].cpu() for position in clients.trained]  # never a buffer
         return WorkerRoundResult([r.index for r in requests], released, states, notes, self.device.type == "cuda")
 
@@ -270,42 +272,12 @@ class LocalWorker:
         """(test rows, summed cross-entropy, correct predictions) of the global model per client."""
         model = build_model(*self.model_args).to(self.device)
         model.load_state_dict(global_state)
-        model.eval()
         out = []
-        with torch.no_grad():
-            for index in indices:
-                k = self.position[index]
-                rows = int(self.test_n[k])
-                logits = model(self.test_x[k, :rows])
-                labels = self.test_y[k, :rows]
-                loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-                out.append((rows, float(loss), int((logits.argmax(1) == labels).sum())))
+        for index in indices:
+            k = self.position[index]
+            rows = int(self.test_n[k])
+            out.append(evaluation_sums(model, self.test_x[k, :rows], self.test_y[k, :rows]))
         return out
-
-
-class AdaptiveRates:
-    """Each client's learning rate for a step: its plan's schedule, or AdaGrad-norm on the released
-    (noisy) gradient, η/b with b² += max(‖g‖², ν), as `fedprivacy.training.schedule.StepSize`."""
-
-    def __init__(self, plans: list[Plan], states: list[dict[str, Any] | None], device: torch.device) -> None:
-        from fedprivacy.training.schedule import StepSize
-
-        sizes = [StepSize(plan, (state or {}).get("b_squared")) for plan, state in zip(plans, states, strict=True)]
-        self.adaptive = torch.tensor([s.adaptive for s in sizes], device=device)
-        self.b_squared = torch.tensor([s.b_squared for s in sizes], dtype=torch.float64, device=device)
-        self.nu = torch.tensor([s.nu for s in sizes], dtype=torch.float64, device=device)
-        self.base = torch.tensor([p.learning_rate for p in plans], dtype=torch.float64, device=device)
-
-    def rate(self, released: list[Tensor], active: Tensor, scheduled: Tensor) -> Tensor:
-        if not bool(self.adaptive.any()):
-            return scheduled
-        sq = torch.stack([g.flatten(1).double().square().sum(1) for g in released]).sum(0)
-        grow = self.adaptive & active
-        self.b_squared = torch.where(grow, self.b_squared + torch.maximum(sq, self.nu), self.b_squared)
-        return torch.where(self.adaptive, (self.base / self.b_squared.sqrt()).to(scheduled.dtype), scheduled)
-
-    def states(self, steps: list[dict[str, int]]) -> list[dict[str, Any]]:
-        return [{**s, "b_squared": float(b)} for s, b in zip(steps, self.b_squared.tolist(), strict=True)]
 
 
 def _gather(x: Tensor, y: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:

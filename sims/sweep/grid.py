@@ -22,7 +22,7 @@ from typing import Any
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.errors import InputError
-from fedprivacy.participant import partition_kwargs, require_data_file
+from fedprivacy.recipe import partition_kwargs, require_data_file
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from sims.sweep.spec import SweepSpec
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-
-PUMS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
+from harness import PUMS
 
 pytestmark = pytest.mark.slow
 

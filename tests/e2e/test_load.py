@@ -13,10 +13,9 @@ import json
 import os
 import resource
 import time
-from pathlib import Path
 
 import pytest
-from harness import app_defaults
+from harness import PUMS, app_defaults
 
 from clients.app import app as client_app
 from server.app import app as server_app
@@ -24,7 +23,6 @@ from sims.inprocess import InProcessGrid, run_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
-PUMS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pums" / "fulton_pums5_full.csv"
 CLIENTS, ROUNDS = 200, 20
 MiB = 2**20
 

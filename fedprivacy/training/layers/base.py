@@ -1,8 +1,8 @@
 """The registry of per-layer clipping rules: per-example gradient norms and clipped sums of one layer
 from its input A and output gradient D.
 
-Both the trainer (one client, forward hooks on the plain model) and the fast engine (K clients, a
-batched forward) capture A and D their own way; everything after that is a rule's: squared-norm
+The capture (`fedprivacy.training.capture`) takes A and D for the trainer's one client and the
+fast engine's K alike; everything after that is a rule's: squared-norm
 bounds in float64 (`fedprivacy.training.norms`), the rounding slack of forming the sums, and
 per-client clipped sums. Rows are examples, client-major: R = K·B rows, rows k·B … k·B + B − 1
 belong to client k.

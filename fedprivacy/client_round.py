@@ -1,0 +1,124 @@
+"""One client's round, without Flower: refuse a global model that is not finite and a round it
+already trained, ask the ledger whether the round's slice of the plan is affordable, run it with the
+DP trainer, record the steps in the ledger before anything is returned (no update ever leaves
+unrecorded), and reply with public values and the trained parameters only. And a simulated client's
+local evaluation (a deployed client releases none)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedprivacy.admission import client_noise_seed
+from fedprivacy.identity import LocalClient
+from fedprivacy.ledger import BudgetExceeded, Ledger, RoundRepeated, round_events
+from fedprivacy.models import evaluate_model
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.protocol import diagnostics, reply_metrics
+from fedprivacy.recipe import new_model
+from fedprivacy.runconfig import RunSettings
+from fedprivacy.training.capture import trained_names
+from fedprivacy.training.trainer import DPTrainer, check_finite
+
+logger = logging.getLogger(__name__)
+
+
+def device() -> torch.device:
+    """GPU when one is visible (Ray hides GPUs unless client-resources-num-gpus > 0), else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def released_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a client sends of its trained model: the trained parameters, which went through
+    clipping and noise, and nothing else (no buffer, no frozen parameter), in the trainer's order."""
+    state = model.state_dict()
+    return {name: state[name].detach().cpu() for name in trained_names(model)}
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A train round's outcome: the new weights (None if the client did not train), the reply's
+    metrics, and the trainer's state to carry to the client's next round (opaque to callers)."""
+
+    state_dict: dict[str, torch.Tensor] | None
+    metrics: dict[str, int | float]
+    trainer_state: dict[str, Any] | None
+
+
+def train_round(
+    client: LocalClient,
+    settings: RunSettings,
+    plan: Plan,
+    ledger: Ledger,
+    run_id: str,
+    server_round: int,
+    global_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any] | None = None,
+) -> RoundResult:
+    """Run round `server_round`'s slice of `plan` if the budget affords it; record it first."""
+    check_finite(global_state)  # before any record is touched
+    if ledger.trained(client.account, run_id, server_round):
+        raise RoundRepeated(f"round {server_round} of run {run_id} was already trained by client {client.client_id}")
+    events = round_events(plan, server_round)
+    affordable = bool(events) and ledger.epsilon_if(client.account, events) <= client.epsilon
+    if not affordable:
+        return RoundResult(None, _exhausted(client, plan, ledger), trainer_state)
+
+    dev = device()
+    model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
+    model.load_state_dict(global_state)
+    trainer = DPTrainer(
+        model,
+        plan,
+        client.data.train.features,
+        client.data.train.labels,
+        seed=client_noise_seed(settings, client.account),
+        state={**(trainer_state or {}), "step": plan.first_step_of_round(server_round)},
+    )
+    report = trainer.run_round(server_round)
+    if report.steps != sum(e.count for e in events):
+        raise RuntimeError(f"trainer ran {report.steps} steps, the plan's round has {sum(e.count for e in events)}")
+    if report.nonfinite_examples:  # local only: it counts records
+        logger.warning(
+            "client %s, round %d: %d sampled examples had a non-finite gradient and contributed zero",
+            client.client_id,
+            server_round,
+            report.nonfinite_examples,
+        )
+    try:
+        spent, steps = ledger.record_with_steps(client.account, run_id, server_round, events)
+    except BudgetExceeded:  # another writer spent the budget meanwhile: this update must not leave
+        return RoundResult(None, _exhausted(client, plan, ledger), trainer_state)
+    metrics = reply_metrics(client, plan, spent, steps, trained=True, on_gpu=dev.type == "cuda")
+    if settings.diagnostics:  # simulations only (open_account refuses it in a deployment)
+        metrics.update(diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples))
+    return RoundResult(released_state(model), metrics, trainer.state_dict())
+
+
+def _exhausted(client: LocalClient, plan: Plan, ledger: Ledger) -> dict[str, int | float]:
+    return reply_metrics(
+        client, plan, ledger.epsilon_spent(client.account), ledger.steps_spent(client.account), trained=False
+    )
+
+
+def evaluate_local(
+    client: LocalClient, settings: RunSettings, global_state: dict[str, torch.Tensor]
+) -> dict[str, int | float]:
+    """Local test loss and accuracy of the global model (simulations only).
+
+    A deployed client releases no evaluation: exact loss and accuracy on its test rows, for any
+    model the server chooses, as often as it asks, are raw functions of its records. It replies
+    with zero weight instead, and the server reports that evaluation is off.
+    """
+    if client.deployed:
+        return {"num-examples": 0, "evaluation-off": 1}
+    check_finite(global_state)
+    test = client.data.test
+    model = new_model(settings, test.features, test.num_classes).to(device())
+    model.load_state_dict(global_state)
+    loss, accuracy = evaluate_model(model, test)
+    return {"num-examples": len(test), "loss": loss, "accuracy": accuracy, "evaluation-off": 0}
