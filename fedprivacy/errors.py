@@ -6,8 +6,10 @@ enters, and a failure names the field, the value and what is allowed, in one lin
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -99,3 +101,11 @@ def error_summary(reason: str) -> str:
         if match and match.group(1) != "ClientAppException":  # Flower's wrapper, not the cause
             return f"{match.group(1)}: {match.group(2)}"
     return lines[-1] if lines else "unknown error"
+
+
+def did_you_mean(value: Any, choices: Iterable[str]) -> str:
+    """ " (did you mean 'mlp'?)" for a name close to one of `choices` (difflib's ratio ≥ 0.6), else ""."""
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -17,7 +17,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any, TypeVar
 
 from fedprivacy.catalog import MODEL_NAMES
-from fedprivacy.errors import InputError
+from fedprivacy.errors import InputError, did_you_mean
 
 GROUP = "fedprivacy.models"
 InputShape = tuple[int, ...]  # one example's shape: (d,) for a table row, (C, H, W) for an image
@@ -75,7 +75,10 @@ def model_names() -> tuple[str, ...]:
 
 
 def _unknown(field: str, value: Any) -> InputError:
-    return InputError(field, value, f"unknown model; known models: {', '.join(model_names())}; {HOW_TO_REGISTER}")
+    names = model_names()
+    return InputError(
+        field, value, f"unknown model{did_you_mean(value, names)}; known models: {', '.join(names)}; {HOW_TO_REGISTER}"
+    )
 
 
 def check_model_name(field: str, value: Any) -> str:

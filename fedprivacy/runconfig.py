@@ -29,7 +29,7 @@ from typing import Any
 from fedprivacy.catalog import FILE_DATASETS
 from fedprivacy.data.arrays import declared_classes
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
-from fedprivacy.errors import InputError, open_unit
+from fedprivacy.errors import InputError, did_you_mean, open_unit
 from fedprivacy.privacy import limits
 from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig_keys import DEFAULTS, RUN_KEYS, choice, column_names, resolve_path
@@ -165,7 +165,11 @@ def parse_run_config(run_config: Mapping[str, Any]) -> RunSettings:
     key by its own check, then the checks that involve several keys."""
     unknown = sorted(set(run_config) - set(DEFAULTS))
     if unknown:
-        raise InputError(unknown[0], run_config[unknown[0]], f"not a run-config key; known keys: {', '.join(DEFAULTS)}")
+        raise InputError(
+            unknown[0],
+            run_config[unknown[0]],
+            f"not a run-config key{did_you_mean(unknown[0], DEFAULTS)}; known keys: {', '.join(DEFAULTS)}",
+        )
     rc = {**DEFAULTS, **run_config}
     settings = RunSettings(**{key.field: key.parse(key.name, rc[key.name]) for key in RUN_KEYS})
     _check_across_keys(settings)

@@ -18,20 +18,14 @@ import flwr
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedprivacy.errors import InputError, error_summary
+from fedprivacy.errors import error_summary
 from fedprivacy.models import evaluate_model
 from fedprivacy.protocol import RELEASED_KEY
 from fedprivacy.recipe import initial_model, new_model, unused_data_keys
 from fedprivacy.replies import InvalidReply, check_released
-from fedprivacy.results import (
-    DIAGNOSTICS_NOTE,
-    RunRecorder,
-    done_line,
-    new_run_folder,
-    progress_line,
-    resolved_config,
-)
-from fedprivacy.runconfig import RunSettings, parse_run_config
+from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, progress_line, resolved_config
+from fedprivacy.run_life import finish, recorded_run
+from fedprivacy.runconfig import RunSettings
 from fedprivacy.training.capture import trained_names
 from server.console import reporting
 from server.evaluation import central_evaluation, server_test_set
@@ -76,41 +70,15 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def _run(grid: Grid, context: Context) -> None:
-    settings = parse_run_config(context.run_config)
-    try:
-        folder = new_run_folder(settings.results_dir, context.run_id)
-    except OSError as error:
-        raise InputError(
-            "results-dir",
-            str(settings.results_dir),
-            f"cannot create the run's folder there ({error.strerror or error}): name a writable folder",
-        ) from None
-    logger.info("results folder: %s", folder)
-    if unused := unused_data_keys(settings):
-        logger.warning(unused)
-    recorder = RunRecorder(folder)
-    ledger_path = settings.ledger_path or folder / "ledger.sqlite"
-    extra = {
-        "run_id": context.run_id,
-        "ledger": str(ledger_path),
-        "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
-        "engine": "flower",
-    }
-    if settings.diagnostics:
-        logger.info("diagnostics on: %s", DIAGNOSTICS_NOTE)
-    try:
-        _federate(grid, context, settings, recorder, ledger_path, extra)
-    except Exception as exc:
-        # Keep what the run had (rounds.csv and clients.csv are already written), and say why
-        # it stopped in one line; Flower then reports the run as finished:failed.
-        reason = error_summary(f"{type(exc).__name__}: {exc}")
-        recorder.write_plans()
-        recorder.write_summary(extra, error=reason)
-        logger.info("run failed: %s", reason)
-        logger.info("results folder: %s (partial)", folder)
-        raise
-    logger.info(done_line(recorder.write_summary(extra)))
-    logger.info("results folder: %s", folder)
+    with recorded_run(context.run_config, context.run_id, logger.info, {"engine": "flower"}) as run:
+        settings = run.settings
+        ledger_path = settings.ledger_path or run.folder / "ledger.sqlite"
+        run.extra.update(ledger=str(ledger_path), diagnostics=DIAGNOSTICS_NOTE if settings.diagnostics else "off")
+        if unused := unused_data_keys(settings):
+            logger.warning(unused)
+        if settings.diagnostics:
+            logger.info("diagnostics on: %s", DIAGNOSTICS_NOTE)
+        _federate(grid, context, settings, run.recorder, ledger_path, run.extra)
 
 
 def _federate(
@@ -197,7 +165,4 @@ def _federate(
         timeout=settings.round_timeout,
         evaluate_fn=end_of_round,
     )
-    recorder.write_figure()
-    recorder.require_training()
-    recorder.write_plans()
-    recorder.save_model((result.arrays or initial).to_torch_state_dict())
+    finish(recorder, (result.arrays or initial).to_torch_state_dict())

@@ -462,7 +462,7 @@ def test_exponential_skew_too_steep_names_the_client() -> None:
         (lambda: partition(row_id_dataset(), "size", 3, skew="cubic"), "skew='cubic'"),
         (lambda: partition(row_id_dataset(), "dirichlet", 3, alpha=0), "alpha=0"),
         (lambda: partition(row_id_dataset(), "iid", 3, test_fraction=1.0), "test-fraction=1.0"),
-        (lambda: partition(row_id_dataset(), "natural", 3), "num-partitions=3.*site value: 4"),
+        (lambda: partition(row_id_dataset(), "natural", 3), "num-partitions=3.*site value: 4; .*num-supernodes=4"),
         (lambda: partition(row_id_dataset(), "natural", by="city"), "partition-by='city'.*'site'"),
         (lambda: load_clients("digits", scheme="natural"), "partition-by=None.*without a client column"),
     ],

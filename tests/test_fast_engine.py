@@ -208,17 +208,20 @@ def test_a_run_in_which_every_client_fails_ends_as_the_apps_run_does(in_process,
         ({"private": False}, 2, "private"),  # no run config turns privacy off: only run_fast(private=False)
     ],
 )
-def test_a_run_the_apps_could_not_run_is_refused_before_anything_is_written(
+def test_a_run_the_apps_could_not_run_is_refused_by_name_and_leaves_a_failed_summary(
     in_process, tmp_path, config, clients, field
 ):
+    """As a ServerApp run refused by its run config: the refusal names the field, and the run's
+    folder holds a summary.json that says it failed and why (and no model)."""
+    lines: list[str] = []
     with pytest.raises(InputError) as refused:
-        run_fast(
-            {**in_process.defaults(), **config, "results-dir": str(tmp_path / "fast")},
-            clients,
-            say=lambda _: None,
-        )
+        run_fast({**in_process.defaults(), **config, "results-dir": str(tmp_path / "fast")}, clients, say=lines.append)
     assert refused.value.field == field
-    assert not (tmp_path / "fast").exists()
+    (folder,) = (tmp_path / "fast").iterdir()
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and f"{field}=" in summary["error"]
+    assert not (folder / "model.pt").exists()
+    assert any(line.startswith("run failed: InputError: ") for line in lines)
 
 
 def test_a_second_run_on_the_same_ledger_stops_clients_at_their_budget(in_process, tmp_path):

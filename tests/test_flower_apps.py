@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,28 @@ def test_each_round_is_reported_once(simulate, run_config, capsys):
         m for m in seen if "Global evaluation" in m or "MetricRecord: {'accuracy'" in m
     ]  # ... without the repeats
     assert FLOWER_LOGGER.filters == []  # and Flower's log is whole again after the run
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle", "where"),
+    [
+        ({"model": "mlpp"}, "model='mlpp': unknown model", "results-dir"),  # a typo: the run's own folder
+        ({"epsilon": -1.0}, "epsilon=-1.0", "results-dir"),
+        ({"results-dir": "relative/folder"}, "results-dir='relative/folder'", "default"),  # the default folder
+    ],
+)
+def test_a_refused_run_config_still_ends_with_a_failed_line_and_a_results_folder(
+    simulate, run_config, tmp_path, capsys, monkeypatch, overrides, needle, where
+):
+    """A run config the ServerApp refuses (a model-name typo, a budget out of range) still leaves
+    the `run failed:` line and a folder whose summary.json says why: in its results-dir when that
+    one is usable, else in the default one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default results-dir is ~/fedprivacy-results
+    config = {**run_config, **overrides}
+    with pytest.raises(InputError, match=re.escape(needle)):
+        simulate(config, num_nodes=2)
+    out = capsys.readouterr().out
+    assert f"[fedprivacy] run failed: InputError: {needle}" in out
+    base = Path(run_config["results-dir"]) if where == "results-dir" else tmp_path / "home" / "fedprivacy-results"
+    summary = json.loads((run_folder(base) / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds"] == 0 and needle in summary["error"]

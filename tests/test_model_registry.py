@@ -173,7 +173,8 @@ def test_the_sweep_flag_takes_an_installed_model_and_refuses_an_unknown_one(inst
     shown = CliRunner().invoke(app, [*flags, "--model", "tiny-net", "--dry-run"], env={"COLUMNS": "240"})
     assert shown.exit_code == 0 and "2 cells" in shown.stdout, shown.output
     refused = CliRunner().invoke(app, [*flags, "--model", "tiny-nett"])
-    assert refused.exit_code == 2 and refused.output.startswith("error: model='tiny-nett': unknown model; ")
+    assert refused.exit_code == 2
+    assert refused.output.startswith("error: model='tiny-nett': unknown model (did you mean 'tiny-net'?); ")
     assert len(refused.output.strip().splitlines()) == 1 and "tiny-net" in refused.output
     assert not (tmp_path / "out").exists()
 

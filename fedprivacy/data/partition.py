@@ -67,7 +67,8 @@ def _natural(dataset: Dataset, by: str | None, num_partitions: int | None) -> li
         raise InputError(
             "num-partitions",
             num_partitions,
-            f"the natural scheme gives one client per {column} value: {len(sizes)}",
+            f"the natural scheme gives one client per {column} value: {len(sizes)}; run as many clients "
+            f'(flwr run: --federation-config "num-supernodes={len(sizes)}"; a sweep: clients = {len(sizes)})',
         )
     partitioner = NaturalIdPartitioner(partition_by=column)
     partitioner.dataset = _hf_table({"row": np.arange(len(dataset)), column: dataset.groups})

@@ -24,7 +24,7 @@ from typing import Any
 
 from fedprivacy.catalog import DATASETS
 from fedprivacy.data.types import Dataset
-from fedprivacy.errors import InputError
+from fedprivacy.errors import InputError, did_you_mean
 
 PATH_KINDS = ("file", "folder", "file or folder")
 
@@ -122,7 +122,7 @@ def find_source(name: str) -> Source:
     """The source called `name`, or an error listing the registered ones."""
     source = sources().get(name)
     if source is None:
-        raise InputError("dataset", name, f"must be one of: {', '.join(sources())}")
+        raise InputError("dataset", name, f"must be one of: {', '.join(sources())}{did_you_mean(name, sources())}")
     return source
 
 

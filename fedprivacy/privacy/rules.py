@@ -30,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from fedprivacy.errors import InputError
+from fedprivacy.errors import InputError, did_you_mean
 from fedprivacy.privacy import accountants, adp, classical
 from fedprivacy.privacy.plan import Condition
 from fedprivacy.privacy.proactive import proactive_conditions, proactive_sigma
@@ -164,5 +164,5 @@ RULE_NAMES = tuple(RULES)
 def find_rule(name: str) -> NoiseRule:
     """The rule called `name`, or an error that lists the rules there are."""
     if name not in RULES:
-        raise InputError("rule", name, f"must be one of: {', '.join(RULES)}")
+        raise InputError("rule", name, f"must be one of: {', '.join(RULES)}{did_you_mean(name, RULES)}")
     return RULES[name]

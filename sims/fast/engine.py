@@ -56,15 +56,9 @@ from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.protocol import reply_constants, reply_metrics
 from fedprivacy.recipe import initial_model, require_data_file, unused_data_keys
-from fedprivacy.results import (
-    DIAGNOSTICS_NOTE,
-    RunRecorder,
-    done_line,
-    new_run_folder,
-    progress_line,
-    resolved_config,
-)
-from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
+from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, progress_line, resolved_config
+from fedprivacy.run_life import finish, recorded_run
+from fedprivacy.runconfig import DEFAULTS, RunSettings
 from fedprivacy.training.capture import trained_names
 from fedprivacy.training.rng import SeededRunWarning
 from server.evaluation import central_evaluation, server_test_set
@@ -133,47 +127,32 @@ def run_fast(
     on `cuda` sharing the GPUs evenly unless `gpus_per_worker` gives each one's share.
     `private=False`: the same run with clipping and noise off (see the module docstring)."""
     check_device(device, gpus_per_worker, workers)
-    settings = parse_run_config({**DEFAULTS, **run_config})
-    if not private:  # its spends are not real: never charge them to a client's own ledger
-        settings = replace(settings, ledger_path=None)
-    settings.check_clients(num_clients, field="num_clients")
-    require_data_file(settings)
-    if unused := unused_data_keys(settings):
-        say(unused)
-    folder = new_run_folder(settings.results_dir, run_id)
-    say(f"results folder: {folder}")
-    recorder = RunRecorder(folder)
-    ledger_path = settings.ledger_path or folder / "ledger.sqlite"
-    extra = {
-        "run_id": run_id,
-        **_marked(private),
-        "ledger": str(ledger_path),
-        "engine": "fast",
-        "diagnostics": DIAGNOSTICS_NOTE if settings.diagnostics else "off",
-    }
     timings = Timings()
-    try:
+    with recorded_run(run_config, run_id, say, {**_marked(private), "engine": "fast"}) as run:
+        settings = run.settings
+        if not private:  # its spends are not real: never charge them to a client's own ledger
+            settings = replace(settings, ledger_path=None)
+        ledger_path = settings.ledger_path or run.folder / "ledger.sqlite"
+        run.extra.update(ledger=str(ledger_path), diagnostics=DIAGNOSTICS_NOTE if settings.diagnostics else "off")
+        settings.check_clients(num_clients, field="num_clients")
+        require_data_file(settings)
+        if unused := unused_data_keys(settings):
+            say(unused)
         with _fewer_collections(), Ledger(ledger_path) as ledger:
             _run_rounds(
                 settings,
                 {**DEFAULTS, **run_config},
                 num_clients,
                 run_id,
-                recorder,
+                run.recorder,
                 ledger,
                 WorkerPoolSpec(workers, device, gpus_per_worker, private),
                 timings,
                 on_round,
                 say,
             )
-    except Exception as exc:
-        reason = error_summary(f"{type(exc).__name__}: {exc}")
-        recorder.write_plans()
-        recorder.write_summary(extra, error=reason)
-        say(f"run failed: {reason}")
-        raise
-    say(done_line(recorder.write_summary({**extra, "accounting_s": round(timings.accounting_s, 3)})))
-    return folder, timings
+        run.extra["accounting_s"] = round(timings.accounting_s, 3)
+    return run.folder, timings
 
 
 def _marked(private: bool) -> dict[str, bool]:
@@ -302,10 +281,7 @@ def _run_rounds(
                 on_round(row)
     finally:
         pool.close()
-    recorder.write_figure()
-    recorder.require_training()
-    recorder.write_plans()
-    recorder.save_model(global_state)
+    finish(recorder, global_state)
 
 
 def _client(settings: RunSettings, index: int, num_clients: int, ledger_path: Path) -> Client:
