@@ -509,15 +509,15 @@ def _plan(index: int, n: int, steps: int, clip: float, sigma: float) -> Any:
     )
 
 
-@pytest.mark.parametrize("buckets", [1, 2])  # one padded stack, or the clients split by batch size
+@pytest.mark.parametrize("stack_clients", [64, 2])  # a stack per batch width, or also cut into stacks of two
 @pytest.mark.parametrize("model", ["cnn", "test-gn-cnn"])
-def test_a_batched_round_gives_each_client_the_trainers_weights(model, buckets, monkeypatch, compute_device):
+def test_a_batched_round_gives_each_client_the_trainers_weights(model, stack_clients, monkeypatch, compute_device):
     """Clients with their own data sizes, C, σ and round lengths (3 and 2 steps in round 1, 2 and 2
     in round 2) trained together by the engine's stack (on the CPU, and on the GPU when one is
     visible) end with the weights `DPTrainer` gives each alone on the CPU (same seed, same plan,
     same start), for the digits CNN and a user's GroupNorm CNN; the rounds hold Poisson batches of
-    different sizes and an empty batch (checked below); also with the clients split by batch size
-    into two stacks, each padded to its own largest batch."""
+    different sizes and an empty batch (checked below); also with a width's clients cut into
+    stacks of two."""
 
     from fedprivacy.models import build_model, register_model
     from fedprivacy.training import DPTrainer, stack
@@ -552,7 +552,7 @@ def test_a_batched_round_gives_each_client_the_trainers_weights(model, buckets, 
         10,
         device=compute_device.type,
     )
-    worker.stack.buckets, worker.stack.BUCKET_CLIENTS, worker.stack.BUCKET_PRODUCTS = buckets, 1, 0
+    worker.stack.split, worker.stack.STACK_CLIENTS, worker.stack.SPLIT_PRODUCTS = True, stack_clients, 0
     worker.add_plans(plans)
     states: dict[int, dict[str, Any] | None] = dict.fromkeys(plans)
     expected = {k: dict(start) for k in plans}
@@ -635,25 +635,30 @@ def test_the_sweep_takes_the_device_as_a_resource_and_refuses_an_unknown_one(tmp
     assert refused.exit_code != 0 and "resources.device='gpu'" in refused.output
 
 
-@pytest.mark.parametrize(("model", "features", "buckets"), [("cnn", 64, 4), ("mlp", 15, 0)])
-def test_clients_are_split_by_batch_size_on_a_cpu_only_where_the_arithmetic_is_the_cost(model, features, buckets):
-    """256 clients with Poisson batches: the digits CNN (83,200 multiply-adds per example) in four
-    stacks of 64 sorted by batch size, each as wide as its largest batch; the MLP (1,088) in one."""
+@pytest.mark.parametrize(("model", "features", "split"), [("cnn", 64, True), ("mlp", 15, False)])
+def test_each_client_runs_at_its_own_batch_width_and_costly_models_in_smaller_stacks(model, features, split):
+    """256 clients with Poisson batches: each client in a stack of the clients whose batch rounds up
+    to the same width (a lone one as two copies of itself): for the digits CNN (83,200 multiply-adds
+    per example) a multiple of 8, and on a CPU a width's clients cut into stacks of about 64; for
+    the MLP (1,088) a power of two, one stack per width."""
     from fedprivacy.models import build_model
     from fedprivacy.training import stack
 
     clients = stack.ClientStack(build_model(model, features, 2))
-    sizes = torch.randint(0, 40, (256,), generator=torch.Generator().manual_seed(4))
-    valid = torch.arange(40) < sizes.unsqueeze(1)  # sampled rows first, as the worker gathers them
-    step = stack.StepInputs(torch.zeros(256, 40, features), torch.zeros(256, 40, dtype=torch.long), valid, *[None] * 5)
-    found = clients._buckets(step.features, step.valid)
-    assert clients.capture.example_products(step.features[0, 0]) == {"cnn": 83_200, "mlp": 1_088}[model]
-    assert len(found) == buckets
-    if buckets:
-        assert sorted(torch.cat([part for part, _ in found]).tolist()) == list(range(256))
-        assert [width for _, width in found] == [int(sizes[part].max()) for part, _ in found]
-        assert [len(part) for part, _ in found] == [64] * 4
-        assert max(sizes[found[0][0]]) <= min(sizes[found[-1][0]])
+    sizes = torch.cat([torch.randint(12, 25, (255,), generator=torch.Generator().manual_seed(4)), torch.tensor([77])])
+    valid = torch.arange(80) < sizes.unsqueeze(1)  # sampled rows first, as the worker gathers them
+    found = clients._stacks(torch.zeros(256, 80, features), valid)
+    assert clients.capture.example_products(torch.zeros(features)) == {"cnn": 83_200, "mlp": 1_088}[model]
+    members = torch.cat([part for part, _ in found])
+    assert sorted(set(members.tolist())) == list(range(256)) and len(members) == 257  # client 255 twice
+    for part, width in found:
+        own = (
+            torch.clamp(-(-sizes[part] // 8), min=1) * 8 if split else 2 ** torch.log2(sizes[part].clamp(min=8)).ceil()
+        )
+        assert len(part) >= 2 and (own == width).all()
+    widths = [width for _, width in found]
+    assert (len(widths) > len(set(widths))) == split  # the CNN's widths of over 64 clients are cut
+    assert max(len(part) for part, _ in found) <= (127 if split else 256)
 
 
 def test_a_client_whose_batched_sums_overflow_is_redone_one_example_at_a_time(monkeypatch):
@@ -725,3 +730,57 @@ def test_padding_rows_hold_zeros_never_an_unsampled_record():
     assert torch.equal(features[0], x[0, [1, 3]]) and torch.equal(features[1, 0], x[1, 2])
     assert torch.equal(features[1, 1], torch.zeros(3))
     assert labels[0].tolist() == [1, 3] and labels[1, 0] == 6
+
+
+def _released_by_worker(model: str, sizes: list[int], gainer: int | None, gained: int = 0) -> torch.Tensor:
+    """One round of clients with `sizes` rows (client `gainer` with `gained` records more) trained
+    together by the engine's worker: every client's released parameters, flat [K, P]."""
+    from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient
+
+    rows = [n + gained * (k == gainer) for k, n in enumerate(sizes)]
+    data = []
+    for k, n in enumerate(rows):  # each client's rows from its own generator: B's extra rows move no one else's
+        generator = torch.Generator().manual_seed(k)
+        data.append((torch.rand(n, 64, generator=generator), torch.randint(0, 10, (n,), generator=generator)))
+    worker = LocalWorker(
+        [
+            WorkerClient(k, x.numpy(), y.numpy(), x[:1].numpy(), y[:1].numpy(), f"5:{k}")
+            for k, (x, y) in enumerate(data)
+        ],
+        model,
+        64,
+        10,
+    )
+    worker.add_plans({k: _plan(k, n, 3, 1.0, 0.9) for k, n in enumerate(rows)})
+    torch.manual_seed(0)
+    start = build_model_state(model)
+    result = worker.train(start, 1, [RoundRequest(k, None) for k in range(len(sizes))], False)
+    return torch.cat([w.flatten(1) for w in result.weights], dim=1)
+
+
+def build_model_state(model: str) -> dict[str, torch.Tensor]:
+    from fedprivacy.models import build_model
+
+    return build_model(model, 64, 10).state_dict()
+
+
+@pytest.mark.parametrize("stack_clients", [64, 8])  # a stack per batch width; widths cut into stacks (CNN)
+@pytest.mark.parametrize("model", ["logreg", "mlp", "cnn"])
+def test_no_clients_release_depends_on_another_clients_data(model, stack_clients, monkeypatch):
+    """Client B gains one record, or 400 (so its Poisson batches, and the step's largest batch,
+    change): every other client's released parameters are the same bits, with one stack per batch
+    width and with the CNN's widths cut into stacks of about 8 (B's batches move clients between
+    stacks). Each client is computed at a width its own batch sets, so no rounding of another
+    client's depends on B's data."""
+    from fedprivacy.training import stack
+
+    monkeypatch.setattr(stack.ClientStack, "STACK_CLIENTS", stack_clients)
+    clients = 130
+    sizes = [100 + 37 * (k % 5) for k in range(clients)]
+    before = _released_by_worker(model, sizes, None)
+    for gainer, gained in ((0, 1), (clients // 2, 400), (clients - 1, 1), (clients - 1, 400)):
+        after = _released_by_worker(model, sizes, gainer, gained)
+        others = torch.arange(clients) != gainer
+        moved = torch.nonzero((after[others] != before[others]).any(1)).flatten().tolist()
+        assert not moved, f"{len(moved)} other clients' releases moved when client {gainer} gained {gained} records"
+        assert (after[gainer] != before[gainer]).any()  # B's own release did change

@@ -10,8 +10,9 @@ in float64 until it multiplies the standard normals, then cast to the parameters
 `release`), division by the expected batch qN, and the client's learning rate. Clients whose
 rounds have fewer steps are masked out of the steps they do not take.
 
-Batches are padded to the largest of the stack (docs/simulator.md, "The fast engine"): padding
-rows are zeros with zero loss, hence zero output gradient, and contribute nothing.
+Each client's batch is padded with zeros to a width its own batch sets (`ClientStack`, and
+docs/simulator.md, "The fast engine"): padding rows have zero loss, hence zero output gradient,
+and contribute nothing.
 """
 
 from __future__ import annotations
@@ -139,20 +140,24 @@ class ClientStack:
     (`capture.convolution_as_product`: one kernel where cuDNN ran one per client and group); on
     a CPU as grouped convolutions, which measured faster there.
 
-    A step pads every client's sampled rows to the largest batch. Poisson batches of mean 20 have a
-    largest of about 33 among 1,000 clients, so on a CPU, for a model whose arithmetic is the cost
-    (at least `BUCKET_PRODUCTS` multiply-adds per example, `BatchedCapture.example_products`), the
-    clients are split by batch size into up to `CPU_BUCKETS` stacks of at least `BUCKET_CLIENTS`
-    each, padded to their own largest batch. Smaller stacks also keep each step's tensors in the
-    cache and the allocator's reuse. Measured on 2 cores: the digits CNN (83,200) 27% faster per
-    round at 256 clients with 4 stacks than 1, and at 1,000 clients 0.74 s per round with 15 stacks
-    against 0.90 s with 4 (8 stacks of 125: 0.76 s; 32 of 31: 0.80 s); the MLP (1,088) 40% slower
-    at 1,000 in 4 stacks, each extra stack's fixed cost outweighing its rows. On a GPU, one stack:
-    its round's time goes elsewhere (drawing the noise)."""
+    A step computes each client at a batch width its own batch sets. A product's rounding depends
+    on its shapes: padded to the largest batch of the step, a client's release moved, below
+    float32's resolution, with another client's data size. So a client's sampled rows are padded
+    to the next multiple of `ROW_BLOCK` or, for a model whose rows cost less than `SPLIT_PRODUCTS`
+    multiply-adds (`BatchedCapture.example_products`: its step costs in calls, not arithmetic), to
+    the next power of two of at least `ROW_BLOCK` (logreg and the MLP at 1,000 clients ran 15%
+    slower with multiples of 8, and as fast as one padded stack with powers of two). Clients of one
+    width run as one stack; a width held by one client runs as a stack of two copies of it, since a
+    stack of one takes other kernels, while among two or more a client's bits depend neither on how
+    many share its stack nor on what they hold (measured on the CPU kernels;
+    tests/test_fast_engine.py checks the whole step). On a CPU, a costly model has each width's
+    clients cut into stacks of about `STACK_CLIENTS`, which keep each step's tensors in the cache
+    and the allocator's reuse.
+    """
 
-    CPU_BUCKETS = 16
-    BUCKET_CLIENTS = 64
-    BUCKET_PRODUCTS = 10_000
+    ROW_BLOCK = 8
+    STACK_CLIENTS = 64
+    SPLIT_PRODUCTS = 10_000
 
     def __init__(self, template: nn.Module, stacked: bool = True) -> None:
         check_supported(template)
@@ -160,7 +165,7 @@ class ClientStack:
         self.keys = list(state)
         self.stacked = stacked
         on_gpu = next(template.parameters()).device.type == "cuda"
-        self.buckets = self.CPU_BUCKETS if stacked and not on_gpu else 1
+        self.split = not on_gpu  # cut a width's clients into stacks of about STACK_CLIENTS (see above)
         self.capture = BatchedCapture(
             template, self.keys, conv_as_matmul=stacked and on_gpu, channels_last=stacked and not on_gpu
         )
@@ -197,34 +202,35 @@ class ClientStack:
     ) -> Clipped:
         """The clients' clipped sums (`clipped_sums`) and per-example losses for sampled rows
         `features` [K, B, ...] (padding where `valid` is False), clipped at each client's C (`clip`,
-        [K] float64): formed bucket by bucket (`_buckets`) and put back in client order, then, for a
+        [K] float64): formed stack by stack, each client at its own width (`_stacks`), then, for a
         client whose sums overflowed although its norms are finite, one example at a time."""
-        buckets = self._buckets(features, valid)
-        if not buckets:
-            sums = self._stack_sums(state, features, labels, valid, clip, private)
+        if self.stacked:
+            sums = self._sums_by_width(state, features, labels, valid, clip, private)
         else:
-            sums = self._bucketed_sums(state, features, labels, valid, clip, private, buckets)
+            sums = self._stack_sums(state, features, labels, valid, clip, private)
         if not sums.all_finite and bool(sums.broken.any()):
             self._one_example_at_a_time(state, features, labels, valid, clip, sums, private)
         return sums
 
-    def _bucketed_sums(
-        self,
-        state: list[Tensor],
-        features: Tensor,
-        labels: Tensor,
-        valid: Tensor,
-        clip: Tensor,
-        private: bool,
-        buckets: list[tuple[Tensor, int]],
+    def _sums_by_width(
+        self, state: list[Tensor], features: Tensor, labels: Tensor, valid: Tensor, clip: Tensor, private: bool
     ) -> Clipped:
+        """`_stack_sums` stack by stack (`_stacks`), put back in client order."""
+        stacks = self._stacks(features, valid)
+        widest, given = max(width for _, width in stacks), valid.shape[1]
+        if given < widest:  # zero rows, never a record, up to the widest stack
+            more = widest - given
+            features = torch.cat([features, features.new_zeros(features.shape[0], more, *features.shape[2:])], 1)
+            labels = torch.cat([labels, labels.new_zeros(labels.shape[0], more)], 1)
+            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], more)], 1)
         shape = valid.shape
         sq_norms = torch.zeros(shape, dtype=NORM_DTYPE, device=valid.device)
         dropped = torch.zeros_like(valid)
         losses = torch.zeros(shape, dtype=features.dtype, device=valid.device)
         broken = torch.zeros_like(valid[:, 0])
         grad_sums: list[Tensor] = []
-        for clients, width in buckets:
+        all_finite = True
+        for clients, width in stacks:
             part = self._stack_sums(
                 [s[clients] for s in state],
                 features[clients, :width],
@@ -239,7 +245,8 @@ class ClientStack:
                 whole[clients] = g
             sq_norms[clients, :width], dropped[clients, :width] = part.sq_norms, part.dropped
             losses[clients, :width], broken[clients] = part.losses, part.broken
-        return Clipped(grad_sums, sq_norms, dropped, broken, losses)
+            all_finite = all_finite and part.all_finite
+        return Clipped(grad_sums, sq_norms[:, :given], dropped[:, :given], broken, losses[:, :given], all_finite)
 
     def _stack_sums(
         self, state: list[Tensor], features: Tensor, labels: Tensor, valid: Tensor, clip: Tensor, private: bool
@@ -289,20 +296,28 @@ class ClientStack:
             for s, t in zip(clipped.grad_sums, total, strict=True):
                 s[k] = t
 
-    def _buckets(self, features: Tensor, valid: Tensor) -> list[tuple[Tensor, int]]:
-        """(clients, their largest batch) per bucket: the clients sorted by batch size and cut into
-        up to `buckets` runs of equal count (sampled rows are packed at the front of each row);
-        none where one padded stack is the faster (see the class docstring)."""
-        if self.buckets == 1:
-            return []
+    def _stacks(self, features: Tensor, valid: Tensor) -> list[tuple[Tensor, int]]:
+        """(clients, width) per stack: each client at its own batch rounded up as the class
+        docstring says (sampled rows are packed at the front of each row), a width of one client
+        given as two copies of it, a width's clients cut into stacks of about `STACK_CLIENTS` where
+        `split` is on and the model's rows cost at least `SPLIT_PRODUCTS`."""
         sizes = valid.sum(1)
-        count = min(self.buckets, len(sizes) // self.BUCKET_CLIENTS)
-        if count <= 1 or self.capture.example_products(features[0, 0]) < self.BUCKET_PRODUCTS:
-            return []
-        order = torch.argsort(sizes, stable=True)
-        parts = order.tensor_split(count)
-        widths = torch.stack([sizes[part[-1]] for part in parts]).clamp(min=1).tolist()
-        return list(zip(parts, widths, strict=True))
+        costly = self.capture.example_products(features[0, 0]) >= self.SPLIT_PRODUCTS
+        if costly:  # the arithmetic is the cost: pad little
+            blocks = (sizes + self.ROW_BLOCK - 1).div(self.ROW_BLOCK, rounding_mode="floor")
+            widths = blocks.clamp(min=1) * self.ROW_BLOCK
+        else:  # each stack's calls are the cost: few widths
+            widths = torch.exp2(torch.log2(sizes.clamp(min=self.ROW_BLOCK).double()).ceil()).long()
+        split = self.split and costly
+        stacks = []
+        for width in torch.unique(widths).tolist():
+            clients = torch.nonzero(widths == width).flatten()
+            if len(clients) == 1:
+                clients = clients.repeat(2)
+            count = max(1, min(len(clients) // self.STACK_CLIENTS, len(clients) // 2)) if split else 1
+            pieces = clients.tensor_split(count)  # two clients or more each
+            stacks.extend((piece, width) for piece in pieces)
+        return stacks
 
 
 class PerExampleClipper:
