@@ -1,8 +1,7 @@
-"""One client's round, without Flower: refuse a global model that is not finite and a round it
-already trained, ask the ledger whether the round's slice of the plan is affordable, run it with the
-DP trainer, record the steps in the ledger before anything is returned (no update ever leaves
-unrecorded), and reply with public values and the trained parameters only. And a simulated client's
-local evaluation (a deployed client releases none)."""
+"""One client's round, without Flower: refuse a global model that is not finite, then the cohort
+round (`fedprivacy.cohort`) with the client alone, trained by the DP trainer on its own model (no
+update leaves unrecorded; the reply holds public values and the trained parameters only). And a
+simulated client's local evaluation (a deployed client releases none)."""
 
 from __future__ import annotations
 
@@ -14,11 +13,12 @@ import torch
 from torch import nn
 
 from fedprivacy.admission import client_noise_seed
+from fedprivacy.cohort import Member, cohort_round
 from fedprivacy.identity import LocalClient
-from fedprivacy.ledger import BudgetExceeded, Ledger, RoundRepeated, round_events
+from fedprivacy.ledger import Ledger
 from fedprivacy.models import evaluate_model
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.protocol import diagnostics, reply_metrics
+from fedprivacy.protocol import diagnostics
 from fedprivacy.recipe import new_model
 from fedprivacy.runconfig import RunSettings
 from fedprivacy.training.capture import trained_names
@@ -49,6 +49,16 @@ class RoundResult:
     trainer_state: dict[str, Any] | None
 
 
+@dataclass
+class _Trained:
+    """The one client's training (`cohort.Trained`), with what it releases."""
+
+    states: list[dict[str, Any]]
+    diagnostics: list[dict[str, int | float]]
+    on_gpu: bool
+    released: dict[str, torch.Tensor]
+
+
 def train_round(
     client: LocalClient,
     settings: RunSettings,
@@ -59,50 +69,49 @@ def train_round(
     global_state: dict[str, torch.Tensor],
     trainer_state: dict[str, Any] | None = None,
 ) -> RoundResult:
-    """Run round `server_round`'s slice of `plan` if the budget affords it; record it first."""
+    """Run round `server_round`'s slice of `plan` if the budget affords it, as a cohort of one
+    (`fedprivacy.cohort`): a round already trained is refused, the spend recorded before the
+    update is returned."""
     check_finite(global_state)  # before any record is touched
-    if ledger.trained(client.account, run_id, server_round):
-        raise RoundRepeated(f"round {server_round} of run {run_id} was already trained by client {client.client_id}")
-    events = round_events(plan, server_round)
-    affordable = bool(events) and ledger.epsilon_if(client.account, events) <= client.epsilon
-    if not affordable:
-        return RoundResult(None, _exhausted(client, plan, ledger), trainer_state)
+    member = Member(client, plan, trainer_state)
 
-    dev = device()
-    model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
-    model.load_state_dict(global_state)
-    trainer = DPTrainer(
-        model,
-        plan,
-        client.data.train.features,
-        client.data.train.labels,
-        seed=client_noise_seed(settings, client.account),
-        state={**(trainer_state or {}), "step": plan.first_step_of_round(server_round)},
-    )
-    report = trainer.run_round(server_round)
-    if report.steps != sum(e.count for e in events):
-        raise RuntimeError(f"trainer ran {report.steps} steps, the plan's round has {sum(e.count for e in events)}")
-    if report.nonfinite_examples:  # local only: it counts records
-        logger.warning(
-            "client %s, round %d: %d sampled examples had a non-finite gradient and contributed zero",
-            client.client_id,
-            server_round,
-            report.nonfinite_examples,
+    def train(ready: list[Member]) -> _Trained:
+        dev = device()
+        model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
+        model.load_state_dict(global_state)
+        trainer = DPTrainer(
+            model,
+            plan,
+            client.data.train.features,
+            client.data.train.labels,
+            seed=client_noise_seed(settings, client.account),
+            state={**(trainer_state or {}), "step": plan.first_step_of_round(server_round)},
         )
-    try:
-        spent, steps = ledger.record_with_steps(client.account, run_id, server_round, events)
-    except BudgetExceeded:  # another writer spent the budget meanwhile: this update must not leave
-        return RoundResult(None, _exhausted(client, plan, ledger), trainer_state)
-    metrics = reply_metrics(client, plan, spent, steps, trained=True, on_gpu=dev.type == "cuda")
-    if settings.diagnostics:  # simulations only (open_account refuses it in a deployment)
-        metrics.update(diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples))
-    return RoundResult(released_state(model), metrics, trainer.state_dict())
+        report = trainer.run_round(server_round)
+        if report.steps != plan.steps_in_round(server_round):
+            raise RuntimeError(
+                f"trainer ran {report.steps} steps, the plan's round has {plan.steps_in_round(server_round)}"
+            )
+        if report.nonfinite_examples:  # local only: it counts records
+            logger.warning(
+                "client %s, round %d: %d sampled examples had a non-finite gradient and contributed zero",
+                client.client_id,
+                server_round,
+                report.nonfinite_examples,
+            )
+        notes = diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples)
+        return _Trained([trainer.state_dict()], [notes], dev.type == "cuda", released_state(model))
 
-
-def _exhausted(client: LocalClient, plan: Plan, ledger: Ledger) -> dict[str, int | float]:
-    return reply_metrics(
-        client, plan, ledger.epsilon_spent(client.account), ledger.steps_spent(client.account), trained=False
+    # diagnostics: simulations only (open_account refuses them in a deployment)
+    outcome = cohort_round(
+        [member], ledger, run_id, server_round, train, while_recording=False, diagnostics=settings.diagnostics
     )
+    if client.account in outcome.refused:
+        raise outcome.refused[client.account]
+    metrics = outcome.replies[client.account]
+    if not outcome.trained or outcome.result is None:
+        return RoundResult(None, metrics, trainer_state)
+    return RoundResult(outcome.result.released, metrics, member.trainer_state)
 
 
 def evaluate_local(

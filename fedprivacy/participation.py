@@ -33,7 +33,7 @@ from fedprivacy.results import RunRecorder
 
 MAX_CONSECUTIVE_FAILURES = 3  # rounds in a row with a dropped reply before a client is not asked again
 
-Outcome = Literal["error", "invalid", "no reply"]  # why a train reply was dropped
+DropKind = Literal["error", "invalid", "no reply"]  # why a train reply was dropped
 
 
 def sample_clients(rng: random.Random, eligible: Sequence[int], fraction: float) -> list[int]:
@@ -108,7 +108,7 @@ class Participation:
                 logging.INFO, "client %s cannot afford round %d: budget spent, not sampled again", name, server_round
             )
 
-    def dropped(self, server_round: int, client: int, name: str, outcome: Outcome, reason: str) -> None:
+    def dropped(self, server_round: int, client: int, name: str, outcome: DropKind, reason: str) -> None:
         """A train reply left out of the round (`reason` says why): the client is not asked to
         evaluate this round, and is excluded from the run if it gave no reply or failed too often."""
         self.dropped_now.add(client)

@@ -34,7 +34,7 @@ from typing import Any
 
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.reports.progress import draw_progress
+from fedprivacy.reports.progress_figure import draw_progress
 from fedprivacy.reports.sheets import write_sheets
 
 ROUND_COLUMNS = (

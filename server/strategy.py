@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedprivacy.aggregation import aggregate, aggregation_weight
 from fedprivacy.errors import error_summary
-from fedprivacy.participation import Outcome, Participation
+from fedprivacy.participation import DropKind, Participation
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.replies import (
     InvalidReply,
@@ -178,7 +178,7 @@ class PrivacyFedAvg(FedAvg):
         """The client's id once it has sent a valid reply; its node id until then."""
         return self.names.get(node, f"node-{node}")
 
-    def _drop(self, server_round: int, node: int, outcome: Outcome, reason: str) -> None:
+    def _drop(self, server_round: int, node: int, outcome: DropKind, reason: str) -> None:
         """Leave a reply out of this round (the participation rules say whether the client is asked again)."""
         self.participation.dropped(server_round, node, self._name(node), outcome, reason)
 

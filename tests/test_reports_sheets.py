@@ -108,7 +108,7 @@ def test_importing_the_reports_selects_no_matplotlib_backend():
     import sys
 
     code = (
-        "import matplotlib, fedprivacy.reports.sheets, fedprivacy.reports.progress, fedprivacy.results; "
+        "import matplotlib, fedprivacy.reports.sheets, fedprivacy.reports.progress_figure, fedprivacy.results; "
         "import sys; print(matplotlib.rcParams._get_backend_or_none(), 'matplotlib.pyplot' in sys.modules)"
     )
     result = subprocess.run(

@@ -3,8 +3,8 @@ trained together by workers instead of one Flower message each.
 
 Everything but the arithmetic is the apps' own code: the clients (`simulation_client`), their
 ledger accounts, partitioning pins and seed rules (`open_account`), their plans
-(`plan_from_settings`, shared between clients with the same inputs), the round's noise events and
-affordability, the replies' public metrics (`reply_constants`), the round's participation rules
+(`plan_from_settings`, shared between clients with the same inputs), the cohort's round
+(`fedprivacy.cohort`: noise events, affordability, spends, replies), the round's participation rules
 (`fedprivacy.participation`: who trains, who evaluates, what a failure costs), the weighted average
 (`fedprivacy.aggregation.aggregate`, with Flower's server optimisers from `server.optimizers`),
 central and federated evaluation, and the results folder (`RunRecorder`). What differs is how:
@@ -38,23 +38,14 @@ import torch
 
 from fedprivacy.admission import client_noise_seed, open_accounts
 from fedprivacy.aggregation import aggregate, aggregation_weight
+from fedprivacy.cohort import Member, cohort_round
 from fedprivacy.errors import error_summary
 from fedprivacy.identity import LocalClient, simulation_client
-from fedprivacy.ledger import (
-    BudgetExceeded,
-    Ledger,
-    NoiseSchedule,
-    RoundDecision,
-    composed_epsilon,
-    noise_schedule,
-    round_events,
-)
+from fedprivacy.ledger import Ledger
 from fedprivacy.models import evaluate_model
 from fedprivacy.participation import Participation
 from fedprivacy.plans import run_plans
-from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.protocol import reply_constants, reply_metrics
 from fedprivacy.recipe import initial_model, require_data_file, unused_data_keys
 from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, progress_line, resolved_config
 from fedprivacy.run_life import finish, recorded_run
@@ -77,14 +68,28 @@ class Client:
     index: int
     local: LocalClient | None = None
     failure: str | None = None  # why it cannot train (it fails when first sampled, as in the apps)
-    plan: Plan | None = None
-    schedule: NoiseSchedule | None = None  # `noise_schedule(plan)`: shared by clients with equal schedules
-    reply: dict[str, Any] | None = None  # its train replies' metrics that stay the same (`reply_constants`)
-    state: dict[str, Any] | None = None  # its trainer state between rounds
+    member: Member | None = None  # once planned: its plan, trainer state and reply constants (`fedprivacy.cohort`)
 
     @property
     def name(self) -> str:
         return self.local.client_id if self.local is not None else str(self.index)
+
+    @property
+    def plan(self) -> Plan | None:
+        return None if self.member is None else self.member.plan
+
+
+@dataclass
+class _EngineRound:
+    """A round's training by the workers (`cohort.Trained`) and what the server made of it."""
+
+    states: list[dict[str, Any]]
+    diagnostics: list[dict[str, int | float]]
+    on_gpu: bool
+    after: Any  # `then`'s result: the new global model and its central metrics
+    training_s: float
+    working_s: float
+    worked_at: float
 
 
 @dataclass
@@ -305,19 +310,17 @@ def _train_round(
     then: Callable[[list[tuple[Client, int]], WorkerRoundResult], T],
     say: Callable[[str], None],
 ) -> tuple[dict[int, dict[str, Any]], T]:
-    """The ClientApp's steps for the round's sampled clients, batched: accounts, plans, the
-    round's spends in one ledger transaction that refuses what a budget cannot afford, training of
-    the clients it recorded, and every sampled client's reply. The transaction commits while they
-    train, `then(trained clients with their rows, result)` runs (the server's aggregation and
-    central evaluation: in memory, nothing leaves the process) and their replies are built (their
-    steps as the transaction read them: what the ledger holds, and their trainer states kept); the
-    replies and `then`'s result are returned only once the commit is durable, and a failed commit
-    ends the run: recording before anything derived from an update leaves, as the apps do (a run
-    that crashes mid-round has spent for updates nobody used: never less). Returns the replies by
-    client index and `then`'s result."""
+    """The round's sampled clients as one cohort (`fedprivacy.cohort`, the ClientApp's round with
+    K clients): accounts and plans of those asked for the first time, then the round's spends in
+    one ledger transaction that refuses what a budget cannot afford and commits while the clients
+    it recorded train, `then(trained clients with their rows, result)` runs (the server's
+    aggregation and central evaluation: in memory, nothing leaves the process) and their replies
+    are built; the replies and `then`'s result are returned only once the commit is durable, and a
+    failed commit ends the run (a run that crashes mid-round has spent for updates nobody used:
+    never less). Returns the replies by client index and `then`'s result."""
     started = time.perf_counter()
     _first_sampling(
-        [c for c in sampled if c.plan is None and c.failure is None],
+        [c for c in sampled if c.member is None and c.failure is None],
         settings,
         ledger,
         run_id,
@@ -325,62 +328,46 @@ def _train_round(
         pool,
         say,
     )
-    asking: dict[str, Client] = {}  # by account
-    spends: dict[str, tuple[NoiseEvent, ...]] = {}
-    out_of_budget: list[Client] = []
-    events_of: dict[int, tuple[NoiseEvent, ...]] = {}  # one look-up per noise schedule, not per client
+    by_account: dict[str, Client] = {}
     for client in sampled:
         if client.failure is not None:  # an error reply, in the apps
             participation.dropped(server_round, client.index, client.name, "error", client.failure)
-            continue
-        events = events_of.get(id(client.schedule))
-        if events is None:
-            events = events_of[id(client.schedule)] = round_events(client.plan, server_round)
-        if events:
-            account = client.local.account
-            asking[account], spends[account] = client, events
-        else:  # its plan has no steps left
-            out_of_budget.append(client)
+        else:
+            assert client.member is not None
+            by_account[client.member.account] = client
 
-    replies: dict[int, dict[str, Any]] = {}
-
-    def work(decision: RoundDecision) -> tuple[list[Client], T, float, float, float]:
-        outcomes = decision.outcomes
-        ready = [client for account, client in asking.items() if isinstance(outcomes[account], float)]  # recorded
+    def train(ready: list[Member]) -> _EngineRound:
         begun = time.perf_counter()
+        clients = [by_account[m.account] for m in ready]
         result = pool.train(
-            global_state, server_round, [RoundRequest(c.index, c.state) for c in ready], settings.diagnostics
+            global_state,
+            server_round,
+            [RoundRequest(c.index, m.trainer_state) for c, m in zip(clients, ready)],
+            settings.diagnostics,
         )
         trained_at = time.perf_counter()
-        if result.indices != [c.index for c in ready]:  # the pool returns rows in request order
+        if result.indices != [c.index for c in clients]:  # the pool returns rows in request order
             raise RuntimeError("the workers returned other clients than were asked to train")
-        after = then(list(zip(ready, range(len(ready)))), result)
+        after = then(list(zip(clients, range(len(clients)))), result)
         ended = time.perf_counter()
-        accounts = [c.local.account for c in ready]
-        _replies(
-            ready,
-            [outcomes[a] for a in accounts],
-            [decision.steps[a] for a in accounts],
-            result,
-            settings,
-            replies,
+        return _EngineRound(
+            result.states, result.diagnostics, result.on_gpu, after, trained_at - begun, ended - begun, ended
         )
-        return ready, after, trained_at - begun, ended - begun, time.perf_counter()
 
-    outcomes, (ready, after, training, working, worked_at) = ledger.record_round_while(
-        str(run_id), server_round, spends, work
+    members = [c.member for c in by_account.values() if c.member is not None]
+    cohort = cohort_round(
+        members, ledger, str(run_id), server_round, train, while_recording=True, diagnostics=settings.diagnostics
     )
-    commit_wait = time.perf_counter() - worked_at
-    if len(ready) < len(asking):  # some were refused
-        for account, client in asking.items():
-            outcome = outcomes[account]
-            if isinstance(outcome, BudgetExceeded):
-                out_of_budget.append(client)
-            elif not isinstance(outcome, float):  # a round already recorded: the apps' client refuses it
-                participation.dropped(server_round, client.index, client.name, "error", _reason(outcome))
-    replies.update(_exhausted_replies(out_of_budget, ledger))
-    timings.add_round(time.perf_counter() - started - working, training, commit_wait)
-    return replies, after
+    work = cohort.result
+    assert work is not None
+    for account, refusal in cohort.refused.items():  # a round already recorded: the apps' client refuses it
+        client = by_account[account]
+        participation.dropped(server_round, client.index, client.name, "error", _reason(refusal))
+    replies = {by_account[account].index: reply for account, reply in cohort.replies.items()}
+    timings.add_round(
+        time.perf_counter() - started - work.working_s, work.training_s, time.perf_counter() - work.worked_at
+    )
+    return replies, work.after
 
 
 def _first_sampling(
@@ -417,51 +404,15 @@ def _first_sampling(
         if isinstance(outcome, Exception):
             client.failure = _reason(outcome)
             continue
-        client.plan, client.schedule = outcome, noise_schedule(outcome)
-    pool.add_plans({c.index: c.plan for c in opened if c.plan is not None})
+        client.member = Member(client.local, outcome)
+    planned = [c.member for c in opened if c.member is not None]
+    pool.add_plans({c.index: c.member.plan for c in opened if c.member is not None})
     if settings.fraction_train >= 1.0:
-        ledger.compose_ahead({c.local.account: c.plan for c in opened if c.plan is not None}, server_round)
+        ledger.compose_ahead({m.account: m.plan for m in planned}, server_round)
 
 
 def _reason(error: Exception) -> str:
     return error_summary(f"{type(error).__name__}: {error}")
-
-
-def _replies(
-    ready: list[Client],
-    spent: list[float],
-    steps: list[int],
-    results: WorkerRoundResult,
-    settings: RunSettings,
-    replies: dict[int, dict[str, Any]],
-) -> None:
-    """The trained clients' replies (into `replies`) and new trainer states (`spent`, `steps`:
-    theirs, in order; `results`: their rows, in the same order)."""
-    on_gpu = int(results.on_gpu)
-    for client, state, epsilon, done in zip(ready, results.states, spent, steps, strict=True):
-        client.state = state
-        if client.reply is None or client.reply["on-gpu"] != on_gpu:
-            client.reply = reply_constants(client.local, client.plan, trained=True, on_gpu=results.on_gpu)
-        replies[client.index] = {**client.reply, "epsilon-spent": epsilon, "steps-done": done}
-    if settings.diagnostics:
-        for client, diagnostics in zip(ready, results.diagnostics, strict=True):
-            replies[client.index].update(diagnostics)
-
-
-def _exhausted_replies(clients: list[Client], ledger: Ledger) -> dict[int, dict[str, Any]]:
-    """Replies of clients that cannot afford the round, as the apps' client sends them: its
-    account's ε spent and steps done, read from the ledger (another writer's spends included)."""
-    if not clients:
-        return {}
-    histories = ledger.histories([c.local.account for c in clients])
-    replies = {}
-    for client in clients:
-        history = histories.get(client.local.account, [])
-        spent = composed_epsilon(history, client.local.delta)
-        replies[client.index] = reply_metrics(
-            client.local, client.plan, spent, sum(e.count for e in history), trained=False
-        )
-    return replies
 
 
 def _aggregate_and_evaluate(
