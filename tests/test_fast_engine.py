@@ -665,7 +665,6 @@ def test_a_client_whose_batched_sums_overflow_is_redone_one_example_at_a_time(mo
     """Injected fault: the stack's clipped sums come back non-finite for client 1 (as an overflow
     among finite per-example terms could make them); the step redoes that client one example at a
     time, releases the sum the trainer's clipper gives on its rows, and leaves the others' as they were."""
-    import dataclasses
 
     from fedprivacy.models import build_model
     from fedprivacy.training import PerExampleClipper, stack
@@ -694,7 +693,7 @@ def test_a_client_whose_batched_sums_overflow_is_redone_one_example_at_a_time(mo
         sums = [s.clone() for s in result.grad_sums]
         sums[0][1] = math.inf
         broken = torch.tensor([False, True, False])
-        return dataclasses.replace(result, grad_sums=sums, broken=broken, all_finite=False)  # as the sums report it
+        return result._replace(grad_sums=sums, broken=broken, all_finite=False)  # as the sums report it
 
     moved = torch.Generator().manual_seed(4)  # each client its own weights: the redo must use client 1's
     own = [v + 0.1 * torch.randn(3, *v.shape, generator=moved) for v in model.state_dict().values()]

@@ -2,8 +2,8 @@
 stack of K (`stack.py`); the trainer (`trainer.py`) is the stack of one."""
 
 from fedprivacy.training.clipping import (
+    Clipped,
     ClippedBatch,
-    ClippedSums,
     LayerRecord,
     UnsupportedLayerError,
     check_supported,
@@ -17,8 +17,8 @@ from fedprivacy.training.trainer import DPTrainer, NonFiniteModel, PlanExhausted
 
 __all__ = [
     "ClientStack",
+    "Clipped",
     "ClippedBatch",
-    "ClippedSums",
     "DPTrainer",
     "LayerRecord",
     "LayerRule",

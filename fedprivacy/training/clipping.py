@@ -48,8 +48,8 @@ from fedprivacy.training.norms import (
 __all__ = [
     "NORM_DTYPE",
     "SUPPORTED_DTYPE",
+    "Clipped",
     "ClippedBatch",
-    "ClippedSums",
     "Float64Scratch",
     "LayerRecord",
     "Slack",
@@ -62,15 +62,17 @@ __all__ = [
 ]
 
 
-@dataclass
-class ClippedSums:
-    """Per-client clipped sums of K clients' batches of B examples (on device)."""
+class Clipped(NamedTuple):
+    """K clients' clipped sums of their batches of B examples (on device): the one clipping
+    result, K-indexed (the trainer's K is 1). `losses` are the capture's per-example losses, which
+    the stack adds (None from `clipped_sums` alone)."""
 
     grad_sums: list[Tensor]  # [K, *p.shape] per trained parameter, in record order, each module's own order
     sq_norms: Tensor  # [K, B] float64 bounds, 0 where dropped
     dropped: Tensor  # [K, B] bool: non-finite norm, contributed zero
     broken: Tensor  # [K] bool: sums still not finite although every kept norm is finite (redo one by one)
-    all_finite: bool  # the one host check found every norm and sum finite: nothing dropped, nothing broken
+    losses: Tensor | None = None  # [K, B] per-example losses (0 on padding rows)
+    all_finite: bool = False  # the one host check found every norm and sum finite: nothing dropped, nothing broken
 
 
 @dataclass
@@ -102,7 +104,7 @@ def clipped_sums(
     clip: bool = True,
     *,
     batch: int,
-) -> ClippedSums:
+) -> Clipped:
     """Σ_b clip_C(g_{k,b}) per client k, each example clipped over all the records' parameters together.
 
     `batch` is the number of examples per client the records were captured from: every record must
@@ -119,9 +121,9 @@ def clipped_sums(
     sq_norms = result.sq_norms.view(clients, -1)
     if result.broken is None:
         none = torch.zeros(sq_norms.shape, dtype=torch.bool, device=sq_norms.device)
-        return ClippedSums(result.grad_sums, sq_norms, none, none[:, 0], all_finite=True)
+        return Clipped(result.grad_sums, sq_norms, none, none[:, 0], all_finite=True)
     assert result.dropped is not None
-    return ClippedSums(result.grad_sums, sq_norms, result.dropped.view(clients, -1), result.broken, all_finite=False)
+    return Clipped(result.grad_sums, sq_norms, result.dropped.view(clients, -1), result.broken)
 
 
 class _Rows(NamedTuple):

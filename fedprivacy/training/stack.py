@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from fedprivacy.training.capture import BatchedCapture
-from fedprivacy.training.clipping import ClippedBatch, check_supported, clipped_sums
+from fedprivacy.training.clipping import Clipped, ClippedBatch, check_supported, clipped_sums
 from fedprivacy.training.norms import NORM_DTYPE, Float64Scratch
 
 # The clip norm of a step with the mechanism off: above every gradient norm (a squared norm of
@@ -58,18 +57,6 @@ class StepInputs:
     clip: Tensor  # [K]
     expected_batch: Tensor  # [K] q·N
     active: Tensor  # [K] bool: the client takes this step
-
-
-class Clipped(NamedTuple):
-    """A step's clipped sums (`clipped_sums`' fields, [K, …]) and per-example losses [K, B]: the
-    one clipping result, K-indexed (the trainer's K is 1)."""
-
-    grad_sums: list[Tensor]
-    sq_norms: Tensor
-    dropped: Tensor
-    broken: Tensor
-    losses: Tensor
-    all_finite: bool = False  # known without looking: nothing dropped, nothing broken
 
 
 @dataclass
@@ -266,7 +253,7 @@ class ClientStack:
         else:  # the trainer's one client, on the template's own weights (the state holds views of them)
             captured = self.capture.single(None, features[0], labels[0], valid[0])
         sums = clipped_sums(captured.records, clip, clients, self._float64, clip=private, batch=batch)
-        return Clipped(sums.grad_sums, sums.sq_norms, sums.dropped, sums.broken, captured.losses, sums.all_finite)
+        return sums._replace(losses=captured.losses)
 
     def _one_example_at_a_time(
         self,
