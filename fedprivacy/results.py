@@ -12,7 +12,8 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
     model.pt          the final global model's state_dict
     progress.png      accuracy and ε spent per round
     summary.json      status (completed, or failed with its error) and the headline numbers, with
-                      `evaluation_rows`: how many rows the central accuracy was measured on
+                      `evaluation_rows`: how many rows the central accuracy was measured on, and
+                      `largest_class_share` and `beats_largest_class` (see `beats_largest_class`)
 
 `RunRecorder` is fed plain dicts by the ServerApp (no flwr here) and rewrites the CSV files after
 every round, so a run that dies midway still leaves readable results.
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
@@ -103,6 +106,33 @@ def progress_line(row: dict[str, Any], rounds: int) -> str:
         f"round {row['round']}/{rounds}: {label} {_fmt(accuracy)} | ε spent max {row['epsilon_spent_max']:.4f}"
         f" mean {row['epsilon_spent_mean']:.4f} | {row['clients_trained']} trained, "
         f"{row['clients_exhausted']} out of budget, {row['clients_failed']} failed"
+    )
+
+
+def largest_class_share(labels: Any) -> float:
+    """The accuracy of always predicting the most frequent label of `labels` (a 1-D int array)."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64))
+    return float(counts.max() / counts.sum())
+
+
+def beats_largest_class(accuracy: float | None, share: float | None, rows: int | None) -> bool | None:
+    """Whether `accuracy` on `rows` evaluation rows is above what always predicting the largest class
+    scores there (`share`) by more than 1.96 standard errors of an accuracy of `share` on `rows` rows
+    (sqrt(share·(1 − share)/rows)); None when the run measured no central accuracy."""
+    if accuracy is None or share is None or not rows:
+        return None
+    return accuracy > share + 1.96 * math.sqrt(share * (1.0 - share) / rows)
+
+
+def no_better_line(summary: dict[str, Any]) -> str | None:
+    """A completed run's warning when its final accuracy is no better than predicting the largest class."""
+    if summary.get("beats_largest_class") is not False:
+        return None
+    return (
+        f"warning: final accuracy {_fmt(summary['final_accuracy'])} is no better than always predicting the "
+        f"largest class ({summary['largest_class_share']:.4f} of the {summary['evaluation_rows']} evaluation rows): "
+        "the model learned nothing it shows; try more local steps (epochs), another learning-rate, more "
+        "num-server-rounds or a larger epsilon, or tune them in a sweep (docs/simulator.md)"
     )
 
 
@@ -193,6 +223,7 @@ class RunRecorder:
     plans: dict[str, Plan] = field(default_factory=dict)
     replies: list[dict[str, Any]] = field(default_factory=list)
     evaluation_rows: int | None = None  # the central evaluation set's rows (None: federated); a report's binomial s.e.
+    largest_class_share: float | None = None  # what predicting the central evaluation set's largest class scores
     _round: dict[str, Any] = field(default_factory=dict)
     _reply_lines: list[str] = field(default_factory=list)  # replies.csv grows by a round's rows: format each once
 
@@ -338,6 +369,10 @@ class RunRecorder:
             "final_accuracy": last.get("accuracy"),
             "final_federated_accuracy": last.get("federated_accuracy"),
             "evaluation_rows": self.evaluation_rows,
+            "largest_class_share": self.largest_class_share,
+            "beats_largest_class": beats_largest_class(
+                last.get("accuracy"), self.largest_class_share, self.evaluation_rows
+            ),
             "clients": len(self.clients),
             "clients_exhausted": sorted(c.client_id for c in self.clients.values() if c.exhausted_round),
             "clients_failed": sorted(c.client_id for c in self.clients.values() if c.status.startswith("failed")),

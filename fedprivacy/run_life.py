@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedprivacy.errors import InputError, error_summary
-from fedprivacy.results import RunRecorder, done_line, new_run_folder
+from fedprivacy.results import RunRecorder, done_line, new_run_folder, no_better_line
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from fedprivacy.runconfig_keys import RUN_KEYS
 
@@ -86,7 +86,11 @@ def recorded_run(
         say(f"run failed: {reason}")
         say(f"results folder: {run.folder} (partial)")
         raise
-    say(done_line(run.recorder.write_summary(run.extra)))
+    summary = run.recorder.write_summary(run.extra)
+    say(done_line(summary))
+    warning = no_better_line(summary)
+    if warning is not None:
+        say(warning)
     say(f"results folder: {run.folder}")
 
 

@@ -53,6 +53,7 @@ RESULT_COLUMNS = (
     "epsilon_spent_max",
     "epsilon_spent_mean",
     "all_within_budget",
+    "beats_largest_class",
     "wall_s",
     "engine",
     "cell",
@@ -116,4 +117,5 @@ def cell_results(folder: Path) -> dict[str, Any]:
         "epsilon_spent_max": _number(spent.max()) if len(spent) else None,
         "epsilon_spent_mean": _number(spent.mean()) if len(spent) else None,
         "all_within_budget": summary.get("all_within_budget"),
+        "beats_largest_class": summary.get("beats_largest_class"),  # fedprivacy.results.beats_largest_class
     }

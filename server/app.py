@@ -23,7 +23,7 @@ from fedprivacy.models import evaluate_model
 from fedprivacy.protocol import RELEASED_KEY
 from fedprivacy.recipe import initial_model, new_model, unused_data_keys
 from fedprivacy.replies import InvalidReply, check_released
-from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, progress_line, resolved_config
+from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, largest_class_share, progress_line, resolved_config
 from fedprivacy.run_life import finish, recorded_run
 from fedprivacy.runconfig import RunSettings
 from fedprivacy.training.capture import trained_names
@@ -104,7 +104,8 @@ def _federate(
     )
     nodes = strategy.connected_nodes(grid)
     test = server_test_set(settings, len(nodes))
-    recorder.evaluation_rows = None if test is None else len(test.labels)
+    if test is not None:
+        recorder.evaluation_rows, recorder.largest_class_share = len(test.labels), largest_class_share(test.labels)
     if test is None and settings.data_path is not None:
         logger.info(
             "data-path %s is not a file on the server: evaluating through the clients "

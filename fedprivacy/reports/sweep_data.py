@@ -10,8 +10,9 @@ keys but the seed and those linked with the x key, over which the report takes m
 
 `cells` gains `evaluation_rows` from each completed cell's summary.json: how many central rows
 (test, or validation under evaluate-on) its accuracy was measured on, for the binomial standard
-error; NaN for a results folder written before summary.json recorded it, or for a run that
-evaluated through its clients.
+error, and `largest_class_share`, what always predicting their largest class scores (sweep.csv's
+`beats_largest_class` compares, `fedprivacy.results`); NaN for a results folder written before
+summary.json recorded them, or for a run that evaluated through its clients.
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ def _with_params(table: pd.DataFrame, params: dict, cell: str) -> pd.DataFrame:
     return table.assign(cell=cell, **params)
 
 
-def _evaluation_rows(run: Path) -> float:
+SUMMARY_FIELDS = ("evaluation_rows", "largest_class_share")
+
+
+def _summary_fields(run: Path) -> list[float]:
+    """`SUMMARY_FIELDS` of a run's summary.json (NaN where it has none: older folders, federated evaluation)."""
     summary = read_json(run / SUMMARY_JSON) if (run / SUMMARY_JSON).is_file() else {}
-    rows = summary.get("evaluation_rows")
-    return float("nan") if rows is None else float(rows)
+    return [float("nan") if summary.get(key) is None else float(summary[key]) for key in SUMMARY_FIELDS]
 
 
 def load_sweep(folder: Path) -> SweepData:
@@ -93,11 +97,12 @@ def load_sweep(folder: Path) -> SweepData:
     spec = read_json(folder / SWEEP_JSON)
     cells = pd.read_csv(folder / SWEEP_CSV)
     rounds, clients = [], []
-    cells["evaluation_rows"] = float("nan")
+    for key in SUMMARY_FIELDS:
+        cells[key] = float("nan")
     for index, name in cells.loc[cells["status"] == "completed", "cell"].items():
         record = read_json(folder / name / CELL_JSON)
         run = folder / name / record["run_folder"]
-        cells.loc[index, "evaluation_rows"] = _evaluation_rows(run)
+        cells.loc[index, list(SUMMARY_FIELDS)] = _summary_fields(run)
         rounds.append(_with_params(pd.read_csv(run / "rounds.csv"), record["params"], name))
         clients.append(_with_params(pd.read_csv(run / "clients.csv"), record["params"], name))
     baselines, baseline_rounds = [], []

@@ -119,6 +119,25 @@ def _paired_differences(data: SweepData, pairs: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _no_better_cells(data: SweepData) -> list[str]:
+    """The completed cells whose final accuracy is no better than predicting the largest class."""
+    if "beats_largest_class" not in data.cells:  # a sweep.csv written before it had the column
+        return []
+    flagged = data.cells[data.cells["beats_largest_class"].eq(False)]  # NaN: not measured
+    if flagged.empty:
+        return []
+    return [
+        "## Cells no better than the largest class",
+        "",
+        f"{len(flagged)} completed cells end no more than 1.96 standard errors above always predicting the largest "
+        "class of their evaluation rows (`largest_class_share`): their models learned nothing the accuracy shows. "
+        "More local steps (epochs), another learning-rate, more rounds or a larger ε may help; tune them ([tune]).",
+        "",
+        _markdown(flagged[["cell", "final_accuracy", "largest_class_share", "evaluation_rows"]]),
+        "",
+    ]
+
+
 def _failed_cells(data: SweepData) -> list[str]:
     return [
         "## Failed cells",
@@ -158,6 +177,7 @@ def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | 
         _markdown(arms),
         "",
         *_single_seeds(arms),
+        *_no_better_cells(data),
         "### Non-private baseline",
         "",
         "FedAvg of plain local SGD on the same clients, model, initial weights and local schedule "

@@ -47,7 +47,7 @@ from fedprivacy.participation import Participation
 from fedprivacy.plans import run_plans
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.recipe import initial_model, require_data_file, unused_data_keys
-from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, progress_line, resolved_config
+from fedprivacy.results import DIAGNOSTICS_NOTE, RunRecorder, largest_class_share, progress_line, resolved_config
 from fedprivacy.run_life import finish, recorded_run
 from fedprivacy.runconfig import DEFAULTS, RunSettings
 from fedprivacy.training.capture import trained_names
@@ -203,7 +203,7 @@ def _run_rounds(
     random.seed(settings.seed)
     test = server_test_set(settings, num_clients)
     assert test is not None  # None only without a data file, refused in run_fast
-    recorder.evaluation_rows = len(test.labels)
+    recorder.evaluation_rows, recorder.largest_class_share = len(test.labels), largest_class_share(test.labels)
     clients = [_client(settings, index, num_clients, ledger.path) for index in range(num_clients)]
     recorder.write_config(
         resolved_config(
