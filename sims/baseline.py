@@ -49,19 +49,28 @@ DROPPED_FIELDS = frozenset(
 )
 
 
+def baseline_run_config(run_config: dict[str, Any]) -> dict[str, Any]:
+    """`run_config` with the keys a baseline pins (the module's docstring): FedAvg by examples, no
+    server optimiser, Poisson samples from the run's seed."""
+    config = {**DEFAULTS, **run_config}
+    return {
+        **config,
+        "aggregation": "examples",
+        "server-optimizer": "none",
+        "noise-seed": parse_run_config(config).seed,
+    }
+
+
 def nonprivate_baseline(
     run_config: dict[str, Any], num_clients: int | None = None, *, name: str = "non-private"
 ) -> RunResult:
     """`run_config`'s run with clipping and noise off (`num_clients` None: one per natural partition)."""
-    config = {**DEFAULTS, **run_config}
+    config = baseline_run_config(run_config)
     num_clients = num_clients or natural_client_count(config)
-    pinned = {"aggregation": "examples", "server-optimizer": "none", "noise-seed": parse_run_config(config).seed}
     with tempfile.TemporaryDirectory(prefix="fedprivacy-baseline-") as scratch, warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededRunWarning)  # seeded sampling, and no noise to keep secret
         started = time.perf_counter()
-        folder, _ = run_fast(
-            {**config, **pinned, "results-dir": scratch}, num_clients, private=False, say=lambda _: None
-        )
+        folder, _ = run_fast({**config, "results-dir": scratch}, num_clients, private=False, say=lambda _: None)
         result = read_results(folder, name, time.perf_counter() - started)
     return dataclasses.replace(
         result,

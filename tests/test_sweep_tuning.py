@@ -19,8 +19,7 @@ from fedprivacy import cli
 from fedprivacy.errors import InputError
 from fedprivacy.reports.sweep_report import write_report
 from fedprivacy.sweepfiles import TUNING_PRIVACY_NOTE, cell_results
-from sims.sweep.baseline_tuning import tunes_baseline
-from sims.sweep.baselines import baseline_jobs
+from sims.sweep.baselines import baseline_jobs, baseline_tuning, tunes_baseline
 from sims.sweep.driver import run_sweep
 from sims.sweep.engines.fast import FastCellRunner
 from sims.sweep.grid import cells
@@ -328,13 +327,11 @@ def test_the_baseline_tunes_over_its_own_candidates_when_tune_lists_them(tmp_pat
 
 
 def test_baseline_candidates_tune_the_baseline_even_when_the_cells_tune_no_learning_rate(tmp_path):
-    from sims.sweep.baseline_tuning import baseline_candidates, tuning_runs
-
     spec = spec_of(with_tables(tune={"clip-norm": [0.5, 1.0], BASELINE: [0.3, 3]}), tmp_path)
     assert tunes_baseline(spec.tune, spec.baseline_learning_rate)
-    assert [c.values for c in baseline_candidates(spec.tune)] == [{"learning-rate": 0.3}, {"learning-rate": 3.0}]
-    # 1 baseline arm (seeds 0 and 1) × 2 candidates × 2 tune seeds
-    assert tuning_runs(baseline_jobs(cells(spec)), spec.tune) == 4
+    plan = baseline_tuning(baseline_jobs(cells(spec)), spec.tune)
+    assert [c.values for c in plan.candidates] == [{"learning-rate": 0.3}, {"learning-rate": 3.0}]
+    assert plan.runs == 4  # 1 baseline arm (seeds 0 and 1) × 2 candidates × 2 tune seeds
     without = spec_of(with_tables(tune={"clip-norm": [0.5, 1.0]}), tmp_path)
     assert not tunes_baseline(without.tune, without.baseline_learning_rate)  # nothing to tune it over: as before
 

@@ -186,8 +186,7 @@ def sweep(
 
 def _tuning_lines(spec: Any, cells: list[Any], plan: Any) -> list[str]:
     """What the tuning will run, for --dry-run: the runs per arm, the candidates, the baseline's own."""
-    from sims.sweep.baseline_tuning import tunes_baseline, tuning_runs
-    from sims.sweep.baselines import baseline_jobs
+    from sims.sweep.baselines import baseline_jobs, baseline_tuning, tunes_baseline
 
     if plan is None:
         return []
@@ -196,7 +195,7 @@ def _tuning_lines(spec: Any, cells: list[Any], plan: Any) -> list[str]:
         f"candidates: {'; '.join(candidate.name for candidate in plan.candidates)}",
     ]
     if spec.baseline and tunes_baseline(spec.tune, spec.baseline_learning_rate):
-        runs = tuning_runs(baseline_jobs(cells), spec.tune)
+        runs = baseline_tuning(baseline_jobs(cells), spec.tune).runs
         lines.append(f"non-private baseline: {runs} more tuning runs for its own learning rate (fast engine)")
     lines.append("the tuning's privacy cost is not in the cells' ε (docs/simulator.md#tuning-per-cell)")
     return lines

@@ -11,7 +11,12 @@ rerun skips the baselines already there with the same run config.
 
 With [tune], a baseline takes its schedule_from cell's tuned values, and, when [tune] has
 learning-rate or baseline-learning-rate and [sweep] sets no baseline-learning-rate, its own η chosen
-on validation rows (sims.sweep.baseline_tuning): baseline.json's `tuned` holds them.
+on validation rows: baseline.json's `tuned` holds them. A step size tuned for clipped, noisy updates
+can be far too large (or too small) for plain SGD, which would put the baseline below the private
+cells it bounds. That tuning is the cells' (sims.sweep.tuning), on `baseline_tuning`'s plan: one
+arm per group of baselines that differ only in their seed, the candidates [tune]
+baseline-learning-rate (else the cells' learning-rate list), its runs cells run with clipping and
+noise off (`FastCellRunner(private=False)`) under `<out>/tuning/baseline/<arm>/`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from fedprivacy.errors import error_summary
 from fedprivacy.sweepfiles import BASELINE_IGNORED_KEYS, BASELINE_JSON, STAGING_PREFIX, read_json, write_json
 from sims.baseline import nonprivate_baseline
 from sims.sweep.grid import Cell, cell_name
+from sims.sweep.tune_spec import TuneSpec
+from sims.sweep.tuning import Arm, Candidate, TuningPlan, arm_params
+
+KEY = "learning-rate"  # what a baseline's tuning chooses
 
 
 @dataclass(frozen=True)
@@ -106,3 +115,33 @@ def run_baseline(job: BaselineJob, baseline_dir: Path, refused: str | None = Non
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
     return record
+
+
+def tunes_baseline(tune: TuneSpec | None, baseline_learning_rate: float | None) -> bool:
+    """Whether the baselines choose their own η: [tune] has candidates for it and [sweep] fixes none."""
+    return (
+        tune is not None and bool(tune.baseline_learning_rates or KEY in tune.space) and baseline_learning_rate is None
+    )
+
+
+def baseline_tuning(jobs: list[BaselineJob], tune: TuneSpec) -> TuningPlan:
+    """The baselines' tuning: an arm per group of baselines that differ only in their seed (its
+    run config the group's first), η among [tune] baseline-learning-rate or the cells' list."""
+    rates = tune.baseline_learning_rates or tune.space[KEY]
+    arms: dict[str, list[BaselineJob]] = {}
+    for job in jobs:
+        arms.setdefault(cell_name(arm_params(job.params)), []).append(job)
+    return TuningPlan(
+        tune,
+        tuple(Candidate(cell_name({KEY: rate}), {KEY: rate}) for rate in rates),
+        tuple(
+            Arm(
+                name,
+                arm_params(members[0].params),
+                members[0].run_config,
+                members[0].cell.num_clients,
+                tuple(job.name for job in members),
+            )
+            for name, members in arms.items()
+        ),
+    )

@@ -13,9 +13,10 @@ sweep.csv is rebuilt from the cell folders after every cell, so it always agrees
 one row per cell in grid order, `pending` until the cell has run.
 
 Tuning. With [tune], the tuning runs come first (sims.sweep.tuning: written and resumed like
-cells, under `<out>/tuning/`), then the baselines (with their own learning rate, when tuned:
-sims.sweep.baseline_tuning), then each cell with its arm's chosen values, which its cell.json
-(`tuned`) and sweep.csv (`tuned.<key>` columns) record. The tuned keys are left out of the check
+cells, under `<out>/tuning/`), then the baselines (with their own learning rate, when tuned: the
+same tuning on sims.sweep.baselines' plan, its runs without the mechanism), then each cell with
+its arm's chosen values, which its cell.json (`tuned`) and sweep.csv (`tuned.<key>` columns)
+record. The tuned keys are left out of the check
 above and checked instead against each finished cell's `tuned`, so a rerun never mixes choices.
 The engine is set up when the first tuning run or cell needs it, and torn down once at the end.
 """
@@ -26,7 +27,7 @@ import dataclasses
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,20 @@ from fedprivacy.sweepfiles import (
     SWEEP_JSON,
     TUNED_PREFIX,
     TUNING,
+    TUNING_BASELINE,
     cell_results,
     read_json,
     write_json,
 )
-from sims.sweep.baseline_tuning import tune_baselines, tunes_baseline
-from sims.sweep.baselines import BaselineJob, baseline_jobs, is_finished, run_baseline
+from sims.sweep.baselines import (
+    KEY,
+    BaselineJob,
+    baseline_jobs,
+    baseline_tuning,
+    is_finished,
+    run_baseline,
+    tunes_baseline,
+)
 from sims.sweep.engines import CellRunner, create_runner
 from sims.sweep.grid import Cell, schedule_note
 from sims.sweep.progress import SweepProgress
@@ -247,36 +256,44 @@ class EngineSession:
 
 
 def _run_tuning(
-    plan: TuningPlan, out: Path, session: EngineSession, progress: SweepProgress
+    plan: TuningPlan,
+    root: Path,
+    runner: Callable[[], CellRunner],
+    engine_name: str,
+    progress: SweepProgress,
+    what: str = "tuning",
 ) -> dict[str, dict[str, Any] | None]:
-    """Every arm's chosen values (None: every candidate failed), running the tuning runs not yet done."""
-    chosen: dict[str, dict[str, Any] | None] = dict(read_choices(out, plan))
+    """Every arm's chosen values (None: every candidate failed), running the tuning runs not yet
+    done, each a cell run by `runner()` in `root/<arm>/<run>`: the cells' tuning (`root` is
+    `<out>/tuning`) and the baselines' (`<out>/tuning/baseline`, their runs cells without the
+    mechanism) are this one loop."""
+    chosen: dict[str, dict[str, Any] | None] = dict(read_choices(root, plan))
     todo = [arm for arm in plan.arms if arm.name not in chosen]
     if not todo:
         return chosen
-    count = {"done": runs_done(out, plan, chosen)}
-    progress.log(f"tuning: {plan.summary}; {count['done']} already done")
+    count = {"done": runs_done(root, plan, chosen)}
+    progress.log(f"{what}: {plan.summary}; {count['done']} already done")
 
     def run(cell: Cell, folder: Path) -> dict[str, Any]:
-        label = f"{TUNING}/{folder.parent.name}/{cell.name}"
-        progress.start(f"tuning {cell.name}", int(cell.run_config["num-server-rounds"]))
-        record = run_cell(session.runner(), session.spec.engine, cell, folder, progress)
+        label = f"{TUNING}/{folder.relative_to(root if root.name == TUNING else root.parent)}"
+        progress.start(f"{what} {cell.name}", int(cell.run_config["num-server-rounds"]))
+        record = run_cell(runner(), engine_name, cell, folder, progress)
         progress.end(counts_as_cell=False)
         count["done"] += 1
         score, error = run_outcome(folder, plan.tune.select)
         result = f"validation accuracy {score:.4f}" if error is None else f"[red]failed[/red]: {error}"
-        progress.log(f"tuning run {count['done']}/{plan.runs} {label}: {result} ({record['wall_s']:.0f} s)")
+        progress.log(f"{what} run {count['done']}/{plan.runs} {label}: {result} ({record['wall_s']:.0f} s)")
         return record
 
     for arm in todo:
-        record = tune_arm(arm, plan, out, run)
+        record = tune_arm(arm, plan, root, run)
         chosen[arm.name] = record["chosen"]["values"] if record["chosen"] else None
         picked = (
             f"{record['chosen']['name']} (validation score {record['chosen']['score']:.4f})"
             if record["chosen"]
             else "[red]nothing: every candidate failed[/red]"
         )
-        progress.log(f"tuning {arm.name}: chose {picked}")
+        progress.log(f"{what} {arm.name}: chose {picked}")
     return chosen
 
 
@@ -291,7 +308,12 @@ def _tuned_jobs(
     }
     if spec.tune is None or not tunes_baseline(spec.tune, spec.baseline_learning_rate):
         return jobs, refused
-    etas = tune_baselines([job for job in jobs if job.name not in refused], spec.tune, out, progress.log)
+    from sims.sweep.engines.fast import FastCellRunner  # the fast engine's imports, only when a baseline tunes
+
+    plan = baseline_tuning([job for job in jobs if job.name not in refused], spec.tune)
+    nonprivate = FastCellRunner(spec.resources, private=False)
+    chosen = _run_tuning(plan, out / TUNING / TUNING_BASELINE, lambda: nonprivate, "fast", progress, "baseline tuning")
+    etas = {name: values[KEY] for arm in plan.arms if (values := chosen.get(arm.name)) for name in arm.cells}
     found = []
     for job in jobs:
         eta = etas.get(job.name)
@@ -381,10 +403,10 @@ def run_sweep(
     check_resumable(out, cells, frozenset(spec.tune.space) if spec.tune else frozenset())
     if plan is not None:
         check_tuning_resumable(out, plan)
-        check_tuned(out, cells, _by_cell(plan, read_choices(out, plan)))
+        check_tuned(out, cells, _by_cell(plan, read_choices(out / TUNING, plan)))
     write_json(out / SWEEP_JSON, {**spec.to_dict(), "cells": [c.name for c in cells]})
     finished = {cell.name for cell in cells if (cell_record(out, cell.name) or {}).get("status") == "completed"}
-    tuned = _by_cell(plan, read_choices(out, plan)) if plan is not None else {}
+    tuned = _by_cell(plan, read_choices(out / TUNING, plan)) if plan is not None else {}
     write_sweep_csv(out, spec, cells, tuned)
     session = EngineSession(spec)
     with SweepProgress(len(cells), len(finished), console) as progress:
@@ -399,7 +421,7 @@ def run_sweep(
             if finished:
                 progress.log(f"resuming {out}: {len(finished)} of {len(cells)} cells already finished")
             if plan is not None:
-                tuned = _by_cell(plan, _run_tuning(plan, out, session, progress))
+                tuned = _by_cell(plan, _run_tuning(plan, out / TUNING, session.runner, spec.engine, progress))
                 check_tuned(out, cells, tuned)
             jobs = baseline_jobs(cells, spec.baseline_learning_rate, tuned) if spec.baseline else []
             untuned = {cell.name for cell in cells} - set(tuned) if plan is not None else set()

@@ -165,10 +165,6 @@ def plan_tuning(spec: SweepSpec, cells: list[Cell]) -> TuningPlan | None:
     return TuningPlan(spec.tune, found, arms)
 
 
-def arm_folder(out: Path, arm: str) -> Path:
-    return out / TUNING / arm
-
-
 def _refuse_foreign(out: Path, where: str, what: str) -> NoReturn:
     raise InputError(
         "out",
@@ -247,7 +243,7 @@ def choice_record(
     }
 
 
-def _inputs(arm: Arm, plan: TuningPlan) -> dict[str, Any]:
+def choice_inputs(arm: Arm, plan: TuningPlan) -> dict[str, Any]:
     """What a choice depends on: a choice.json with other inputs is made again."""
     return {
         "arm": arm.name,
@@ -269,9 +265,10 @@ def frozen_choice(path: Path, inputs: dict[str, Any]) -> dict[str, Any] | None:
     return record["chosen"]["values"] if same and record.get("chosen") else None
 
 
-def read_choices(out: Path, plan: TuningPlan) -> dict[str, dict[str, Any]]:
-    """The arms already tuned (arm name -> chosen values)."""
-    found = {arm.name: frozen_choice(arm_folder(out, arm.name) / CHOICE_JSON, _inputs(arm, plan)) for arm in plan.arms}
+def read_choices(root: Path, plan: TuningPlan) -> dict[str, dict[str, Any]]:
+    """The arms already tuned (arm name -> chosen values); `root` holds a folder per arm (the
+    cells' `<out>/tuning`, the baselines' `<out>/tuning/baseline`)."""
+    found = {arm.name: frozen_choice(root / arm.name / CHOICE_JSON, choice_inputs(arm, plan)) for arm in plan.arms}
     return {name: values for name, values in found.items() if values is not None}
 
 
@@ -289,11 +286,11 @@ def is_done(folder: Path) -> bool:
     return (folder / CELL_JSON).is_file() and read_json(folder / CELL_JSON)["status"] == "completed"
 
 
-def runs_done(out: Path, plan: TuningPlan, chosen: Iterable[str]) -> int:
+def runs_done(root: Path, plan: TuningPlan, chosen: Iterable[str]) -> int:
     """Tuning runs that need no running: every run of the arms in `chosen`, the completed ones of the rest."""
     settled = set(chosen)
     return sum(
-        arm.name in settled or is_done(arm_folder(out, arm.name) / arm.run(candidate, seed).name)
+        arm.name in settled or is_done(root / arm.name / arm.run(candidate, seed).name)
         for arm in plan.arms
         for candidate in plan.candidates
         for seed in plan.tune.seeds
@@ -303,19 +300,20 @@ def runs_done(out: Path, plan: TuningPlan, chosen: Iterable[str]) -> int:
 def tune_arm(
     arm: Arm,
     plan: TuningPlan,
-    out: Path,
+    root: Path,
     run: Callable[[Cell, Path], dict[str, Any]],
 ) -> dict[str, Any]:
-    """Run the arm's unfinished tuning runs (`run(cell, folder)` writes a cell folder) and write its
-    choice.json; returns the record (its `chosen` is None when every candidate failed)."""
-    folder = arm_folder(out, arm.name)
+    """Run the arm's unfinished tuning runs in `root/<arm>` (`run(cell, folder)` writes a cell
+    folder) and write its choice.json; returns the record (its `chosen` is None when every
+    candidate failed)."""
+    folder = root / arm.name
     for candidate in plan.candidates:
         for seed in plan.tune.seeds:
             cell = arm.run(candidate, seed)
             if not is_done(folder / cell.name):
                 run(cell, folder / cell.name)
     record = choice_record(
-        _inputs(arm, plan),
+        choice_inputs(arm, plan),
         plan.candidates,
         plan.tune.seeds,
         plan.tune.select,
