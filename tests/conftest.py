@@ -49,3 +49,35 @@ def run_config(tmp_path: Path) -> dict[str, Any]:
 def compute_device(request: pytest.FixtureRequest) -> torch.device:
     """Each device-sensitive training test runs on the CPU, and on the GPU too when one is visible."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def simulate() -> Any:
+    """`simulate(run_config, num_nodes, run_id=1)`: the ServerApp and ClientApp in process on
+    `num_nodes` simulated clients; returns the grid (its call log)."""
+    from clients.app import app as client_app
+    from server.app import app as server_app
+
+    def run(run_config: dict[str, Any], num_nodes: int, run_id: int = 1) -> RecordingGrid:
+        grid = RecordingGrid.simulation(client_app, num_nodes, run_config, run_id)
+        run_server(server_app, grid, run_config)
+        return grid
+
+    return run
+
+
+@pytest.fixture
+def fedprivacy_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`fedprivacy_cli(*args)`: the `fedprivacy` command in this process: (exit code, stdout, stderr)."""
+    import sys
+
+    from fedprivacy import cli
+
+    def run(*args: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["fedprivacy", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+        captured = capsys.readouterr()
+        return int(exit_info.value.code or 0), captured.out, captured.err
+
+    return run

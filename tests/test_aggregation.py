@@ -51,21 +51,21 @@ def test_an_unknown_scheme_is_refused_by_name():
 
 
 @pytest.fixture
-def simulate(in_process, run_config):
-    from clients.app import app as client_app
-    from server.app import app as server_app
+def simulate_folder(simulate, run_config):
+    """The apps in process on four clients of budgets 0.5, 1, 4 and 8 with `overrides`: the results folder."""
 
     def run(overrides, nodes=4):
         config = {**run_config, "num-server-rounds": 3, "epsilons": "0.5,1,4,8", **overrides}
-        grid = in_process.Grid.simulation(client_app, nodes, config)
-        in_process.run_server(server_app, grid, config)
+        simulate(config, nodes)
         (folder,) = Path(config["results-dir"]).iterdir()
         return folder
 
     return run
 
 
-def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(simulate, run_config, tmp_path, monkeypatch):
+def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(
+    simulate_folder, run_config, tmp_path, monkeypatch
+):
     """The server's average with inverse-noise weights is Σ wᵢθᵢ/Σ wᵢ with wᵢ = 1/Var(plan, round)."""
     from server import strategy as strategy_module
 
@@ -76,7 +76,7 @@ def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(simul
         "aggregate",
         lambda current, updates, weights, step: (seen.append(weights), aggregate(current, updates, weights, step))[1],
     )
-    folder = simulate({"aggregation": "inverse-noise", "results-dir": str(tmp_path / "inv")})
+    folder = simulate_folder({"aggregation": "inverse-noise", "results-dir": str(tmp_path / "inv")})
     plans = {
         p.stem: Plan.from_dict(json.loads(p.read_text()))
         for p in (folder / "plans").glob("*.json")
@@ -85,16 +85,18 @@ def test_inverse_noise_weighs_clients_by_their_plans_and_changes_the_model(simul
     for server_round, weights in enumerate(seen, start=1):
         expected = sorted(1 / update_noise_variance(plan, server_round) for plan in plans.values())
         assert sorted(weights) == pytest.approx(expected)
-    by_examples = simulate({"aggregation": "examples", "results-dir": str(tmp_path / "ex")})
+    by_examples = simulate_folder({"aggregation": "examples", "results-dir": str(tmp_path / "ex")})
     assert not torch.equal(
         torch.load(folder / "model.pt")["1.weight"], torch.load(by_examples / "model.pt")["1.weight"]
     )
 
 
 @pytest.mark.parametrize("optimizer", ["fedavgm", "fedadam"])
-def test_a_flower_server_optimizer_steps_from_the_global_model_under_the_same_budgets(simulate, tmp_path, optimizer):
-    plain = simulate({"results-dir": str(tmp_path / "plain")})
-    stepped = simulate(
+def test_a_flower_server_optimizer_steps_from_the_global_model_under_the_same_budgets(
+    simulate_folder, tmp_path, optimizer
+):
+    plain = simulate_folder({"results-dir": str(tmp_path / "plain")})
+    stepped = simulate_folder(
         {
             "server-optimizer": optimizer,
             "server-learning-rate": 0.5,

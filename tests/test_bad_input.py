@@ -10,7 +10,6 @@ loaders) must raise `InputError` whose one-line message names the field and the 
 from __future__ import annotations
 
 import sqlite3
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,6 @@ from typing import Any
 import pytest
 from harness import app_defaults
 
-from fedprivacy import cli
 from fedprivacy.cli import ledger as ledger_cli
 from fedprivacy.data.loaders import load_dataset
 from fedprivacy.errors import InputError
@@ -336,13 +334,6 @@ CASES = [
 ]
 
 
-def run_cli(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    monkeypatch.setattr(sys, "argv", ["fedprivacy", *args])
-    with pytest.raises(SystemExit) as ended:
-        cli.main()
-    return int(ended.value.code)
-
-
 def attempt_library(case: Case, file: Path | None) -> None:
     """Feed the input where the Flower apps take it; must raise InputError."""
     if case.where == "run-config":
@@ -363,7 +354,7 @@ def test_the_catalogue_holds_at_least_forty_cases_across_every_category():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_one_line_naming_field_value_and_what_is_allowed(case, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_naming_field_value_and_what_is_allowed(fedprivacy_cli, case, tmp_path, monkeypatch):
     inputs, work = tmp_path / "inputs", tmp_path / "work"
     inputs.mkdir(), work.mkdir()
     monkeypatch.chdir(work)
@@ -376,11 +367,10 @@ def test_bad_input_is_one_line_naming_field_value_and_what_is_allowed(case, tmp_
             holder = sqlite3.connect(file, isolation_level=None)
             holder.execute("BEGIN EXCLUSIVE")
         try:
-            code = run_cli(args, monkeypatch)
+            code, out, err = fedprivacy_cli(*args)
         finally:
             if holder is not None:
                 holder.close()
-        out, err = capsys.readouterr()
         assert code == 2 and out == "", (code, out, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1, err
@@ -486,11 +476,10 @@ def test_a_schedule_sampling_under_one_record_per_step_is_refused_quickly_by_eve
     ],
 )
 def test_the_cli_refuses_a_schedule_sampling_under_one_record_per_step(
-    rule, flags, field, shows, tmp_path, monkeypatch, capsys
+    fedprivacy_cli, rule, flags, field, shows, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    code = run_cli([*PLAN, "--epsilon", "1", "--delta", "1e-5", "--rule", rule, *flags], monkeypatch)
-    out, err = capsys.readouterr()
+    code, out, err = fedprivacy_cli(*PLAN, "--epsilon", "1", "--delta", "1e-5", "--rule", rule, *flags)
     assert code == 2 and out == "", (code, out, err)
     (line,) = err.strip().splitlines()
     assert line.startswith(f"error: {field}={shows}: ") and "q·N" in line, line

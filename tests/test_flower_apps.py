@@ -55,18 +55,6 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-@pytest.fixture
-def simulate(in_process):
-    """Run the apps in process on `num_nodes` simulated clients; return the grid (its call log)."""
-
-    def run(run_config: dict[str, Any], num_nodes: int, run_id: int = 1):
-        grid = in_process.Grid.simulation(client_app, num_nodes, run_config, run_id)
-        in_process.run_server(server_app, grid, run_config)
-        return grid
-
-    return run
-
-
 def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run_config, capsys):
     simulate(run_config, num_nodes=3)
     folder = run_folder(Path(run_config["results-dir"]))

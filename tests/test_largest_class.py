@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import numpy as np
 import pandas as pd
@@ -48,12 +47,10 @@ def test_a_run_says_whether_it_beats_the_largest_class(in_process, tmp_path, lea
         )
 
 
-def test_a_sweep_and_its_report_name_the_cells_that_learned_nothing(tmp_path, capsys, monkeypatch):
+def test_a_sweep_and_its_report_name_the_cells_that_learned_nothing(fedprivacy_cli, tmp_path):
     """`fedprivacy sweep` over learning-rate ∈ {10⁻⁹, 1} (fast engine, no baseline), then `fedprivacy
     report`: the console marks the first cell, sweep.csv's `beats_largest_class` is False for it and
     True for the other, and report.md lists it alone with the share it had to beat."""
-    from fedprivacy import cli
-
     scenario = tmp_path / "flat.toml"
     scenario.write_text(
         '[sweep]\nclients = 2\nseeded-noise = true\n\n[run]\ndataset = "digits"\nnum-server-rounds = 2\n'
@@ -62,12 +59,9 @@ def test_a_sweep_and_its_report_name_the_cells_that_learned_nothing(tmp_path, ca
     out = tmp_path / "out"
 
     def fedprivacy(*args: str) -> str:
-        monkeypatch.setattr(sys, "argv", ["fedprivacy", *args])
-        with pytest.raises(SystemExit) as ended:
-            cli.main()
-        captured = capsys.readouterr()
-        assert ended.value.code == 0, captured.err
-        return captured.out + captured.err
+        code, out, err = fedprivacy_cli(*args)
+        assert code == 0, err
+        return out + err
 
     console = fedprivacy("sweep", str(scenario), "--engine", "fast", "--no-baseline", "--out", str(out))
     flat = [line for line in console.splitlines() if "no better than the largest class" in line]

@@ -14,7 +14,6 @@ import pandas as pd
 import pytest
 from harness import load_scenario
 
-from fedprivacy import cli
 from fedprivacy.runconfig import DEFAULTS
 from fedprivacy.sweepfiles import RESULT_COLUMNS
 from sims.runner import read_results
@@ -27,15 +26,6 @@ from sims.sweep.spec import validate
 PROJECT = Path(__file__).resolve().parents[1]
 TINY = PROJECT / "scenarios" / "tiny.toml"
 TINY_CELLS = ["epsilon=1_rule=calibrated", "epsilon=2_rule=calibrated"]
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, str]:
-    """The `fedprivacy` command in this process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["fedprivacy", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def cell_folder(out: Path, name: str) -> Path:
@@ -91,11 +81,9 @@ def test_the_tiny_scenario_runs_every_cell_in_process_and_sweep_csv_agrees_with_
     assert baseline["final_accuracy"] > 0.5  # 10 digits: chance is 0.1
 
 
-def test_the_fast_engine_gives_the_in_process_numbers_for_the_tiny_scenario(tiny_sweep, tmp_path, capsys, monkeypatch):
+def test_the_fast_engine_gives_the_in_process_numbers_for_the_tiny_scenario(fedprivacy_cli, tiny_sweep, tmp_path):
     """`--engine fast` slots in as a module of sims/sweep/engines: same cells, same results to float tolerance."""
-    code, _, err = run_cli(
-        capsys,
-        monkeypatch,
+    code, _, err = fedprivacy_cli(
         "sweep",
         str(TINY),
         "--engine",
@@ -227,7 +215,7 @@ def test_report_tables_average_over_seeds(tmp_path):
     assert (tmp_path / "report" / "accuracy_vs_epsilon.svg").is_file()
 
 
-def test_flags_and_a_scenario_file_give_the_same_cells(tmp_path, capsys, monkeypatch):
+def test_flags_and_a_scenario_file_give_the_same_cells(fedprivacy_cli, tmp_path):
     from_file = load_scenario(TINY)
     raw = scenario_from_flags(
         {"dataset": "digits", "rounds": "2"},
@@ -242,12 +230,8 @@ def test_flags_and_a_scenario_file_give_the_same_cells(tmp_path, capsys, monkeyp
         (c.name, c.run_config, c.num_clients) for c in cells(from_file)
     ]
     # and through the command, which lists the cells it would run
-    _, listed_from_file, _ = run_cli(
-        capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "tiny"), "--dry-run"
-    )
-    code, listed_from_flags, _ = run_cli(
-        capsys,
-        monkeypatch,
+    _, listed_from_file, _ = fedprivacy_cli("sweep", str(TINY), "--out", str(tmp_path / "tiny"), "--dry-run")
+    code, listed_from_flags, _ = fedprivacy_cli(
         "sweep",
         "--out",
         str(tmp_path / "tiny"),
@@ -341,25 +325,25 @@ BAD_SCENARIOS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_SCENARIOS))
-def test_a_bad_scenario_is_refused_in_one_line_before_anything_runs(case, tmp_path, capsys, monkeypatch):
+def test_a_bad_scenario_is_refused_in_one_line_before_anything_runs(fedprivacy_cli, case, tmp_path):
     text, field = BAD_SCENARIOS[case]
     scenario = tmp_path / "bad.toml"
     scenario.write_text(text)
-    code, out, err = run_cli(capsys, monkeypatch, "sweep", str(scenario), "--out", str(tmp_path / "out"))
+    code, out, err = fedprivacy_cli("sweep", str(scenario), "--out", str(tmp_path / "out"))
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}="), err
     assert not (tmp_path / "out").exists()
 
 
-def test_flags_with_a_scenario_file_or_a_bad_flag_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+def test_flags_with_a_scenario_file_or_a_bad_flag_are_refused_in_one_line(fedprivacy_cli, tmp_path):
     for args, field in (
         (["--epsilons", "1,2"], "epsilons"),
         (["--seeds", "4-0"], "seeds"),
         (["--grid", "clip-norm=x"], "grid clip-norm"),
     ):
         scenario = [str(TINY)] if field == "epsilons" else ["--dataset", "digits", "--clients", "2"]
-        code, _, err = run_cli(capsys, monkeypatch, "sweep", *scenario, "--out", str(tmp_path / "out"), *args)
+        code, _, err = fedprivacy_cli("sweep", *scenario, "--out", str(tmp_path / "out"), *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: {field}="), err
     assert not (tmp_path / "out").exists()
 
@@ -392,12 +376,12 @@ class FailingEngine(InProcessCellRunner):
         super().run_cell(cell, results_dir, on_round)
 
 
-def test_a_sweep_whose_every_cell_failed_still_gets_a_report_of_why(tmp_path, capsys, monkeypatch):
+def test_a_sweep_whose_every_cell_failed_still_gets_a_report_of_why(fedprivacy_cli, tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: FailingEngine(*TINY_CELLS))
-    code, _, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
+    code, _, _ = fedprivacy_cli("sweep", str(TINY), "--out", str(out), "--no-baseline")
     assert code == 1 and list(pd.read_csv(out / "sweep.csv")["status"]) == ["failed", "failed"]
-    code, printed, _ = run_cli(capsys, monkeypatch, "report", str(out))
+    code, printed, _ = fedprivacy_cli("report", str(out))
     assert code == 0 and printed.startswith("1 files, report:")
     markdown = (out / "report" / "report.md").read_text()
     assert "2 cells: 0 completed, 2 failed, 0 pending" in markdown and "No cell completed" in markdown
@@ -405,10 +389,10 @@ def test_a_sweep_whose_every_cell_failed_still_gets_a_report_of_why(tmp_path, ca
     assert markdown.count("RuntimeError: injected fault") == 2 and not list((out / "report").glob("*.png"))
 
 
-def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_path, capsys, monkeypatch):
+def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(fedprivacy_cli, tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: FailingEngine(TINY_CELLS[1]))
-    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
+    code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(out), "--no-baseline")
     assert code == 1 and f"failed: cells/{TINY_CELLS[1]}: RuntimeError: injected fault" in err
     table = pd.read_csv(out / "sweep.csv")
     assert list(table["status"]) == ["completed", "failed"]
@@ -416,7 +400,7 @@ def test_a_failed_cell_is_a_row_with_its_error_and_a_rerun_redoes_only_it(tmp_pa
     first = (out / "cells" / TINY_CELLS[0] / "cell.json").stat().st_mtime_ns
 
     monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: InProcessCellRunner())
-    code, _, _ = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(out), "--no-baseline")
+    code, _, _ = fedprivacy_cli("sweep", str(TINY), "--out", str(out), "--no-baseline")
     assert code == 0
     assert list(pd.read_csv(out / "sweep.csv")["status"]) == ["completed", "completed"]
     assert (out / "cells" / TINY_CELLS[0] / "cell.json").stat().st_mtime_ns == first  # not run again
@@ -433,9 +417,9 @@ class EngineThatCannotStart(InProcessCellRunner):
         EngineThatCannotStart.torn_down = True
 
 
-def test_an_engine_that_cannot_start_is_one_line_and_is_torn_down(tmp_path, capsys, monkeypatch):
+def test_an_engine_that_cannot_start_is_one_line_and_is_torn_down(fedprivacy_cli, tmp_path, monkeypatch):
     monkeypatch.setattr("sims.sweep.driver.create_runner", lambda name, resources: EngineThatCannotStart())
-    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tmp_path / "out"), "--no-baseline")
+    code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(tmp_path / "out"), "--no-baseline")
     assert (
         code == 1
         and err.strip().splitlines()[-1]
@@ -445,11 +429,11 @@ def test_an_engine_that_cannot_start_is_one_line_and_is_torn_down(tmp_path, caps
     assert set(pd.read_csv(tmp_path / "out" / "sweep.csv")["status"]) == {"pending"}
 
 
-def test_a_finished_sweep_refuses_to_resume_with_other_settings(tiny_sweep, tmp_path, capsys, monkeypatch):
+def test_a_finished_sweep_refuses_to_resume_with_other_settings(fedprivacy_cli, tiny_sweep, tmp_path):
     changed = tmp_path / "tiny.toml"
     changed.write_text(TINY.read_text().replace("num-server-rounds = 2", "num-server-rounds = 3"))
     before = (tiny_sweep / "sweep.csv").read_text()
-    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(changed), "--out", str(tiny_sweep))
+    code, _, err = fedprivacy_cli("sweep", str(changed), "--out", str(tiny_sweep))
     assert code == 2 and err.startswith(
         f"error: out='{tiny_sweep}': its cell {TINY_CELLS[0]} ran with num-server-rounds=2"
     )
@@ -457,7 +441,7 @@ def test_a_finished_sweep_refuses_to_resume_with_other_settings(tiny_sweep, tmp_
 
 
 def test_a_sweep_finished_before_a_run_config_key_existed_resumes_with_that_key_at_its_default(
-    tiny_sweep, capsys, monkeypatch
+    fedprivacy_cli, tiny_sweep
 ):
     """Cells recorded without a key (added to the run config later) ran with its default: resuming
     the same scenario neither refuses nor reruns them; a non-default value for that key is refused."""
@@ -466,23 +450,23 @@ def test_a_sweep_finished_before_a_run_config_key_existed_resumes_with_that_key_
         assert record["run_config"].pop("data-split") == DEFAULTS["data-split"]
         record_file.write_text(json.dumps(record))
     before = (tiny_sweep / "sweep.csv").read_text()
-    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(TINY), "--out", str(tiny_sweep))
+    code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(tiny_sweep))
     assert code == 0, err
     assert (tiny_sweep / "sweep.csv").read_text() == before
     changed = tiny_sweep.parent / "changed.toml"
     changed.write_text(TINY.read_text().replace("[run]\n", '[run]\ndata-split = "train"\n', 1))
-    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(changed), "--out", str(tiny_sweep))
+    code, _, err = fedprivacy_cli("sweep", str(changed), "--out", str(tiny_sweep))
     assert code == 2 and "ran with data-split=''" in err
 
 
-def test_a_sweep_refuses_a_folder_holding_another_scenarios_cells(tiny_sweep, tmp_path, capsys, monkeypatch):
+def test_a_sweep_refuses_a_folder_holding_another_scenarios_cells(fedprivacy_cli, tiny_sweep, tmp_path):
     """Another grid into the same --out: refused before anything is written, even where the
     cells it shares ran with the same settings (the report would mix the two scenarios)."""
     other = tmp_path / "other.toml"
     other.write_text(TINY.read_text().replace("epsilon = [1, 2]", "epsilon = [1, 4]"))
     assert other.read_text() != TINY.read_text()
     before = {path: path.read_bytes() for path in tiny_sweep.rglob("*") if path.is_file()}
-    code, _, err = run_cli(capsys, monkeypatch, "sweep", str(other), "--out", str(tiny_sweep), "--no-baseline")
+    code, _, err = fedprivacy_cli("sweep", str(other), "--out", str(tiny_sweep), "--no-baseline")
     assert code == 2 and err.startswith(
         f"error: out='{tiny_sweep}': holds cell {TINY_CELLS[1]}, which this scenario does not have"
     )

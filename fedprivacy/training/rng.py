@@ -1,54 +1,19 @@
-"""Randomness for DP steps: a cryptographically strong byte stream per step, turned into the
-Poisson sample and the Gaussian noise.
+"""Randomness for DP steps: a ChaCha20 keystream per step (the `cryptography` package), turned
+into the Poisson sample and the Gaussian noise (docs/training.md, "Randomness", says why each
+choice).
 
-The bytes are a ChaCha20 keystream (the `cryptography` package):
-- **production (no seed)**: under a fresh 256-bit key from the operating system's CSPRNG
-  (`os.urandom`) for every batch of steps drawn together. Nothing about one batch's noise can be
-  learnt from another's, and nothing can be replayed: there is no seed to recover. (Expanding a
-  32-byte OS key with ChaCha20 runs at about 6 GB/s here; reading every byte from the OS runs at
-  about 0.5 GB/s.)
-- **experiments (a seed)**: each step t reads its own stretch of one keystream (from block
-  t·⌈bytes per step/64⌉) under a 256-bit key derived by BLAKE2b from the *whole* seed material.
-  Any change of the seed material gives an unrelated key; the same seed gives the same noise
-  whatever the split of the steps into rounds or resumptions.
-Either way the security level is that of ChaCha20 (a 256-bit key; ≥ 128 bits against any known
-attack), not the 32 or 64 bits of a seeded PRNG such as torch's CPU generator, whose state can be
-searched.
-
-Each step's 64-bit words are read in a fixed layout: with m pairs of Gaussians, m radius words,
-then m angle words, then one word per record for its Poisson draw. The draws are computed on the
-CPU, for many steps at once (one vectorised pass instead of ~15 small operations per step), and
-copied to the model's device:
-- Poisson sampling keeps record i iff the top 53 bits uᵢ of its word are below ⌊q·2⁵³⌋, so the
-  realised rate is ⌊q·2⁵³⌋/2⁵³ ≤ q exactly (a float32 comparison with q rounds q *up* to the
-  next multiple of 2⁻²⁴);
-- Gaussians come from the Box–Muller transform (Box & Muller 1958), z = sqrt(−2 ln u₁)·(cos θ,
-  sin θ), the radius in float64 and the angle θ = 2π·s·2⁻⁶⁴ ∈ [−π, π) (s: the angle word read as
-  a signed integer) in the parameters' dtype.
-
-The radius's tail must be exact, not merely long. A sampler whose |z| never exceeds some r_max
-makes every output beyond g + σ·r_max impossible under a dataset whose gradient sum is g, while
-under its neighbour (gradient sum g + Δ, |Δ| ≤ the clip norm C, noise σ·C) those outputs have
-probability P(Z > r_max − 1/σ): a δ that no certificate holds. At the smallest σ the limits allow
-(ε = 100, σ ≈ 0.095, 1/σ ≈ 10.6) that is close to 1 for the r_max of any one word (53 bits: 8.57;
-64 bits: 9.42). So u₁, uniform on (0, 1], is the binary expansion u₁ = 2⁻⁶⁴·(w + v) of the whole
-radius word w and a continuation v, itself uniform on (0, 1]:
-- w ≥ 1 (all but 2⁻⁶⁴ of the pairs): v = ½, u₁ = (w + ½)·2⁻⁶⁴ in float64 (the smallest is 1.5·2⁻⁶⁴);
-- w = 0: v is read the same way from further words, so after k leading zero words and a word w_k,
-  −ln u₁ = 64k·ln 2 − ln((w_k + ½)·2⁻⁶⁴), computed in that form: u₁ itself is never formed (below
-  2⁻¹⁰²² it would be subnormal and lose its digits). The expansion stops at `RADIUS_WORDS` = 16
-  words, 2⁻¹⁰²⁴ deep (all zero: v = ½ again), so |z| ≤ `MAX_RADIUS` = sqrt(2·1025·ln 2) ≈ 37.7;
-  the true radius exceeds it with probability 2⁻¹⁰²⁵ ≈ e⁻⁷¹⁰. tests/test_noise_tail.py checks that
-  this, times e^ε and with the shift 1/σ, is below 10⁻¹² of δ at the largest budget.
-The words after a zero radius word are not the keystream's: they are read from `os.urandom`
-(fresh randomness, 15 words per zero word). A seeded run therefore replays exactly except in an
-event of probability 2⁻⁶⁴ per pair of Gaussians (about 5·10⁻¹² over 10⁸ pairs), in which that one
-radius is fresh. The common path pays one reduction per chunk to find zero words and one pass to
-read whole words as signed integers (`_midpoints`): the transform of 3.6 M words takes 3–4%
-longer, and a 1,000-client MLP round's draws the same time within the noise (about 22 ms on 2
-cores), since only the Poisson words are shifted to 53 bits.
-Floating-point Gaussian samplers have further, known side channels (Mironov 2012); SECURITY.md
-says what that does and does not cover.
+- Production (no seed): a fresh 256-bit key from `os.urandom` for every batch of steps drawn
+  together: nothing to recover, nothing to replay. Experiments (a seed): a key derived by BLAKE2b
+  from the whole seed material; step t reads its own stretch, so any split into rounds replays.
+- Each step's 64-bit words: m radius words, m angle words (m pairs of Gaussians), then one word
+  per record. Record i is kept iff the top 53 bits of its word are below ⌊q·2⁵³⌋ (the rate never
+  exceeds q). Box–Muller (Box & Muller 1958): radius in float64 from u₁ = (w + ½)·2⁻⁶⁴, a zero word
+  continuing u₁'s binary expansion with fresh OS words up to `RADIUS_WORDS` deep, so the tail is
+  exact to 2⁻¹⁰²⁵ (|z| ≤ `MAX_RADIUS`; a cut tail is a δ no certificate holds); the angle in the
+  parameters' dtype.
+- Draws are made on the CPU for many steps at once, in chunks spread over torch's threads (same
+  bits either way), and copied to the model's device. Floating-point samplers keep known side
+  channels (Mironov 2012): SECURITY.md.
 """
 
 from __future__ import annotations
