@@ -35,7 +35,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # fits a run config, a TOML s
 _decorated: dict[str, ModelFactory] = {}
 
 
-def _target(factory: Callable[..., Any]) -> str:
+def factory_target(factory: Callable[..., Any]) -> str:
     """`module:qualname`, the way an entry point names a factory."""
     return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"
 
@@ -55,8 +55,8 @@ def register_model(name: str) -> Callable[[F], F]:
         if not callable(factory):
             raise TypeError(f"register_model({name!r}) decorates a factory function, not {type(factory).__name__}")
         known = _decorated.get(name)
-        if known is not None and _target(known) != _target(factory):
-            raise ValueError(f"model name {name!r} is already registered to {_target(known)}; choose another")
+        if known is not None and factory_target(known) != factory_target(factory):
+            raise ValueError(f"model name {name!r} is already registered to {factory_target(known)}; choose another")
         _decorated[name] = factory
         return factory
 
@@ -89,15 +89,11 @@ def check_model_name(field: str, value: Any) -> str:
 
 
 def model_factory(name: str) -> tuple[ModelFactory, str]:
-    """The factory `name` means and where it comes from (`module:function`), looked up among the
-    built-ins, then decorations, then installed entry points (imported now)."""
-    if name in MODEL_NAMES:
-        from fedprivacy import models
-
-        factory = models.MODELS[name]
-        return factory, _target(factory)
+    """The factory a user's model name means and where it comes from (`module:function`), looked
+    up among the decorations, then installed entry points (imported now); the built-ins are
+    `fedprivacy.models.MODELS` (`build_model` looks there first)."""
     if name in _decorated:
-        return _decorated[name], _target(_decorated[name])
+        return _decorated[name], factory_target(_decorated[name])
     candidates = _installed(name)
     if not candidates:
         raise _unknown("model", name)

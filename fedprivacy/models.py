@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from fedprivacy.data.types import Dataset
 from fedprivacy.errors import InputError
 from fedprivacy.model_checks import check_model
-from fedprivacy.model_registry import InputShape, ModelFactory, model_factory, register_model
+from fedprivacy.model_registry import InputShape, ModelFactory, factory_target, model_factory, register_model
 from fedprivacy.training import UnsupportedLayerError, check_supported
 from fedprivacy.training.isolation import register_rowwise
 
@@ -125,7 +125,7 @@ def build_model(name: str, input_shape_or_num_features: Sequence[int] | int, num
     shape = input_shape(input_shape_or_num_features)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
         raise ValueError(f"num_classes={num_classes!r}: need an integer >= 2")
-    factory, target = model_factory(name)
+    factory, target = (MODELS[name], factory_target(MODELS[name])) if name in MODELS else model_factory(name)
     try:
         model = factory(shape, num_classes)
     except Exception as error:  # a factory's own failure, for this shape: say which model and which factory
