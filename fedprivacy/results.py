@@ -6,11 +6,13 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
     rounds.csv        one row per round: accuracy, loss, ε spent (max/mean), clients sampled,
                       trained and dropped this round, clients out of budget / failed so far…
     clients.csv       one row per client: budget, ε spent (all runs), σ, steps (this run, all
-                      runs, planned), rounds trained and dropped, exhausted round, status
+                      runs, planned), rounds trained and dropped, exhausted round, its last
+                      federated evaluation (accuracy and loss on its own test rows), status
     replies.csv       one row per train reply (or missing one): round, client, outcome, reason
     plans/            every client's planning sheet (md, html, json), one figure per distinct plan, an index
     model.pt          the final global model's state_dict
     progress.png      accuracy and ε spent per round
+    clients.png       each client's accuracy on its own test rows (simulations: clients that evaluated)
     summary.json      status (completed, or failed with its error) and the headline numbers, with
                       `evaluation_rows`: how many rows the central accuracy was measured on, and
                       `largest_class_share` and `beats_largest_class` (see `beats_largest_class`)
@@ -37,7 +39,7 @@ import numpy as np
 
 from fedprivacy.errors import error_summary
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.reports.progress_figure import draw_progress
+from fedprivacy.reports.progress_figure import draw_client_accuracy, draw_progress
 from fedprivacy.reports.sheets import write_sheets
 
 ROUND_COLUMNS = (
@@ -73,6 +75,10 @@ CLIENT_COLUMNS = (
     "rounds_dropped",
     "exhausted_round",
     "excluded_round",
+    "accuracy",
+    "loss",
+    "test_examples",
+    "evaluated_round",
     "device",
     "status",
 )
@@ -208,6 +214,10 @@ class ClientRecord:
     rounds_dropped: int = 0  # rounds whose reply was an error, invalid or missing
     exhausted_round: int | None = None
     excluded_round: int | None = None  # the round after which it was not sampled again
+    accuracy: float = math.nan  # the global model on its own test rows, at its last federated evaluation
+    loss: float = math.nan  # (simulations only: a deployed client releases no evaluation)
+    test_examples: int = 0
+    evaluated_round: int | None = None
     device: str = ""  # where it last trained: "gpu" or "cpu"
     status: str = "ok"  # ok, exhausted, or "failed: <why its last reply was dropped>"
 
@@ -261,6 +271,16 @@ class RunRecorder:
         rec.device = "gpu" if metrics["on-gpu"] else "cpu"
         current.append((int(metrics["num-examples"]), metrics.get("train-loss"), metrics.get("clip-fraction")))
         self._reply(server_round, client_id, "trained", "")
+
+    def client_evaluated(self, server_round: int, client_id: str, accuracy: float, loss: float, rows: int) -> None:
+        """A client's federated evaluation of the global model on its own test rows (its latest is kept)."""
+        rec = self.client(client_id)
+        rec.accuracy, rec.loss, rec.test_examples, rec.evaluated_round = (
+            float(accuracy),
+            float(loss),
+            rows,
+            server_round,
+        )
 
     def sampled(self, server_round: int, count: int) -> None:
         """How many clients were asked to train in this round."""
@@ -350,7 +370,10 @@ class RunRecorder:
         return path
 
     def write_figure(self) -> Path:
-        """progress.png: accuracy (central, else federated) and max ε spent per round."""
+        """progress.png: accuracy (central, else federated) and max ε spent per round; and
+        clients.png, each client's accuracy on its own test rows, where clients evaluated."""
+        central = self.rounds[-1].get("accuracy") if self.rounds else None
+        draw_client_accuracy([vars(c) for c in self.clients.values()], central, self.folder / "clients.png")
         return draw_progress(self.rounds, self.folder / "progress.png")
 
     def write_summary(self, extra: dict[str, Any], error: str | None = None) -> dict[str, Any]:

@@ -274,6 +274,9 @@ class PrivacyFedAvg(FedAvg):
                 self.participation.releases_no_evaluation(node)
             else:
                 evaluated.append(RecordDict({"metrics": MetricRecord(values)}))
+                self.recorder.client_evaluated(
+                    server_round, self._name(node), values["accuracy"], values["loss"], int(values["num-examples"])
+                )
         if repliers and repliers <= self.participation.evaluation_off and not evaluated:
             logger.info(
                 "clients release no evaluation (deployed clients keep their test rows private): "

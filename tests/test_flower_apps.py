@@ -329,6 +329,7 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(
     assert "query" in {k for _, k in grid.calls}  # the initial model came from a client
     for node in deployment_nodes[:2]:
         row = clients[node["client-id"]]
+        assert row["accuracy"] == "nan" and row["test_examples"] == "0"  # a deployed client releases no evaluation
         plan = json.loads((folder / "plans" / f"{node['client-id']}.json").read_text())
         assert float(row["epsilon_budget"]) == node["epsilon"]
         assert float(row["epsilon_spent"]) == pytest.approx(

@@ -72,3 +72,5 @@ def test_a_sweep_and_its_report_name_the_cells_that_learned_nothing(fedprivacy_c
     report = (out / "report" / "report.md").read_text()
     section = report.split("## Cells no better than the largest class")[1].split("\n## ")[0]
     assert "learning-rate=1e-09" in section and "learning-rate=1.0" not in section
+    per_client = report.split("## Accuracy per client")[1].split("\n## ")[0]
+    assert len([line for line in per_client.splitlines() if line.startswith("|")]) == 2 + 2  # a row per setting

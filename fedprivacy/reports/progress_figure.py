@@ -1,4 +1,5 @@
-"""The figure of one run's progress: accuracy and the largest ε spent, round by round."""
+"""The figures of one run: its progress round by round (accuracy and the largest ε spent), and each
+client's accuracy on its own test rows. Accuracy axes run from 0 to 1, so a flat run looks flat."""
 
 from __future__ import annotations
 
@@ -21,8 +22,41 @@ def draw_progress(rounds: Sequence[dict[str, Any]], path: Path) -> Path:
     left.set_xlabel("round")
     left.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
     left.set_ylabel(key.replace("_", " "), color="C0")
+    left.set_ylim(0.0, 1.0)
     right = left.twinx()
     right.plot(numbers, [r["epsilon_spent_max"] for r in rounds], "s--", color="C3")
     right.set_ylabel("max ε spent", color="C3")
+    right.set_ylim(bottom=0.0)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def draw_client_accuracy(clients: Sequence[dict[str, Any]], central: float | None, path: Path) -> Path | None:
+    """Each evaluated client's accuracy on its own test rows against its training rows, coloured by
+    its ε budget, with the central accuracy as a line; None (and no file) when no client evaluated."""
+    shown = [c for c in clients if not math.isnan(c["accuracy"])]
+    if not shown:
+        return None
+    fig = Figure(figsize=(6, 3.5), layout="tight")
+    axes = fig.subplots()
+    budgets = sorted({c["epsilon_budget"] for c in shown}, key=lambda b: (math.isnan(b), b))
+    for index, budget in enumerate(budgets):
+        group = [
+            c
+            for c in shown
+            if c["epsilon_budget"] == budget or (math.isnan(budget) and math.isnan(c["epsilon_budget"]))
+        ]
+        label = "ε budget unknown" if math.isnan(budget) else f"ε budget {budget:g}"
+        axes.scatter(
+            [c["num_examples"] for c in group], [c["accuracy"] for c in group], s=18, color=f"C{index}", label=label
+        )
+    if central is not None:
+        axes.axhline(central, color="black", linestyle=":", linewidth=1, label="central test accuracy")
+    axes.set_ylim(0.0, 1.0)
+    axes.set_xlabel("client's training rows")
+    axes.set_ylabel("accuracy on its own test rows")
+    axes.set_title(f"{len(shown)} clients, last federated evaluation", fontsize=10)
+    if len(budgets) > 1 or central is not None:
+        axes.legend(fontsize=8, loc="best")
     fig.savefig(path, dpi=120)
     return path

@@ -68,6 +68,37 @@ def budget_table(data: SweepData) -> pd.DataFrame:
     )
 
 
+def client_accuracy_table(data: SweepData) -> pd.DataFrame:
+    """Per setting, over its clients and seeds: each client's accuracy on its own test rows at its
+    last federated evaluation (min, median, max); empty when no client evaluated."""
+    if "accuracy" not in data.clients or data.clients["accuracy"].isna().all():
+        return pd.DataFrame()
+    return summarise(
+        data.clients.dropna(subset=["accuracy"]),
+        [k for k in data.grid if k != SEED],
+        client_runs=("accuracy", "size"),
+        accuracy_min=("accuracy", "min"),
+        accuracy_median=("accuracy", "median"),
+        accuracy_max=("accuracy", "max"),
+    ).round({"accuracy_min": 4, "accuracy_median": 4, "accuracy_max": 4})
+
+
+def _client_accuracy(data: SweepData) -> list[str]:
+    table = client_accuracy_table(data)
+    if table.empty:
+        return []
+    return [
+        "## Accuracy per client",
+        "",
+        "Each client's accuracy on its own test rows at its last federated evaluation (the global model; "
+        "clients.csv's `accuracy`, with each run's clients.png), over the setting's clients and seeds. A wide "
+        "spread says the one global model serves some clients far worse than others.",
+        "",
+        _markdown(table),
+        "",
+    ]
+
+
 def _figure(path: Path, caption: str) -> str:
     return f"![{caption}]({path.name})\n\n(also [{path.with_suffix('.svg').name}]({path.with_suffix('.svg').name}))"
 
@@ -204,6 +235,7 @@ def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | 
         "",
         _markdown(budget_table(data)),
         "",
+        *_client_accuracy(data),
         *_failed_cells(data),
     ]
     return "\n".join(lines)

@@ -277,8 +277,8 @@ def _run_rounds(
                 if client.index in replies:
                     participation.replied(server_round, client.index, client.name, replies[client.index], client.plan)
             # a client without data is asked in the apps and its evaluation fails: here it is not asked
-            evaluated = [i for i in participation.evaluators(indices) if clients[i].local is not None]
-            _evaluate_federated(pool, global_state, evaluated, recorder)
+            evaluated = [clients[i] for i in participation.evaluators(indices) if clients[i].local is not None]
+            _evaluate_federated(pool, global_state, evaluated, recorder, server_round)
             recorder.evaluated("", accuracy, loss)
             row = recorder.end_round(server_round)
             say(progress_line(row, settings.num_server_rounds))
@@ -459,12 +459,19 @@ def _aggregate(
 
 
 def _evaluate_federated(
-    pool: WorkerPool, global_state: dict[str, torch.Tensor], indices: list[int], recorder: RunRecorder
+    pool: WorkerPool,
+    global_state: dict[str, torch.Tensor],
+    clients: list[Client],
+    recorder: RunRecorder,
+    server_round: int,
 ) -> None:
-    """The sampled clients' test metrics, weighted by their test rows (as FedAvg aggregates them)."""
-    if not indices:
+    """The sampled clients' test metrics, each recorded and weighted by its test rows (as FedAvg
+    aggregates them)."""
+    if not clients:
         return
-    rows = pool.evaluate(global_state, indices)
+    rows = pool.evaluate(global_state, [c.index for c in clients])
+    for client, (n, loss_sum, correct) in zip(clients, rows, strict=True):
+        recorder.client_evaluated(server_round, client.name, correct / n, loss_sum / n, n)
     total = sum(n for n, _, _ in rows)
     accuracy = sum(n * (correct / n) for n, _, correct in rows) / total
     loss = sum(n * (loss_sum / n) for n, loss_sum, _ in rows) / total
