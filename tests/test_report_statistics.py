@@ -350,3 +350,29 @@ def test_a_real_sweep_records_its_evaluation_rows_and_the_report_renders(tmp_pat
     pairs = markdown_table(markdown, "### epsilon: b − a")
     assert len(pairs) == 1 and pairs.loc[0, "shared_seeds"] == "2"
     assert (out / "report" / "accuracy_vs_epsilon_spent.png").is_file()
+
+
+def test_figures_cut_accuracy_bars_at_0_and_1_and_name_paths_by_their_file():
+    """Two seeds give t₀.₉₇₅,₁ = 12.7: a 95% interval around 0.9 or 0.1 runs far past 1 or 0; the
+    bars stop there (a mean accuracy lies in [0, 1]). A data path in a legend is its file name."""
+    from fedprivacy.reports.sweep_figures import _accuracy_bars, label
+
+    bars = _accuracy_bars([0.9, 0.1, 0.5], [0.5, 0.5, 0.2])
+    np.testing.assert_allclose(bars, [[0.5, 0.1, 0.2], [0.1, 0.5, 0.2]], atol=1e-12)
+    half = t_interval([0.2, 0.9]).high - 0.55  # the interval two seeds give: half width 4.4
+    assert half > 4 and _accuracy_bars([0.55], [half]).tolist() == [[0.55], [pytest.approx(0.45)]]
+    assert (
+        label(["data-path", "epsilon"], ["/home/me/data/digits_8x8.npz", 0.5])
+        == "data-path=digits_8x8.npz, epsilon=0.5"
+    )
+
+
+def test_no_two_baselines_look_alike():
+    """A baseline of one series takes its series' colour, dashed; the others are black in a style each."""
+    from fedprivacy.reports.sweep_figures import _baseline_style
+
+    colours = {"learning-rate=0.3": "C0", "learning-rate=1": "C1"}
+    own = [_baseline_style(["learning-rate"], [v], ["learning-rate"], colours, i) for i, v in enumerate((0.3, 1.0))]
+    assert own == [("C0", "--"), ("C1", "--")]
+    shared = [_baseline_style(["epochs"], [k], ["rule"], colours, i) for i, k in enumerate((1, 2, 4))]
+    assert len(set(shared)) == 3 and {colour for colour, _ in shared} == {"black"}

@@ -1,9 +1,11 @@
 """The sweep report's figures, each saved as PNG and SVG.
 
 - accuracy against the x key (ε unless the grid does not vary it), one line per series: the mean
-  final accuracy over seeds with its 95% t-interval as bars (none for one seed), a log axis for ε
-  (and for other keys whose values span a factor of 8 or more), and the non-private baseline as a
-  dashed line (horizontal unless the x key changes the baseline too, e.g. epochs);
+  final accuracy over seeds with its 95% t-interval as bars (none for one seed; cut at 0 and 1, as
+  is every accuracy axis), a log axis for ε (and for other keys whose values span a factor of 8 or
+  more), and the non-private baseline as a dashed line in its series' colour, or black in a style
+  of its own (horizontal unless the x key changes the baseline too, e.g. epochs); legends name a
+  data path by its file;
 - accuracy against ε spent: the same means and bars against the largest ε any client of the cell
   actually spent (mean over seeds, a horizontal bar from the seeds' least to most where they
   differ), since a rule that stops short of its budget buys its accuracy with less ε than the grid says;
@@ -47,9 +49,33 @@ def save_png(fig: Figure, path: Path) -> Path:
     return path
 
 
+def _shown(value: object) -> str:
+    """A grid value as a legend shows it: numbers in short form, a file path by its name."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    text = str(value)
+    return Path(text).name if "/" in text else text
+
+
 def label(keys: Sequence[str], values: Sequence[object]) -> str:
     """`rule=proactive, clip-norm=0.1`, or `all cells` when nothing varies."""
-    return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in zip(keys, values)) or "all cells"
+    return ", ".join(f"{k}={_shown(v)}" for k, v in zip(keys, values)) or "all cells"
+
+
+def _accuracy_bars(means: Sequence[float], halves: Sequence[float]) -> np.ndarray:
+    """95% interval bars as [below, above], cut at 0 and 1: a mean accuracy lies in [0, 1], so the
+    interval's part outside says nothing (two seeds give t₀.₉₇₅,₁ = 12.7 and bars far past both)."""
+    means, halves = np.asarray(means, dtype=float), np.asarray(halves, dtype=float)
+    return np.vstack([np.minimum(halves, means), np.minimum(halves, 1.0 - means)])
+
+
+def _accuracy_axis(axis: Axes) -> None:
+    """The accuracy axis kept within [0, 1] (matplotlib's margins would run past either end)."""
+    low, high = axis.get_ylim()
+    axis.set_ylim(max(low, 0.0), min(high, 1.0))
+
+
+BASELINE_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
 
 
 def groups(table: pd.DataFrame, keys: Sequence[str]) -> list[tuple[tuple, pd.DataFrame]]:
@@ -95,19 +121,24 @@ def accuracy_figure(data: SweepData, out: Path) -> list[Path]:
     fig = Figure(figsize=(7, 4.5), layout="tight")
     axis = fig.subplots()
     completed = data.measured
+    colours: dict[str, str] = {}  # a series' colour, for its own baseline
     if x_key is None:  # nothing numeric varies: one point per setting
         found = groups(completed, series)
         means, halves = zip(*(mean_and_half_width(rows["final_accuracy"]) for _, rows in found))
-        axis.errorbar(range(len(found)), means, yerr=halves, fmt="o", capsize=4)
+        axis.errorbar(range(len(found)), means, yerr=_accuracy_bars(means, halves), fmt="o", capsize=4)
         axis.set_xticks(range(len(found)), [label(series, values) for values, _ in found], rotation=20, ha="right")
     else:
         for values, rows in groups(completed, series):
             points = sorted((x, *mean_and_half_width(arm["final_accuracy"])) for x, arm in rows.groupby(x_key))
             xs, means, halves = zip(*points)
-            axis.errorbar(xs, means, yerr=halves, fmt="o-", capsize=4, label=label(series, values))
+            drawn = axis.errorbar(
+                xs, means, yerr=_accuracy_bars(means, halves), fmt="o-", capsize=4, label=label(series, values)
+            )
+            colours[label(series, values)] = drawn.lines[0].get_color()
         _log_axis(axis, list(completed[x_key]), always=x_key == "epsilon")
         axis.set_xlabel("ε (per client)" if x_key == "epsilon" else x_key)
-    _baseline_lines(data, axis)
+    _baseline_lines(data, axis, colours)
+    _accuracy_axis(axis)
     axis.set_ylabel(ACCURACY_LABEL)
     axis.set_title(f"{data.name}: accuracy against {'ε' if x_key == 'epsilon' else x_key or 'setting'}")
     axis.grid(True, alpha=0.3)
@@ -136,6 +167,7 @@ def accuracy_vs_spent_figure(data: SweepData, out: Path) -> list[Path]:
     axis = fig.subplots()
     completed = data.measured
     completed = completed[completed["epsilon_spent_max"].notna()]
+    colours: dict[str, str] = {}
     for values, rows in groups(completed, series):
         points = []
         for _, arm in groups(rows, [x_key] if x_key else []):
@@ -144,14 +176,17 @@ def accuracy_vs_spent_figure(data: SweepData, out: Path) -> list[Path]:
         points.sort()
         xs, lows, highs, means, halves = (np.array(column, dtype=float) for column in zip(*points))
         spread = [xs - lows, highs - xs] if (highs > lows).any() else None
-        axis.errorbar(xs, means, yerr=halves, xerr=spread, fmt="o-", capsize=4, label=label(series, values))
+        bars = _accuracy_bars(means, halves)
+        drawn = axis.errorbar(xs, means, yerr=bars, xerr=spread, fmt="o-", capsize=4, label=label(series, values))
+        colours[label(series, values)] = drawn.lines[0].get_color()
     _plain_log_axis(axis, completed["epsilon_spent_max"], always=x_key == "epsilon")
     if not data.baselines.empty:
         keys = [k for k in data.baselines.columns if k in data.grid and k != SEED]
-        for values, rows in groups(data.baselines, keys):
+        for index, (values, rows) in enumerate(groups(data.baselines, keys)):
             name = "non-private" + (f" ({label(keys, values)})" if keys else "")
-            level = rows["final_accuracy"].mean()
-            axis.axhline(level, color="black", linestyle="--", linewidth=1.2, label=name)
+            colour, style = _baseline_style(keys, values, series, colours, index)
+            axis.axhline(rows["final_accuracy"].mean(), color=colour, linestyle=style, linewidth=1.2, label=name)
+    _accuracy_axis(axis)
     axis.set_xlabel("largest ε spent by a client (mean over seeds; bar: least to most)")
     axis.set_ylabel(ACCURACY_LABEL)
     axis.set_title(f"{data.name}: accuracy against ε spent")
@@ -161,18 +196,32 @@ def accuracy_vs_spent_figure(data: SweepData, out: Path) -> list[Path]:
     return save(fig, out, "accuracy_vs_epsilon_spent")
 
 
-def _baseline_lines(data: SweepData, axis: Axes) -> None:
+def _baseline_style(
+    keys: Sequence[str], values: Sequence[object], series: Sequence[str], colours: dict[str, str], index: int
+) -> tuple[str, object]:
+    """A baseline's colour and line style: its series' colour, dashed, when it belongs to one
+    series; else black, in the `index`-th of `BASELINE_STYLES`, so no two baselines look alike."""
+    mine = dict(zip(keys, values))
+    if series and all(key in mine for key in series):
+        colour = colours.get(label(series, [mine[key] for key in series]))
+        if colour is not None:
+            return colour, "--"
+    return "black", BASELINE_STYLES[index % len(BASELINE_STYLES)]
+
+
+def _baseline_lines(data: SweepData, axis: Axes, colours: dict[str, str]) -> None:
     if data.baselines.empty:
         return
     x_key = data.x_key
     keys = [k for k in data.baselines.columns if k in data.grid and k not in (SEED, x_key)]
-    for values, rows in groups(data.baselines, keys):
+    for index, (values, rows) in enumerate(groups(data.baselines, keys)):
         name = "non-private" + (f" ({label(keys, values)})" if keys else "")
+        colour, style = _baseline_style(keys, values, data.series_keys, colours, index)
         if x_key in rows:  # the x key changes the baseline itself (e.g. epochs): a curve
             stats = rows.groupby(x_key)["final_accuracy"].mean().sort_index()
-            axis.plot(stats.index, stats.to_numpy(), "k--", linewidth=1.2, label=name)
+            axis.plot(stats.index, stats.to_numpy(), color=colour, linestyle=style, linewidth=1.2, label=name)
         else:
-            axis.axhline(rows["final_accuracy"].mean(), color="black", linestyle="--", linewidth=1.2, label=name)
+            axis.axhline(rows["final_accuracy"].mean(), color=colour, linestyle=style, linewidth=1.2, label=name)
 
 
 def _panels(count: int) -> tuple[Figure, list[Axes]]:
@@ -215,6 +264,8 @@ def per_round_figure(
         axis.set_ylabel(ylabel)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=7)
+        if with_baseline:  # the accuracy panels
+            _accuracy_axis(axis)
     return save(fig, out, stem)
 
 
@@ -233,7 +284,7 @@ def budget_use_figure(data: SweepData, out: Path) -> list[Path]:
     else:
         axis.set_xticks([])
     axis.set_xlabel(f"client ({table.shape[1]})")
-    axis.set_title("budget use per client (mean over seeds)")
+    fig.suptitle("budget use per client (mean over seeds)", fontsize=11)  # centred on the figure, not the axes
     return save(fig, out, "budget_use")
 
 
