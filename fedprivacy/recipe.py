@@ -24,6 +24,7 @@ from fedprivacy.errors import InputError
 from fedprivacy.models import build_model
 from fedprivacy.runconfig import DEFAULTS, RunSettings
 from fedprivacy.runconfig_keys import RUN_KEYS
+from fedprivacy.training.norms import UnsupportedLayerError
 
 _FIELDS = {key.name: key.field for key in RUN_KEYS}
 
@@ -160,6 +161,23 @@ def partitioning_of(settings: RunSettings, num_clients: int) -> dict[str, Any]:
 
 def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> nn.Module:
     return build_model(settings.model, features.shape[1:], num_classes)  # one example's shape: (d,) or (C, H, W)
+
+
+def model_and_data(settings: RunSettings) -> tuple[Any, ...]:
+    """What the run's model is built from: its name, and the data set and options that give its
+    input shape and classes (runs equal in these build the same model)."""
+    return settings.model, settings.dataset, str(settings.data_path), tuple(sorted(_data_options(settings).items()))
+
+
+def check_model_builds(settings: RunSettings) -> None:
+    """Build the run's model once on its data's shape and classes, so that a model the trainer
+    cannot clip (BatchNorm, a layer without a rule) or whose checks fail is refused, naming it,
+    before a sweep runs anything (a run refuses it when it starts)."""
+    data = load_dataset(settings.dataset, settings.data_path, **_data_options(settings))
+    try:
+        new_model(settings, data.features, data.num_classes)
+    except UnsupportedLayerError as error:  # its text names the model already: keep the rest
+        raise InputError("model", settings.model, str(error).removeprefix(f"model={settings.model!r} ")) from None
 
 
 def initial_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> nn.Module:

@@ -554,3 +554,25 @@ def test_a_sweep_can_give_its_baselines_their_own_learning_rate(tmp_path):
     chosen = nonprivate_baseline(job.run_config, 2, name="own")
     inherited = nonprivate_baseline(grid_cells[0].run_config, 2, name="inherited")
     assert chosen.final_accuracy != inherited.final_accuracy  # the baseline really trained with its own η
+
+
+def test_a_model_the_trainer_refuses_fails_the_sweeps_validation_in_one_line(fedprivacy_cli, tmp_path, monkeypatch):
+    """A registered model with BatchNorm is refused when the sweep validates its cells (built once
+    on its data's shape), naming the model and the layer, before any folder is written."""
+    from torch import nn
+
+    from fedprivacy import model_registry
+
+    monkeypatch.setattr(model_registry, "_decorated", {})
+
+    @model_registry.register_model("bn-mlp")
+    def bn_mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, num_classes))
+
+    scenario = tmp_path / "bn.toml"
+    scenario.write_text('[run]\ndataset = "digits"\nmodel = "bn-mlp"\n[grid]\nepsilon = [1, 2]\n')
+    code, out, err = fedprivacy_cli("sweep", str(scenario), "--out", str(tmp_path / "out"))
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: model='bn-mlp': (factory ") and "BatchNorm1d" in line and "GroupNorm" in line, line
+    assert not (tmp_path / "out").exists()

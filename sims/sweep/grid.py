@@ -22,7 +22,7 @@ from typing import Any
 
 from fedprivacy.data.partition import load_clients
 from fedprivacy.errors import InputError
-from fedprivacy.recipe import partition_kwargs, require_data_file
+from fedprivacy.recipe import check_model_builds, model_and_data, partition_kwargs, require_data_file
 from fedprivacy.runconfig import DEFAULTS, RunSettings, parse_run_config
 from sims.sweep.spec import SweepSpec
 
@@ -104,9 +104,18 @@ def schedule_note(spec: SweepSpec) -> str | None:
     )
 
 
+def _check_model_once(settings: RunSettings, built: set[tuple[Any, ...]]) -> None:
+    """`check_model_builds` once per model and the data it is built on: a model the trainer refuses
+    fails the sweep's validation, not each of its cells."""
+    key = model_and_data(settings)
+    if key not in built:
+        check_model_builds(settings)
+        built.add(key)
+
+
 def cells(spec: SweepSpec) -> list[Cell]:
     """Every cell of the grid in declared order (the last axis varies fastest), each validated."""
-    found, counted = [], {}
+    found, counted, built = [], {}, set()
     for combination in itertools.product(*axes(spec)):
         params = {key: value for step in combination for key, value in step.items()}
         config = {**DEFAULTS, **spec.run, **params}
@@ -117,6 +126,7 @@ def cells(spec: SweepSpec) -> list[Cell]:
             config["noise-seed"] = config["seed"]
         settings = _settings(config)  # every cell's run config is validated before anything runs
         require_data_file(settings)
+        _check_model_once(settings, built)
         num_clients = _client_count(spec, settings, counted)
         settings.check_clients(num_clients, field="sweep.clients")
         found.append(Cell(cell_name(params), params, config, num_clients))
