@@ -10,15 +10,17 @@ mixes examples within a batch (no BatchNorm), so per-example gradients are well 
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fedprivacy.data.types import Dataset
-from fedprivacy.errors import InputError
+from fedprivacy.errors import InputError, did_you_mean
 from fedprivacy.model_checks import check_model
 from fedprivacy.model_registry import InputShape, ModelFactory, factory_target, model_factory, register_model
 from fedprivacy.training import UnsupportedLayerError, check_supported
@@ -115,8 +117,14 @@ def cnn(input_shape_or_features: Sequence[int] | int, num_classes: int) -> nn.Mo
 MODELS: dict[str, ModelFactory] = {"logreg": logreg, "mlp": mlp, "cnn": cnn}  # the built-ins (catalog.MODEL_NAMES)
 
 
-def build_model(name: str, input_shape_or_num_features: Sequence[int] | int, num_classes: int) -> nn.Module:
-    """The model called `name` for examples of the given shape (or feature count) and `num_classes`.
+def build_model(
+    name: str,
+    input_shape_or_num_features: Sequence[int] | int,
+    num_classes: int,
+    options: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """The model called `name` for examples of the given shape (or feature count) and `num_classes`,
+    its factory given `options` as keyword arguments (the run config's `model-options`).
 
     Binary problems use num_classes=2 (two-class cross-entropy), so one loss serves all. Whatever
     the factory, the result must be a module the trainer can clip per example and give one logit
@@ -126,13 +134,16 @@ def build_model(name: str, input_shape_or_num_features: Sequence[int] | int, num
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
         raise ValueError(f"num_classes={num_classes!r}: need an integer >= 2")
     factory, target = (MODELS[name], factory_target(MODELS[name])) if name in MODELS else model_factory(name)
+    options = dict(options or {})
+    _check_options(name, target, factory, options)
     try:
-        model = factory(shape, num_classes)
+        model = factory(shape, num_classes, **options)
     except Exception as error:  # a factory's own failure, for this shape: say which model and which factory
+        given = "".join(f", {key}={value!r}" for key, value in options.items())
         raise InputError(
             "model",
             name,
-            f"its factory {target} failed for input_shape={shape}, num_classes={num_classes}: "
+            f"its factory {target} failed for input_shape={shape}, num_classes={num_classes}{given}: "
             f"{type(error).__name__}: {error}",
         ) from error
     if not isinstance(model, nn.Module):
@@ -143,13 +154,34 @@ def build_model(name: str, input_shape_or_num_features: Sequence[int] | int, num
         check_supported(model)
     except UnsupportedLayerError as error:
         raise UnsupportedLayerError(f"model={name!r} (factory {target}): {error}") from None
-    if (factory, shape, num_classes) not in _CHECKED:  # once per process: engines rebuild per client
+    checked = (factory, shape, num_classes, tuple(sorted(options.items())))
+    if checked not in _CHECKED:  # once per process: engines rebuild per client
         check_model(name, target, model, shape, num_classes)
-        _CHECKED.add((factory, shape, num_classes))
+        _CHECKED.add(checked)
     return model
 
 
-_CHECKED: set[tuple[ModelFactory, InputShape, int]] = set()
+_CHECKED: set[tuple[Any, ...]] = set()
+
+
+def _check_options(name: str, target: str, factory: ModelFactory, options: Mapping[str, Any]) -> None:
+    """Refuse, naming the model and what its factory takes, an option that is not one of the
+    factory's keyword parameters (the shape and class count are the run's, never an option)."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature: let the call decide
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    named = [p.name for p in parameters[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in options:
+        if key not in named:
+            takes = f"takes {', '.join(named)}" if named else "takes no options"
+            raise InputError(
+                "model-options",
+                ",".join(f"{k}={v}" for k, v in options.items()),
+                f"model {name}'s factory {target} {takes}, not {key}{did_you_mean(key, named)}",
+            )
 
 
 EVALUATION_ROWS = 1024  # rows per forward pass when evaluating

@@ -160,13 +160,15 @@ def partitioning_of(settings: RunSettings, num_clients: int) -> dict[str, Any]:
 
 
 def new_model(settings: RunSettings, features: np.ndarray, num_classes: int) -> nn.Module:
-    return build_model(settings.model, features.shape[1:], num_classes)  # one example's shape: (d,) or (C, H, W)
+    # one example's shape: (d,) or (C, H, W)
+    return build_model(settings.model, features.shape[1:], num_classes, dict(settings.model_options))
 
 
 def model_and_data(settings: RunSettings) -> tuple[Any, ...]:
     """What the run's model is built from: its name, and the data set and options that give its
     input shape and classes (runs equal in these build the same model)."""
-    return settings.model, settings.dataset, str(settings.data_path), tuple(sorted(_data_options(settings).items()))
+    data = tuple(sorted(_data_options(settings).items()))
+    return settings.model, settings.model_options, settings.dataset, str(settings.data_path), data
 
 
 def check_model_builds(settings: RunSettings) -> None:

@@ -73,6 +73,7 @@ class RunSettings:
     validation_fraction: float
     # model and training
     model: str
+    model_options: tuple[tuple[str, bool | int | float | str], ...]  # keyword arguments for its factory
     clip_norm: float
     learning_rate: float
     lr_schedule: str  # '' = the rule's default (constant; inverse_sqrt for adp)

@@ -160,6 +160,34 @@ def _momentum(field: str, value: Any) -> float:
     return float(value)
 
 
+def model_options(field: str, value: Any) -> tuple[tuple[str, bool | int | float | str], ...]:
+    """`name=value` pairs separated by commas (`hidden=128,dropout=0.1`), each value read as an
+    integer, a number, true/false or else text: keyword arguments for the model's factory, which
+    `build_model` checks against the factory's own parameters."""
+    if not isinstance(value, str):
+        raise InputError(field, value, "must be text: name=value pairs separated by commas, e.g. 'hidden=128'")
+    pairs: dict[str, bool | int | float | str] = {}
+    for part in filter(None, (piece.strip() for piece in value.split(","))):
+        name, equals, text = (piece.strip() for piece in part.partition("="))
+        if not equals or not name.isidentifier() or not text:
+            raise InputError(field, value, f"{part!r} is not name=value with a Python name, e.g. 'hidden=128'")
+        if name in pairs:
+            raise InputError(field, value, f"{name} is given twice")
+        pairs[name] = _option_value(text)
+    return tuple(pairs.items())
+
+
+def _option_value(text: str) -> bool | int | float | str:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _flag(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise InputError(field, value, "must be true or false")
@@ -314,6 +342,14 @@ RUN_KEYS = (
         check_model_name,
         "`logreg`, `mlp`, `cnn`, or a model installed on the node under its registered name "
         "([Registering a model](training.md#registering-a-model))",
+        "model and training",
+    ),
+    RunKey(
+        "model-options",
+        "",
+        model_options,
+        "keyword arguments for the model's factory, `name=value` pairs separated by commas "
+        "(e.g. `hidden=128` for the `mlp`); each must be a parameter of the factory",
         "model and training",
     ),
     RunKey("clip-norm", 1.0, limits.clip_norm, "the per-example clipping norm C", "model and training"),

@@ -239,7 +239,7 @@ def _run_rounds(
             )
             for c in loaded
         ],
-        (settings.model, tuple(test.features.shape[1:]), test.num_classes),  # one example's shape
+        (settings.model, tuple(test.features.shape[1:]), test.num_classes, dict(settings.model_options)),
         spec.workers,
         spec.device,
         spec.gpus_per_worker,

@@ -77,7 +77,7 @@ class WorkerPool:
     def __init__(
         self,
         clients: list[WorkerClient],
-        model: tuple[str, tuple[int, ...] | int, int],
+        model: tuple[str, tuple[int, ...] | int, int, dict[str, Any]],  # name, example shape, classes, options
         workers: int = 1,
         device: str = "auto",
         gpus_per_worker: float = 0.0,

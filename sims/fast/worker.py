@@ -81,6 +81,7 @@ class LocalWorker:
         model: str,
         input_shape: tuple[int, ...] | int,
         num_classes: int,
+        model_options: dict[str, Any] | None = None,
         device: str = "cpu",
         threads: int | None = None,
         private: bool = True,
@@ -90,7 +91,7 @@ class LocalWorker:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
         self.private = private  # False: clipping and noise off (the non-private baseline, a benchmark)
-        self.model_args = (model, input_shape, num_classes)
+        self.model_args = (model, input_shape, num_classes, model_options)
         self.template = build_model(*self.model_args).to(self.device)
         self.keys = list(self.template.state_dict())
         self.stack = stack.ClientStack(self.template) if batched else None
