@@ -17,6 +17,7 @@ and contribute nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,6 +99,40 @@ class StepReport:
     def examples(self) -> Tensor:
         """[K] sampled examples."""
         return self.valid.sum(1)
+
+
+class RoundTotals:
+    """A round's local diagnostics summed over its steps, per client [K]: what the trainer's report
+    and the fast engine's diagnostics read (local only: sent only when a simulation asks)."""
+
+    def __init__(self) -> None:
+        self.loss: Tensor | int = 0
+        self.clipped: Tensor | int = 0
+        self.nonfinite: Tensor | int = 0
+        self.examples: Tensor | int = 0
+
+    def add(self, report: StepReport) -> None:
+        self.loss = self.loss + report.loss_sum
+        self.clipped = self.clipped + report.clipped
+        if not report.sums.all_finite:  # else none dropped, known without a tensor
+            self.nonfinite = self.nonfinite + report.nonfinite
+        self.examples = self.examples + report.examples
+
+    def per_client(self) -> list[tuple[float, float, int]]:
+        """(mean loss, clip fraction, examples dropped as non-finite) per client; NaN means for a
+        client that sampled no example."""
+        examples = torch.as_tensor(self.examples).tolist()
+        nonfinite = torch.as_tensor(self.nonfinite).expand(len(examples)).tolist()
+        return [
+            (loss / n if n else math.nan, clipped / n if n else math.nan, int(bad))
+            for loss, clipped, bad, n in zip(
+                torch.as_tensor(self.loss).tolist(),
+                torch.as_tensor(self.clipped).tolist(),
+                nonfinite,
+                examples,
+                strict=True,
+            )
+        ]
 
 
 def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> Tensor:

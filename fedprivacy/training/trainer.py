@@ -27,7 +27,7 @@ from fedprivacy.privacy.plan import Plan
 from fedprivacy.training.norms import NORM_DTYPE
 from fedprivacy.training.rng import StepDraws, StepRandomness
 from fedprivacy.training.schedule import StepSizes
-from fedprivacy.training.stack import UNCLIPPED, ClientStack, StepInputs, noise_scale
+from fedprivacy.training.stack import UNCLIPPED, ClientStack, RoundTotals, StepInputs, noise_scale
 
 
 class PlanExhausted(RuntimeError):
@@ -177,9 +177,7 @@ class DPTrainer:
         clip_t = torch.tensor([clip], dtype=NORM_DTYPE, **one)
         expected_t = torch.tensor([expected], dtype=self.parameters[0].dtype, **one)
         active = torch.ones(1, dtype=torch.bool, **one)
-        loss_sum = torch.zeros((), **one)
-        clipped = torch.zeros((), dtype=torch.long, **one)
-        nonfinite = torch.zeros((), dtype=torch.long, **one)
+        totals = RoundTotals()
         examples = empty = 0
         steps = range(first, first + count)
         sigmas = [plan.noise_multiplier(t) if self.private else 0.0 for t in steps]
@@ -212,25 +210,21 @@ class DPTrainer:
                 return rate
 
             report = self.stack.step(self.state, inputs, learning_rate, private=self.private)
-            if len(index) == 0:
-                empty += 1
-            else:
-                examples += len(index)
-                loss_sum += report.loss_sum[0]
-                clipped += report.clipped[0]
-                if not report.sums.all_finite:
-                    nonfinite += report.nonfinite[0]
+            empty += len(index) == 0
+            examples += len(index)
+            totals.add(report)
             self.step += 1
 
         sigma_mean = sum(sigmas) / count if count else math.nan
+        mean_loss, clip_fraction, nonfinite = totals.per_client()[0] if count else (math.nan, math.nan, 0)
         return TrainReport(
             first_step=first,
             steps=count,
             examples=examples,
             empty_steps=empty,
-            mean_loss=float(loss_sum) / examples if examples else math.nan,
-            clip_fraction=int(clipped) / examples if examples else math.nan,
-            nonfinite_examples=int(nonfinite),
+            mean_loss=mean_loss,
+            clip_fraction=clip_fraction,
+            nonfinite_examples=nonfinite,
             sigma_mean=sigma_mean,
             noise_std_on_mean=sigma_mean * clip / expected,
             last_learning_rate=float(rate[0]),

@@ -208,7 +208,7 @@ class LocalWorker:
             global_state[key].to(self.device).expand(len(requests), *global_state[key].shape).clone()
             for key in self.keys
         ]
-        totals = {"nonfinite": 0, "loss": 0, "clipped": 0, "examples": 0}
+        totals = stack.RoundTotals()
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
             step = stack.StepInputs(*inputs, normals[:, s], noise_std[:, s], clip, expected, steps > s)
@@ -219,21 +219,10 @@ class LocalWorker:
                 private=self.private,
             )
             if diagnostics:  # formed only when a simulation asks for them
-                totals = {
-                    key: totals[key] + value
-                    for key, value in zip(totals, (report.nonfinite, report.loss_sum, report.clipped, report.examples))
-                }
+                totals.add(report)
         notes = [{} for _ in requests]
         if diagnostics:
-            examples = totals["examples"].clamp(min=1)
-            notes = [
-                training_diagnostics(float(loss), float(clipped), int(bad))
-                for loss, clipped, bad in zip(
-                    (totals["loss"] / examples).tolist(),
-                    (totals["clipped"] / examples).tolist(),
-                    totals["nonfinite"].tolist(),
-                )
-            ]
+            notes = [training_diagnostics(*client) for client in totals.per_client()]
         states = [{"step": f + c, "b_squared": b} for f, c, b in zip(firsts, counts, sizes.b_squared_of(), strict=True)]
         released = [weights[position].cpu() for position in clients.trained]  # never a buffer
         return WorkerRoundResult([r.index for r in requests], released, states, notes, self.device.type == "cuda")
