@@ -514,7 +514,7 @@ def test_a_killed_sweep_resumes_with_no_cell_duplicated_or_lost(tmp_path):
 
 
 def test_cells_that_differ_only_in_keys_the_baseline_ignores_share_one_baseline(tmp_path):
-    from sims.sweep.baselines import baseline_jobs
+    from sims.sweep.baseline_jobs import baseline_jobs
     from sims.sweep.grid import cells
     from sims.sweep.spec import validate
 
@@ -537,7 +537,7 @@ def test_a_sweep_can_give_its_baselines_their_own_learning_rate(tmp_path):
     """η chosen for clipped, noisy steps can be far too large for plain SGD: the baselines take
     `[sweep] baseline-learning-rate` when set, and the cells keep theirs."""
     from sims.baseline import nonprivate_baseline
-    from sims.sweep.baselines import baseline_jobs
+    from sims.sweep.baseline_jobs import baseline_jobs
     from sims.sweep.grid import cells
     from sims.sweep.spec import validate
 

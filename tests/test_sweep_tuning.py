@@ -19,7 +19,7 @@ from fedprivacy import cli
 from fedprivacy.errors import InputError
 from fedprivacy.reports.sweep_report import write_report
 from fedprivacy.sweepfiles import TUNING_PRIVACY_NOTE, cell_results
-from sims.sweep.baselines import baseline_jobs, baseline_tuning, tunes_baseline
+from sims.sweep.baseline_jobs import baseline_jobs, baseline_tuning, tunes_baseline
 from sims.sweep.driver import run_sweep
 from sims.sweep.engines.fast import FastCellRunner
 from sims.sweep.grid import cells

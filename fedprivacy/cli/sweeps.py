@@ -186,7 +186,7 @@ def sweep(
 
 def _tuning_lines(spec: Any, cells: list[Any], plan: Any) -> list[str]:
     """What the tuning will run, for --dry-run: the runs per arm, the candidates, the baseline's own."""
-    from sims.sweep.baselines import baseline_jobs, baseline_tuning, tunes_baseline
+    from sims.sweep.baseline_jobs import baseline_jobs, baseline_tuning, tunes_baseline
 
     if plan is None:
         return []

@@ -1,7 +1,7 @@
 """report.md's Tuning section: what a sweep with [tune] chose for its cells, on which scores, and at what privacy cost.
 
 It reads the choice.json files the sweep wrote (sims.sweep.tuning for the cells' arms, that is
-their cells but the seed; sims.sweep.baselines.baseline_tuning for the non-private baseline's learning
+their cells but the seed; sims.sweep.baseline_jobs.baseline_tuning for the non-private baseline's learning
 rate, among its own candidates or the cells') and sweep.json's `tune`, so a reader sees per arm
 the values chosen and every candidate's validation score, and reads plainly that the tuning's
 privacy cost is not in the reported ε.

@@ -14,7 +14,7 @@ one row per cell in grid order, `pending` until the cell has run.
 
 Tuning. With [tune], the tuning runs come first (sims.sweep.tuning: written and resumed like
 cells, under `<out>/tuning/`), then the baselines (with their own learning rate, when tuned: the
-same tuning on sims.sweep.baselines' plan, its runs without the mechanism), then each cell with
+same tuning on sims.sweep.baseline_jobs' plan, its runs without the mechanism), then each cell with
 its arm's chosen values, which its cell.json (`tuned`) and sweep.csv (`tuned.<key>` columns)
 record. The tuned keys are left out of the check
 above and checked instead against each finished cell's `tuned`, so a rerun never mixes choices.
@@ -52,7 +52,7 @@ from fedprivacy.sweepfiles import (
     read_json,
     write_json,
 )
-from sims.sweep.baselines import (
+from sims.sweep.baseline_jobs import (
     KEY,
     BaselineJob,
     baseline_jobs,

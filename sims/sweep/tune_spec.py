@@ -34,7 +34,7 @@ NOT_TUNABLE = ("seed", "noise-seed", "split-seed", "evaluate-on", "validation-fr
 # Fixed or varied elsewhere, these would contradict the tuning: cells evaluate on test rows, and a
 # split-seed of -1 (the run's seed) would cut the tuning runs' rows from other data than the cells'.
 REFUSED_BESIDE_TUNE = ("evaluate-on",)
-# Not a run-config key: the non-private baseline's own η candidates (sims.sweep.baselines.baseline_tuning). Plain
+# Not a run-config key: the non-private baseline's own η candidates (sims.sweep.baseline_jobs.baseline_tuning). Plain
 # SGD tolerates other steps than clipped, noisy SGD, so the cells' learning-rate list can miss its best.
 BASELINE_KEY = "baseline-learning-rate"
 

@@ -5,7 +5,7 @@ The run gets the scenario's `[resources] workers` (1: in the sweep's process; mo
 `device` and `worker-gpus`. The results folder has the apps' format, with `"engine": "fast"` in
 config.json and summary.json. `FastCellRunner(resources, private=False)` runs a cell as the
 non-private baseline runs (`sims.baseline.baseline_run_config`, clipping and noise off): the
-baseline's tuning runs are cells run so (sims.sweep.baselines).
+baseline's tuning runs are cells run so (sims.sweep.baseline_jobs).
 """
 
 from __future__ import annotations
