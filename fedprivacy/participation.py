@@ -89,6 +89,12 @@ class Participation:
         self._log(
             logging.INFO, "configure_train: sampled %d of %d clients that can still train", len(chosen), len(eligible)
         )
+        if server_round == 1 and chosen:  # the wait a first run is silent in otherwise
+            self._log(
+                logging.INFO,
+                "first round: each client plans its DP-SGD before it trains, and a simulation starts the clients' "
+                "processes now: the first round takes longer than the next",
+            )
         self.recorder.sampled(server_round, len(chosen))
         return chosen
 

@@ -402,7 +402,9 @@ class RunRecorder:
             "epsilon_spent_max": max((c.epsilon_spent for c in self.clients.values()), default=0.0),
             "all_within_budget": all(
                 c.epsilon_spent <= c.epsilon_budget for c in self.clients.values() if not math.isnan(c.epsilon_budget)
-            ),
+            )
+            if self.clients
+            else None,  # no client replied: nothing to say
             "wall_time_s": round(time.monotonic() - self.started, 3),
             **extra,
         }

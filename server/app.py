@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ from server.strategy import PrivacyFedAvg
 
 app = ServerApp()
 logger = logging.getLogger(__name__)
+# Flower's simulation starts its Ray actors in this process; Ray's tip that num_gpus=0 actors may
+# one day see the GPUs concerns a future version (docs/deployment.md, "Simulations on GPUs").
+warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
 DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the server cannot see them"
 
 
@@ -130,11 +134,14 @@ def _federate(
             },
         )
     )
+    options = "".join(f", {key}={value}" for key, value in settings.model_options)
     logger.info(
-        "%d clients, %d rounds, dataset %s, rule %s; evaluation: %s",
+        "%d clients, %d rounds, dataset %s, model %s%s, rule %s; evaluation: %s",
         len(nodes),
         settings.num_server_rounds,
         settings.dataset,
+        settings.model,
+        f" ({options[2:]})" if options else "",
         settings.rule,
         evaluation,
     )

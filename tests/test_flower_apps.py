@@ -61,6 +61,8 @@ def test_default_run_learns_stays_within_budget_and_writes_results(simulate, run
     out = capsys.readouterr().out
     assert out.count(f"results folder: {folder}") == 2  # printed at start and end
     assert "round 3/3: accuracy" in out and "ε spent max" in out
+    assert "3 clients, 3 rounds, dataset digits, model logreg, rule proactive" in out
+    assert out.count("first round: each client plans its DP-SGD before it trains") == 1  # said once
 
     rounds = pd.read_csv(folder / "rounds.csv")
     assert list(rounds["round"]) == [1, 2, 3]

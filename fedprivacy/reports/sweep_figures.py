@@ -70,9 +70,9 @@ def _accuracy_bars(means: Sequence[float], halves: Sequence[float]) -> np.ndarra
 
 
 def _accuracy_axis(axis: Axes) -> None:
-    """The accuracy axis kept within [0, 1] (matplotlib's margins would run past either end)."""
+    """The accuracy axis kept within [0, 1], with room for a line at 0 or 1 to show above the frame."""
     low, high = axis.get_ylim()
-    axis.set_ylim(max(low, 0.0), min(high, 1.0))
+    axis.set_ylim(max(low, -0.02), min(high, 1.02))
 
 
 BASELINE_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
