@@ -576,3 +576,14 @@ def test_a_model_the_trainer_refuses_fails_the_sweeps_validation_in_one_line(fed
     (line,) = err.strip().splitlines()
     assert line.startswith("error: model='bn-mlp': (factory ") and "BatchNorm1d" in line and "GroupNorm" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_per_round_baseline_says_whose_schedule_it_runs(tiny_sweep):
+    """The baseline takes its q and T from its schedule_from cell (ε = 1 here): the per-round figure's
+    dashed curve says so, since it compares with that line only."""
+    from fedprivacy.reports.sweep_data import load_sweep
+    from fedprivacy.reports.sweep_figures import _schedule_of, groups
+
+    data = load_sweep(tiny_sweep)
+    ((values, _),) = groups(data.rounds, data.series_keys)
+    assert _schedule_of(data, data.series_keys, values) == " (schedule of epsilon=1)"

@@ -257,7 +257,8 @@ def per_round_figure(
             )
         if with_baseline and not data.baseline_rounds.empty:
             baseline = _matching(data.baseline_rounds, series, values).groupby("round")["accuracy"].mean()
-            axis.plot(baseline.index, baseline.to_numpy(), "k--", linewidth=1.2, label="non-private")
+            name = "non-private" + _schedule_of(data, series, values)
+            axis.plot(baseline.index, baseline.to_numpy(), "k--", linewidth=1.2, label=name)
         axis.set_title(label(series, values), fontsize=10)
         axis.set_xlabel("round")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -267,6 +268,19 @@ def per_round_figure(
         if with_baseline:  # the accuracy panels
             _accuracy_axis(axis)
     return save(fig, out, stem)
+
+
+def _schedule_of(data: SweepData, series: Sequence[str], values: Sequence[object]) -> str:
+    """` (schedule of epsilon=1)` when the panel's baselines took their local schedule from cells
+    of one x value: a baseline's q and T are those of its `schedule_from` cell, so its curve per
+    round is comparable with that line only (empty when it cannot be said in one value)."""
+    x_key = data.x_key
+    if x_key is None or data.baselines.empty or "schedule_from" not in data.baselines:
+        return ""
+    cells = data.cells.set_index("cell")
+    sources = _matching(data.baselines, series, values)["schedule_from"]
+    found = {cells.at[f"cells/{name}", x_key] for name in sources if f"cells/{name}" in cells.index}
+    return f" (schedule of {label([x_key], [found.pop()])})" if len(found) == 1 else ""
 
 
 def budget_use_figure(data: SweepData, out: Path) -> list[Path]:
