@@ -587,3 +587,18 @@ def test_the_per_round_baseline_says_whose_schedule_it_runs(tiny_sweep):
     data = load_sweep(tiny_sweep)
     ((values, _),) = groups(data.rounds, data.series_keys)
     assert _schedule_of(data, data.series_keys, values) == " (schedule of epsilon=1)"
+
+
+def test_the_sweep_log_keeps_each_line_whole_on_a_narrow_console():
+    """A log piped to a file gets rich's 80 columns: a cell's line must not break mid-phrase."""
+    import io
+
+    from rich.console import Console
+
+    from sims.sweep.progress import SweepProgress
+
+    out = io.StringIO()
+    line = "tuning run 3/8 tuning/epsilon=1/learning-rate=0.3_seed=1000: validation accuracy 0.6823 (4 s)"
+    with SweepProgress(1, 0, Console(file=out, width=40, force_terminal=False)) as progress:
+        progress.log(line)
+    assert line in out.getvalue().splitlines()

@@ -84,7 +84,9 @@ class SweepProgress:
         self.progress.stop()
 
     def log(self, text: str) -> None:
-        self.progress.console.print(text)
+        """One line of the sweep's log, never broken by the console's width (a log read from a file
+        or a pipe, where rich assumes 80 columns, keeps each line whole)."""
+        self.progress.console.print(text, soft_wrap=True)
 
     def start(self, label: str, rounds: int) -> None:
         self.rounds = max(rounds, 1)
