@@ -31,9 +31,13 @@ def draw_progress(rounds: Sequence[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+LABELLED_CLIENTS = 20  # up to this many clients, clients.png names each point
+
+
 def draw_client_accuracy(clients: Sequence[dict[str, Any]], central: float | None, path: Path) -> Path | None:
     """Each evaluated client's accuracy on its own test rows against its training rows, coloured by
-    its ε budget, with the central accuracy as a line; None (and no file) when no client evaluated."""
+    its ε budget and named when there are few, with the central accuracy as a line; None (and no
+    file) when no client evaluated."""
     shown = [c for c in clients if not math.isnan(c["accuracy"])]
     if not shown:
         return None
@@ -50,6 +54,15 @@ def draw_client_accuracy(clients: Sequence[dict[str, Any]], central: float | Non
         axes.scatter(
             [c["num_examples"] for c in group], [c["accuracy"] for c in group], s=18, color=f"C{index}", label=label
         )
+    if len(shown) <= LABELLED_CLIENTS:  # few enough to name each point by its client
+        for c in shown:
+            axes.annotate(
+                str(c["client_id"]),
+                (c["num_examples"], c["accuracy"]),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
     if central is not None:
         axes.axhline(central, color="black", linestyle=":", linewidth=1, label="central test accuracy")
     axes.set_ylim(0.0, 1.0)
