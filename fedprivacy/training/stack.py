@@ -162,16 +162,15 @@ class ClientStack:
     (`capture.convolution_as_product`: one kernel where cuDNN ran one per client and group); on
     a CPU as grouped convolutions, which measured faster there.
 
-    A step computes each client at a batch width its own batch sets. A product's rounding depends
-    on its shapes: padded to the largest batch of the step, a client's release moved, below
-    float32's resolution, with another client's data size. So a client's sampled rows are padded
-    to the next multiple of `ROW_BLOCK` or, for a model whose rows cost less than `SPLIT_PRODUCTS`
+    A step computes each client at a batch width its own batch sets: a product's rounding depends
+    on its shapes, so a width another client's batch set would make a client's release depend,
+    below float32's resolution, on that client's data. A client's sampled rows are padded to the
+    next multiple of `ROW_BLOCK` or, for a model whose rows cost less than `SPLIT_PRODUCTS`
     multiply-adds (`BatchedCapture.example_products`: its step costs in calls, not arithmetic), to
-    the next power of two of at least `ROW_BLOCK` (logreg and the MLP at 1,000 clients ran 15%
-    slower with multiples of 8, and as fast as one padded stack with powers of two). Clients of one
-    width run as one stack; a width held by one client runs as a stack of two copies of it, since a
-    stack of one takes other kernels, while among two or more a client's bits depend neither on how
-    many share its stack nor on what they hold (measured on the CPU kernels;
+    the next power of two of at least `ROW_BLOCK`, which makes fewer stacks (CHANGELOG.md has the
+    figures). Clients of one width run as one stack; a width held by one client runs as a stack of
+    two copies of it, since a stack of one takes other kernels, while among two or more a client's
+    bits depend neither on how many share its stack nor on what they hold (measured on the CPU kernels;
     tests/test_fast_engine.py checks the whole step). On a CPU, a costly model has each width's
     clients cut into stacks of about `STACK_CLIENTS`, which keep each step's tensors in the cache
     and the allocator's reuse.
@@ -237,14 +236,9 @@ class ClientStack:
     def _sums_by_width(
         self, state: list[Tensor], features: Tensor, labels: Tensor, valid: Tensor, clip: Tensor, private: bool
     ) -> Clipped:
-        """`_stack_sums` stack by stack (`_stacks`), put back in client order."""
-        stacks = self._stacks(features, valid)
-        widest, given = max(width for _, width in stacks), valid.shape[1]
-        if given < widest:  # zero rows, never a record, up to the widest stack
-            more = widest - given
-            features = torch.cat([features, features.new_zeros(features.shape[0], more, *features.shape[2:])], 1)
-            labels = torch.cat([labels, labels.new_zeros(labels.shape[0], more)], 1)
-            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], more)], 1)
+        """`_stack_sums` stack by stack (`_stacks`), put back in client order. Only a stack wider
+        than the step's largest batch gets zero rows added (never a record); its results for those
+        rows, padding, are left out."""
         shape = valid.shape
         sq_norms = torch.zeros(shape, dtype=NORM_DTYPE, device=valid.device)
         dropped = torch.zeros_like(valid)
@@ -252,23 +246,20 @@ class ClientStack:
         broken = torch.zeros_like(valid[:, 0])
         grad_sums: list[Tensor] = []
         all_finite = True
-        for clients, width in stacks:
-            part = self._stack_sums(
-                [s[clients] for s in state],
-                features[clients, :width],
-                labels[clients, :width],
-                valid[clients, :width],
-                clip[clients],
-                private,
-            )
+        for clients, width in self._stacks(features, valid):
+            x, y, v = features[clients, :width], labels[clients, :width], valid[clients, :width]
+            if width > shape[1]:
+                x, y, v = (_widened(t, width) for t in (x, y, v))
+            part = self._stack_sums([s[clients] for s in state], x, y, v, clip[clients], private)
             if not grad_sums:
                 grad_sums = [g.new_zeros(shape[0], *g.shape[1:]) for g in part.grad_sums]
             for whole, g in zip(grad_sums, part.grad_sums, strict=True):
                 whole[clients] = g
-            sq_norms[clients, :width], dropped[clients, :width] = part.sq_norms, part.dropped
-            losses[clients, :width], broken[clients] = part.losses, part.broken
+            kept = min(width, shape[1])
+            sq_norms[clients, :kept], dropped[clients, :kept] = part.sq_norms[:, :kept], part.dropped[:, :kept]
+            losses[clients, :kept], broken[clients] = part.losses[:, :kept], part.broken
             all_finite = all_finite and part.all_finite
-        return Clipped(grad_sums, sq_norms[:, :given], dropped[:, :given], broken, losses[:, :given], all_finite)
+        return Clipped(grad_sums, sq_norms, dropped, broken, losses, all_finite)
 
     def _stack_sums(
         self, state: list[Tensor], features: Tensor, labels: Tensor, valid: Tensor, clip: Tensor, private: bool
@@ -340,6 +331,12 @@ class ClientStack:
             pieces = clients.tensor_split(count)  # two clients or more each
             stacks.extend((piece, width) for piece in pieces)
         return stacks
+
+
+def _widened(rows: Tensor, width: int) -> Tensor:
+    """`rows` [K, B, ...] with zero rows appended up to `width` along its second dimension."""
+    extra = rows.new_zeros(rows.shape[0], width - rows.shape[1], *rows.shape[2:])
+    return torch.cat([rows, extra], dim=1)
 
 
 class PerExampleClipper:
