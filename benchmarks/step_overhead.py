@@ -6,12 +6,12 @@ Honest comparison, same work per step for every implementation:
     it is data indexing, identical work for each, and variable sizes would only add noise);
   - the DP implementations each clip per example, add Gaussian noise to the sum and take the
     optimizer step; ours is the trainer's step (`fedprivacy.training.stack.ClientStack`, one
-    client) with its noise drawn as the trainer draws it: a ChaCha20 stream per step under a fresh
+    client) with its noise words drawn as the trainer draws them: a ChaCha20 stream under a fresh
     OS key, the `--inner` steps of a timed repeat in one pass (the trainer draws a round's steps in
-    one pass);
-  - `fedprivacy-torchrng` is the same step with the noise source it replaced (torch's generator
+    one pass), and the release rounded exactly to its grid (`fedprivacy.training.noise`);
+  - `fedprivacy-torchrng` is the same step with its words from a weak source (torch's generator
     reseeded from 64 bits of OS entropy every step, which keeps only 32 of them on the CPU): the
-    ratio of the two is what cryptographically strong noise costs;
+    ratio of the two is what the cipher costs;
   - the non-private step is zero_grad + forward + mean cross-entropy + backward + torch SGD step.
 Repeats are interleaved (round-robin over implementations) so load from other processes on the
 shared machine hits all of them alike; we report the median over repeats after warm-up. With
@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import ClientStack, DPTrainer, StepDraws, StepInputs, StepRandomness
+from fedprivacy.training.rng import noise_width
 from fedprivacy.training.stack import noise_scale
 
 CASES = [  # (model, num_features, num_classes, input shape)
@@ -62,46 +63,48 @@ def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: i
     return step
 
 
-def os_entropy_normals(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
-    """Our noise, as the trainer draws it: `block` steps per pass, a fresh OS key per step."""
+def os_entropy_words(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
+    """Our noise words, as the trainer draws them: `block` steps per pass, a fresh OS key per pass."""
     randomness, step, draws = StepRandomness(), 0, None
 
-    def next_normals() -> torch.Tensor:
+    def next_words() -> torch.Tensor:
         nonlocal step, draws
         if draws is None or step >= draws.first_step + len(draws.noise):
             draws = randomness.draws(step, block, 0, 1.0, count, device=device)
         step += 1
-        return draws.normals(step - 1)
+        return draws.noise_words(step - 1)
 
-    return next_normals
+    return next_words
 
 
-def torch_generator_normals(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
-    """The replaced noise source: torch's generator reseeded from 64 bits of OS entropy every step."""
+def torch_generator_words(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
+    """A weak source of the same words: torch's generator reseeded from 64 bits of OS entropy every
+    step (it keeps only 32 of them on the CPU)."""
     generator = torch.Generator(device=device)
 
-    def next_normals() -> torch.Tensor:
+    def next_words() -> torch.Tensor:
         generator.manual_seed(secrets.randbits(64))
-        return torch.randn(count, generator=generator, device=device)
+        return torch.randint(-(2**63), 2**63 - 1, (noise_width(count),), generator=generator, device=device)
 
-    return next_normals
+    return next_words
 
 
-def dp_step_with(normals: Callable[[int, torch.device, int], Callable[[], torch.Tensor]]):
+def dp_step_with(words: Callable[[int, torch.device, int], Callable[[], torch.Tensor]]):
     """The trainer's step: the stack of one client on the model's own weights (`ClientStack`)."""
 
     def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: int) -> Callable[[], None]:
         stack = ClientStack(model, stacked=False)
         state = [t.unsqueeze(0) for t in model.state_dict().values()]
-        next_normals = normals(stack.noise_count, x.device, block)
+        next_words = words(stack.noise_count, x.device, block)
         one = {"dtype": torch.float64, "device": x.device}
         clip = torch.tensor([CLIP], **one)
         fixed = (noise_scale(torch.tensor([SIGMA], **one), clip), clip, torch.tensor([float(len(x))], device=x.device))
         valid = torch.ones((1, len(x)), dtype=torch.bool, device=x.device)
         active, rate = torch.ones(1, dtype=torch.bool, device=x.device), torch.full((1,), LR, device=x.device)
+        refiners = [StepRandomness().refiner(0)]
 
         def step() -> None:
-            inputs = StepInputs(x[None], y[None], valid, next_normals()[None], *fixed, active)
+            inputs = StepInputs(x[None], y[None], valid, next_words()[None], *fixed, active, refiners)
             stack.step(state, inputs, lambda released: rate)
 
         return step
@@ -141,8 +144,8 @@ def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor, i
 
 IMPLS = {
     "nonprivate": nonprivate_step,
-    "fedprivacy": dp_step_with(os_entropy_normals),
-    "fedprivacy-torchrng": dp_step_with(torch_generator_normals),
+    "fedprivacy": dp_step_with(os_entropy_words),
+    "fedprivacy-torchrng": dp_step_with(torch_generator_words),
     "opacus-hooks": opacus_step("hooks"),
     "opacus-ghost": opacus_step("ghost"),
 }
@@ -202,16 +205,17 @@ def print_table(rows: list[dict[str, object]]) -> None:
 
 
 class TorchGeneratorRandomness(StepRandomness):
-    """The replaced source behind the trainer's own interface: per step, torch's generator reseeded
-    from 64 bits of OS entropy, `torch.rand < q` for the sample and `torch.randn` for the noise."""
+    """A weak source behind the trainer's own interface: per step, torch's generator reseeded from
+    64 bits of OS entropy, `torch.rand < q` for the sample and `torch.randint` for the noise words."""
 
-    def draws(self, first_step, steps, n, q, noise_count, *, dtype=torch.float32, device="cpu") -> StepDraws:
+    def draws(self, first_step, steps, n, q, noise_count, device="cpu") -> StepDraws:
         generator = torch.Generator(device=device)
         keep, noise = [], []
         for _ in range(steps):
             generator.manual_seed(secrets.randbits(64))
             keep.append(torch.rand(n, generator=generator, device=device) < q)
-            noise.append(torch.randn(noise_count, generator=generator, device=device, dtype=dtype))
+            words = torch.randint(-(2**63), 2**63 - 1, (noise_width(noise_count),), generator=generator, device=device)
+            noise.append(words)
         return StepDraws(first_step, torch.stack(keep), torch.stack(noise))
 
 

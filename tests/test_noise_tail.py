@@ -3,8 +3,8 @@
 A sampler whose |z| never exceeds r_max makes every output beyond g + σ·r_max impossible under a
 dataset with gradient sum g and possible, with probability P(Z > r_max − 1/σ), under a neighbour
 with g + C (the noise is σ·C, the shift C: 1/σ in units of the noise). No certificate covers that
-probability. Reading u₁ from one 53-bit word cut the noise at 8.57; the radius now continues its
-binary expansion past a zero 64-bit word, 16 words deep.
+probability. Reading u₁ from one 53-bit word cut the noise at 8.57; the radius's expansion goes on
+past a zero 64-bit word, 16 words deep, through the release's exact path.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from decimal import Decimal, getcontext
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from fedprivacy.privacy.limits import EPSILON_MAX
 from fedprivacy.privacy.planner import plan_client
-from fedprivacy.training import rng as rng_module
-from fedprivacy.training.rng import MAX_RADIUS, RADIUS_WORDS, box_muller, radius_from_words
-
-pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
+from fedprivacy.training.noise import MAX_RADIUS, RADIUS_WORDS, grid, rounded_gaussian
 
 LN2 = math.log(2)
 TOP = 2**64 - 1
+ZERO_RADIUS = -(2**63)  # the radius word whose U starts with a zero word (U's first word = word + 2⁶³)
+SIGMA_C = 3.0  # σ' = σC/γ = 384
 
 
 def exact_radius(words: list[int]) -> float:
@@ -37,15 +37,21 @@ def exact_radius(words: list[int]) -> float:
     return float((2 * minus_log).sqrt())
 
 
-def feeding(continuations: list[list[int]]):
-    """An extension stream: each zero word's `RADIUS_WORDS` − 1 continuation words, in order."""
-    flat = [w for row in continuations for w in row]
+def released_radius(continuation: list[int], pairs: int = 1) -> np.ndarray:
+    """The release of a zero sum for `pairs` pairs whose U starts with a zero word and whose angle
+    word is 0 (θ ∈ [0, 2π·2⁻⁶⁴): the cosine coordinate is the radius), U's expansion continued by
+    `continuation` (per level, shared by the pairs) and V's by zeros: R/σ', the radius to 1/(2σ')."""
+    words = torch.tensor([[ZERO_RADIUS] * pairs + [0] * pairs])
+    std = torch.tensor([SIGMA_C], dtype=torch.float64)
+    asked: list[tuple[int, int]] = []
 
-    def extension(count: int) -> np.ndarray:
-        assert count == len(flat), "one request: RADIUS_WORDS − 1 words per zero word"
-        return np.array(flat, dtype=np.uint64)
+    def refine(pair: int, level: int) -> tuple[int, int]:
+        asked.append((pair, level))
+        return continuation[level], 0
 
-    return extension
+    released = rounded_gaussian(torch.zeros(1, 2 * pairs), words, std, [refine], torch.ones(1, dtype=torch.bool))
+    scale = SIGMA_C / float(grid(std))
+    return released[0, :pairs].double().numpy() / float(grid(std)) / scale
 
 
 def padded(words: list[int]) -> list[int]:
@@ -53,84 +59,45 @@ def padded(words: list[int]) -> list[int]:
 
 
 CASES = [
-    ("the smallest nonzero word", [1], None),
-    ("a zero word, then 2⁶³", [0], padded([2**63])),
-    ("five zero words, then 12345", [0], padded([0, 0, 0, 0, 12345])),
-    ("fifteen zero words, then 1", [0], padded([0] * 14 + [1])),
-    ("sixteen zero words: the deepest", [0], [0] * (RADIUS_WORDS - 1)),
-    ("a zero word, then 2⁶⁴ − 1", [0], padded([TOP])),
-    ("the largest word", [TOP], None),
+    ("a zero word, then 2⁶³", padded([2**63])),
+    ("five zero words, then 12345", padded([0, 0, 0, 0, 12345])),
+    ("fifteen zero words, then 1", padded([0] * 14 + [1])),
+    ("sixteen zero words: the deepest", [0] * (RADIUS_WORDS - 1)),
+    ("a zero word, then 2⁶⁴ − 1", padded([TOP])),
 ]
 
 
-@pytest.mark.parametrize(("case", "word", "continuation"), CASES, ids=[c[0] for c in CASES])
-def test_injected_words_give_the_exact_radius_far_past_one_word(case, word, continuation):
-    """Radius word 0 then 2⁶³ is u₁ ≈ 2⁻⁶⁵: r = sqrt(2·65·ln 2) ≈ 9.49, past what any single 64-bit
-    word gives (9.42) and far past the 53-bit cut (8.57); five zero words reach r ≈ 22.7, sixteen
-    `MAX_RADIUS`. The extension is asked for nothing when no word is 0."""
-
-    def refuse(count: int) -> np.ndarray:
-        raise AssertionError(f"asked for {count} continuation words without a zero word")
-
-    extension = refuse if continuation is None else feeding([continuation])
-    radius = radius_from_words(np.array(word, dtype=np.uint64), extension)
-    expected = exact_radius(word + (continuation or []))
-    assert radius.shape == (1,) and np.isfinite(radius).all()
-    assert radius[0] == pytest.approx(
-        expected, rel=1e-13, abs=1e-9
-    )  # abs: the largest word's radius, 2⁻³², rounds to 0
-    assert radius[0] <= MAX_RADIUS * (1 + 1e-15)
+@pytest.mark.parametrize(("case", "continuation"), CASES, ids=[c[0] for c in CASES])
+def test_a_zero_radius_word_takes_its_radius_from_the_expansion_far_past_one_word(case, continuation):
+    """U's first word 0, then 2⁶³, is u₁ ≈ 2⁻⁶⁵: r = sqrt(2·65·ln 2) ≈ 9.49, past what any single
+    64-bit word gives (9.42) and far past the 53-bit cut (8.57); five zero words reach r ≈ 22.7,
+    sixteen `MAX_RADIUS`. The release is σ'·r rounded: r to within 1/(2σ')."""
+    radius = released_radius(continuation)[0]
+    assert radius == pytest.approx(exact_radius([0, *continuation]), abs=1 / (2 * 384) + 1e-12)
+    assert radius <= MAX_RADIUS + 1 / 384
 
 
 def test_the_deepest_radius_is_max_radius_and_the_closed_form():
     assert pytest.approx(math.sqrt(2 * 1025 * LN2), rel=1e-15) == MAX_RADIUS
     assert RADIUS_WORDS == 16
-    deepest = radius_from_words(np.zeros(1, dtype=np.uint64), feeding([[0] * (RADIUS_WORDS - 1)]))
-    assert deepest[0] == pytest.approx(MAX_RADIUS, rel=1e-15)
     assert exact_radius([0] * RADIUS_WORDS) == pytest.approx(MAX_RADIUS, rel=1e-15)
-
-
-def test_zero_words_among_others_take_their_own_continuations_through_box_muller(monkeypatch):
-    """Through `box_muller` (the draws' own path, its default extension replaced): zero radius words
-    in a chunk take their continuations in order, the others keep their closed form, and the noise
-    is r·(cos θ, sin θ) with θ = 0 for angle word 0."""
-    words = np.array(
-        [[0, 5, 0, 0, 0, 0], [7, 0, 2**63, 0, 0, 0]], dtype=np.uint64
-    )  # rows: 3 radius words, 3 angle words
-    continuations = [padded([2**63]), padded([0, 0, 0, 0, 12345]), padded([1])]
-    monkeypatch.setattr(rng_module, "_fresh_words", feeding(continuations))
-    noise = box_muller(words, np.float64)
-    expected_radius = [
-        [exact_radius([0, 2**63]), exact_radius([5]), exact_radius([0, 0, 0, 0, 0, 12345])],
-        [exact_radius([7]), exact_radius([0, 1]), exact_radius([2**63])],
-    ]
-    np.testing.assert_allclose(noise[:, :3], expected_radius, rtol=1e-13)
-    np.testing.assert_array_equal(noise[:, 3:], 0.0)
-    assert noise[0, 0] > 9.49 and noise[0, 2] > 22.6
 
 
 def test_a_zero_words_continuation_is_the_gaussian_tail_at_each_depth():
     """Given u₁ < 2⁻⁶⁴ᵏ (k zero words), −ln u₁ − 64k·ln 2 is again Exp(1): the tail beyond each word
-    is the Rayleigh tail, not a cut or an atom. Checked at depths 1 and 2 with a seeded extension,
-    and the default (the operating system's words) lands beyond one word's reach."""
+    is the Rayleigh tail, not a cut or an atom. Checked at depths 1 and 2 from the released values
+    (each r to 1/(2σ'), so r²/2 to about 0.05), and the operating system's words of an unseeded run
+    land beyond one word's reach."""
     generator = np.random.default_rng(5)
-    count = 20_000
-
-    def random_words(n: int) -> np.ndarray:
-        return generator.integers(0, 2**64, size=n, dtype=np.uint64, endpoint=False)
-
-    def one_more_zero(n: int) -> np.ndarray:
-        words = random_words(n).reshape(-1, RADIUS_WORDS - 1)
-        words[:, 0] = 0
-        return words.reshape(-1)
-
-    for depth, extension in ((1, random_words), (2, one_more_zero)):
-        radius = radius_from_words(np.zeros(count, dtype=np.uint64), extension)
-        excess = radius**2 / 2 - 64 * depth * LN2
-        assert excess.min() > 0
-        assert stats.kstest(excess, "expon").pvalue > 1e-3, depth
-    fresh = radius_from_words(np.zeros(1000, dtype=np.uint64))
-    assert (fresh > math.sqrt(2 * 64 * LN2)).all() and (fresh <= MAX_RADIUS).all() and len(set(fresh.tolist())) > 990
+    for depth in (1, 2):
+        excess = []
+        for _ in range(300):
+            continuation = [int(w) for w in generator.integers(0, 2**64, size=RADIUS_WORDS - 1, dtype=np.uint64)]
+            continuation[: depth - 1] = [0] * (depth - 1)
+            radius = released_radius(continuation)[0]
+            excess.append(radius**2 / 2 - 64 * depth * LN2)
+        assert min(excess) > -0.1
+        assert stats.kstest(np.array(excess) + 0.0, "expon").pvalue > 1e-3, depth
 
 
 def shortfall(max_radius: float, sigma: float, rate: float, steps: int, epsilon: float) -> tuple[float, float]:

@@ -13,6 +13,7 @@ import torch
 from scipy import stats
 
 from fedprivacy.training import rng as rng_module
+from fedprivacy.training.noise import box_muller_bounds
 from fedprivacy.training.rng import (
     UNIFORM_BITS,
     DrawRequest,
@@ -25,8 +26,15 @@ from fedprivacy.training.rng import (
 pytestmark = pytest.mark.filterwarnings("ignore::fedprivacy.training.SeededRunWarning")
 
 
+def normals(words: torch.Tensor, count: int) -> np.ndarray:
+    """The Box–Muller values at the cells of one step's noise words (`box_muller_bounds`)."""
+    pairs = words.shape[-1] // 2
+    cosine, sine, _ = box_muller_bounds(words[None, :pairs], words[None, pairs:])
+    return torch.cat([cosine[0], sine[0]]).numpy()[:count]
+
+
 def noise(seed, step: int = 0, count: int = 64) -> np.ndarray:
-    return StepRandomness(seed).draws(step, 1, 0, 0.5, count, dtype=torch.float64).noise[0].numpy()
+    return normals(StepRandomness(seed).draws(step, 1, 0, 0.5, count).noise[0], count)
 
 
 def test_any_change_of_the_seed_material_changes_the_noise():
@@ -52,9 +60,9 @@ def test_steps_have_their_own_draws_and_seeded_steps_replay_in_any_split():
     together = StepRandomness(7).draws(3, 4, 50, 0.3, 100)  # steps 3, 4, 5, 6 in one pass
     for step in range(3, 7):
         alone = StepRandomness(7).draws(step, 1, 50, 0.3, 100)
-        assert torch.equal(alone.noise[0], together.normals(step))
+        assert torch.equal(alone.noise[0], together.noise_words(step))
         assert torch.equal(alone.sample(step), together.sample(step))
-    assert not torch.any(together.normals(3) == together.normals(4))
+    assert not torch.any(together.noise_words(3) == together.noise_words(4))
 
 
 def test_unseeded_streams_come_from_the_os_and_never_repeat():
@@ -66,9 +74,8 @@ def test_unseeded_streams_come_from_the_os_and_never_repeat():
     assert not torch.any(first == second)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_noise_is_standard_normal(dtype):
-    draws = StepRandomness(11).draws(0, 1, 0, 0.5, 200_001, dtype=dtype).noise[0].double().numpy()  # odd: a pair is cut
+def test_the_noise_is_standard_normal():
+    draws = noise(11, count=200_001)  # odd: a pair is cut
     assert draws.shape == (200_001,)
     assert stats.kstest(draws, "norm").pvalue > 1e-3
     assert abs(draws.mean()) < 5 / math.sqrt(len(draws))
@@ -143,94 +150,87 @@ def test_steps_that_span_several_nonces_read_the_same_bytes_in_any_split(monkeyp
 
 def box_muller_closed_form(words: np.ndarray) -> np.ndarray:
     """Box–Muller of raw keystream rows [m radius words, m angle words], in float64, written out
-    independently of rng.py: u₁ = (w + ½)·2⁻⁶⁴ from the whole radius word (no word is 0 in these
-    streams: probability 2⁻⁶⁴ each), θ = 2π·s·2⁻⁶⁴ with s the angle word read as a signed integer."""
+    independently of the library: u₁ = ((w + 2⁶³) mod 2⁶⁴ + ½)·2⁻⁶⁴ from the whole radius word,
+    θ = 2π·s·2⁻⁶⁴ with s the angle word read as a signed integer."""
     pairs = words.shape[1] // 2
     radius_words, angle_words = words[:, :pairs], words[:, pairs : 2 * pairs]
-    assert radius_words.all()
-    u1 = (radius_words.astype(np.float64) + 0.5) * 2.0**-64
+    u1 = ((radius_words + np.uint64(2**63)).astype(np.float64) + 0.5) * 2.0**-64
     radius = np.sqrt(-2.0 * np.log(u1))
     signed = np.where(angle_words >= 2**63, angle_words.astype(np.float64) - 2.0**64, angle_words.astype(np.float64))
     angle = 2.0 * np.pi * signed * 2.0**-64
     return np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=1)
 
 
-def test_a_round_of_draws_is_its_streams_words_compared_and_transformed(monkeypatch):
+def test_a_round_of_draws_is_its_streams_words_compared_and_kept():
     """Independently of `draw_batch`'s buffers: record i of a step is kept iff the top 53 bits of
-    its Poisson word are below ⌊q·2⁵³⌋, and the noise is Box–Muller of the step's whole 64-bit noise
-    words (computed here in float64); the transform gives the same bits however its rows are
-    chunked and spread over threads. The clients read the same blocks per step (one buffer, one
-    comparison for all) with different n."""
+    its Poisson word are below ⌊q·2⁵³⌋, and the noise words are the step's first words, whole; their
+    Box–Muller values (what the release rounds) are the closed form's within their stated bounds. The
+    clients read the same blocks per step (one buffer, one comparison for all) with different n."""
     clients = [(StepRandomness(f"7:words-{i}"), 2 * i, 1 + i % 3, 150 - i % 4, 0.03 * (i + 1)) for i in range(8)]
     requests = [DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients]
     count = 30
-    keep, noise = draw_batch(requests, count)
-    monkeypatch.setattr(rng_module, "TRANSFORM_CHUNK", 64)  # two rows per chunk, nine chunks
-    monkeypatch.setattr(rng_module, "PARALLEL_WORDS", 0)
-    chunked = rng_module.box_muller(StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=3)
-    plain = rng_module.box_muller(StepRandomness("7:words-x").stream_words(0, 17, count), np.float32, threads=1)
-    assert np.array_equal(chunked, plain)
-    _, noise_in_threads = draw_batch(requests, count)
-    assert torch.equal(noise_in_threads, noise)
+    keep, noise_words = draw_batch(requests, count)
     row = 0
     for randomness, first, steps, n, q in clients:
         words = randomness.stream_words(first, steps, count + n)
         poisson = words[:, count:] >> np.uint64(64 - UNIFORM_BITS)  # the top 53 bits
         assert np.array_equal(keep[row : row + steps, :n].numpy(), poisson < sampling_threshold(q))
         assert not keep[row : row + steps, n:].any()
-        expected = box_muller_closed_form(words[:, :count])
-        np.testing.assert_allclose(noise[row : row + steps].numpy(), expected, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(noise_words[row : row + steps].numpy().view(np.uint64), words[:, :count])
+        for step in range(steps):
+            pairs = count // 2
+            cosine, sine, bound = box_muller_bounds(
+                noise_words[row + step : row + step + 1, :pairs], noise_words[row + step : row + step + 1, pairs:]
+            )
+            got = torch.cat([cosine, sine], 1)[0].numpy()
+            expected = box_muller_closed_form(words[step : step + 1, :count])[0]
+            assert (np.abs(got - expected) <= torch.cat([bound[0], bound[0]]).numpy()).all()
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
         row += steps
     assert row == keep.shape[0]
-    _, noise64 = draw_batch(requests[:1], count, dtype=torch.float64)  # float64 noise: radius and angle in float64
-    randomness, first, steps, n, _ = clients[0]
-    expected = box_muller_closed_form(randomness.stream_words(first, steps, count + n)[:, :count])
-    np.testing.assert_allclose(noise64.numpy(), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_the_radius_is_rayleigh_from_its_whole_words():
-    """The noise's radius sqrt(z₁² + z₂²) of a pair is Rayleigh, and it is the radius of the pair's
-    whole 64-bit radius word (`radius_from_words`, float64), to rounding."""
+    """The noise's radius sqrt(z₁² + z₂²) of a pair is Rayleigh."""
     count = 200_000
-    draws = StepRandomness(13).draws(0, 1, 0, 0.5, count, dtype=torch.float64).noise[0].numpy()
+    draws = noise(13, count=count)
     radius = np.hypot(draws[: count // 2], draws[count // 2 :])
     assert stats.kstest(radius, "rayleigh").pvalue > 1e-3
     assert stats.kstest(radius**2 / 2, "expon").pvalue > 1e-3
-    words = StepRandomness(13).stream_words(0, 1, count)[0, : count // 2]
-    np.testing.assert_allclose(radius, rng_module.radius_from_words(words), rtol=1e-13)
 
 
-def test_draws_larger_than_the_kept_buffer_are_the_same_draws(monkeypatch):
-    """A thread keeps its keystream buffer between draws up to a size; a larger draw gets a buffer
-    of its own, and a kept buffer reused by the next draw gives that draw its own bytes."""
-    requests = [DrawRequest(StepRandomness(f"7:kept-{i}"), i, 2, 60, 0.2) for i in range(4)]
-    kept = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
-    # two clients' draw (two steps of ten 64-byte blocks each) fits, four clients' does not
-    monkeypatch.setattr(rng_module, "SCRATCH_KEPT", 2 * 2 * 640)
-    monkeypatch.setattr(rng_module._scratch, "words", bytearray())  # this thread keeps nothing yet
-    fresh = [draw_batch(requests, 16), draw_batch(requests[:2], 16)]
-    assert len(rng_module._scratch.words) == 2 * 2 * 640  # only the draw that fits was kept
-    for (keep_a, noise_a), (keep_b, noise_b) in zip(kept, fresh, strict=True):
-        assert torch.equal(keep_a, keep_b) and torch.equal(noise_a, noise_b)
-    assert torch.equal(kept[1][1], kept[0][1][:4])  # the first two clients' rows, redrawn
+def test_chacha20_as_tensor_operations_is_the_cryptography_packages_keystream():
+    """`chacha.keystream_words` against `cryptography`'s ChaCha20 for the same key, nonce and
+    block: segments at the counter's ends, every bit of the nonce set, a zero key."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    from fedprivacy.training.chacha import keystream_words
+
+    generator = np.random.default_rng(8)
+    segments = [
+        (generator.bytes(32), 12_345_678_901_234, 7, 5),
+        (generator.bytes(32), 2**64 - 1, 2**32 - 3, 3),
+        (bytes(32), 0, 0, 2),
+        (generator.bytes(32), 2**63, 1000, 64),
+    ]
+    expected = []
+    for key, nonce, first, blocks in segments:
+        value = first.to_bytes(4, "little") + nonce.to_bytes(8, "little") + bytes(4)
+        stream = Cipher(algorithms.ChaCha20(key, value), mode=None).encryptor().update(bytes(64 * blocks))
+        expected.append(np.frombuffer(stream, dtype="<u8").view(np.int64).reshape(blocks, 8))
+    assert np.array_equal(keystream_words(segments).numpy(), np.concatenate(expected))
+    with pytest.raises(ValueError, match="2³² blocks"):
+        keystream_words([(bytes(32), 0, 2**32 - 1, 2)])
 
 
-def test_a_round_filled_by_several_threads_is_the_round_filled_by_one(monkeypatch):
-    """The keystream of a large round is written by the transform's helper threads, each client
-    into its own stretch of the buffer: the words are those one thread writes, client by client,
-    and each client's are its own stream's, seeded or not (unseeded: only checked to differ)."""
-    monkeypatch.setattr(rng_module, "PARALLEL_WORDS", 1 << 10)  # parallel from 8 KiB of keystream
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    requests = [DrawRequest(StepRandomness(f"7:threads-{i}" if i % 5 else None), 3 * i, 2, 40, 0.1) for i in range(11)]
-    blocks = rng_module._blocks(2 * 64 + 40)
-    together = rng_module._filled_rows(requests, blocks).copy()
-    assert together.nbytes >= 8 * rng_module.PARALLEL_WORDS  # the threaded path
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    alone = rng_module._filled_rows(requests, blocks).copy()
-    for i, request in enumerate(requests):
-        rows = slice(2 * i, 2 * i + 2)
-        if request.randomness.seeded:
-            assert np.array_equal(together[rows], alone[rows])
-            assert np.array_equal(together[rows], request.randomness.stream_words(3 * i, 2, blocks * 8))
-        else:
-            assert not np.array_equal(together[rows], alone[rows])
+@pytest.mark.parametrize("width", [33, 32])
+def test_a_round_drawn_by_tensor_operations_is_the_cpus_round_bit_for_bit(width, monkeypatch):
+    """The draws a GPU makes for itself (`draw_batch` with a device: the keystream, the Poisson
+    comparison and the noise words as tensor operations; run here on the CPU) equal the CPU's,
+    seeded clients of several sizes and steps, with a nonce per step (a tiny counter range)."""
+    monkeypatch.setattr(rng_module, "COUNTER_BLOCKS", 16)
+    clients = [(StepRandomness(f"7:device-{i}"), 3 * i, 1 + i % 3, 40 + 17 * i, 0.05 * (i + 1)) for i in range(6)]
+    requests = [DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients]
+    keep, words = draw_batch(requests, width)
+    keep_on, words_on = draw_batch(requests, width, device="cpu")
+    assert torch.equal(keep, keep_on) and torch.equal(words, words_on)

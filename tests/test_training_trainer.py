@@ -138,7 +138,8 @@ def test_empty_batches_are_noisy_steps(compute_device: torch.device) -> None:
         states.append(flat(t.model))
     for a, b in zip(states, states[1:]):
         moved = (b - a) / (plan.learning_rate * plan.noise_std_on_mean)  # ~ N(0, 1) each
-        assert (moved != 0).all()
+        # the release is on a grid of σC/2⁸ or finer: a coordinate stays put with probability < 1/640
+        assert float((moved == 0).double().mean()) < 1 / 300
         assert 0.8 < float(moved.std()) < 1.2
 
 
@@ -146,10 +147,11 @@ def test_empty_batches_are_noisy_steps(compute_device: torch.device) -> None:
 def test_release_adds_noise_of_std_sigma_c_to_the_sum(compute_device: torch.device) -> None:
     sigma, clip, coords = 1.3, 0.7, 40_000
     clean = torch.randn(coords, generator=torch.Generator().manual_seed(5)).to(compute_device)
-    normals = StepRandomness(11).draws(0, 1, 0, 0.5, coords, device=compute_device).noise[0]
+    words = StepRandomness(11).draws(0, 1, 0, 0.5, coords, device=compute_device).noise[0]
     one = {"dtype": torch.float64, "device": compute_device}
     std = noise_scale(torch.tensor([sigma], **one), torch.tensor([clip], **one))
-    step = StepInputs(None, None, None, normals[None], std, None, torch.ones(1, device=compute_device), None)
+    active = torch.ones(1, dtype=torch.bool, device=compute_device)
+    step = StepInputs(None, None, None, words[None], std, None, torch.ones(1, device=compute_device), active)
     released = release([clean[None].clone()], step)[0]
     assert released.device.type == compute_device.type
     noise = released - clean

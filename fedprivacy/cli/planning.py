@@ -29,6 +29,7 @@ from fedprivacy.cli.common import (
     value,
 )
 from fedprivacy.errors import InputError
+from fedprivacy.privacy.plan import RELEASED_MECHANISM
 
 app = typer.Typer()
 
@@ -67,6 +68,7 @@ def _plan_table(plan: Any, spent: dict[str, float]) -> Table:
             for relation, epsilon in spent.items()
         ),
         ("noise std on averaged gradient", f"{plan.noise_std_on_mean:.4g}"),
+        ("released mechanism", RELEASED_MECHANISM),
     ]
     rows += [(f"σ {name}", "n/a" if v is None else f"{v:.4g}") for name, v in plan.sigma_by_rule.items()]
     rows += [

@@ -26,6 +26,14 @@ NEIGHBOUR_RELATIONS = {
     "replace-one": "replace one record; N may be the real size",
 }
 ALPHA_SCHEDULES = ("constant", "inverse_sqrt_lr", "power")
+# What a step releases: the Gaussian mechanism's output, rounded exactly to a grid of the largest
+# power of two ≤ σC/2^RELEASE_GRID_BITS (`fedprivacy.training.noise`). Rounding is post-processing:
+# the certificate of the subsampled Gaussian holds for it as it is.
+RELEASE_GRID_BITS = 8
+RELEASED_MECHANISM = (
+    "Poisson-subsampled Gaussian on the clipped sum, released exactly rounded to a power-of-two grid "
+    f"≤ σC/{2**RELEASE_GRID_BITS} (Haney et al. 2022; the rounding is post-processing: no ε added)"
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,7 @@ class Plan:
             epochs=self.epochs,
             budget_unused=self.budget_unused,
             noise_std_on_mean=self.noise_std_on_mean,
+            released_mechanism=RELEASED_MECHANISM,
         )
         return data
 

@@ -36,7 +36,7 @@ from matplotlib.figure import Figure
 
 from fedprivacy.privacy import accountants, classical
 from fedprivacy.privacy.accountants import NoiseEvent
-from fedprivacy.privacy.plan import NEIGHBOUR_RELATIONS, Condition, Plan
+from fedprivacy.privacy.plan import NEIGHBOUR_RELATIONS, RELEASED_MECHANISM, Condition, Plan
 from fedprivacy.privacy.planner import comparison_conditions, with_rule_comparison
 from fedprivacy.privacy.proactive import proactive_step_range
 
@@ -224,6 +224,7 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
             ("local records N", str(plan.n)),
             ("target (ε, δ)", f"({plan.epsilon:g}, {plan.delta:.3g})"),
             ("neighbouring data sets", NEIGHBOUR_RELATIONS.get(plan.neighbours, plan.neighbours)),
+            ("released mechanism", RELEASED_MECHANISM),
             ("clipping norm C", f"{plan.clip_norm:g}"),
             ("rule", plan.rule),
             (

@@ -5,8 +5,8 @@ client's own model; the fast engine with a round's clients.
 Per step and client: Poisson-sampled rows (drawn by the caller from the client's own stream,
 `fedprivacy.training.rng`), each trained layer's inputs A and output gradients D captured with
 every example computed alone (`capture.BatchedCapture`), per-example norm bounds, clip weights
-and clipped sums by the layer rules (`clipping.clipped_sums`), noise σ_t·C on the sum (σ_t·C kept
-in float64 until it multiplies the standard normals, then cast to the parameters' dtype:
+and clipped sums by the layer rules (`clipping.clipped_sums`), Gaussian noise σ_t·C on the sum,
+released exactly rounded to a power-of-two grid (`noise.rounded_gaussian`, σ_t·C in float64:
 `release`), division by the expected batch qN, and the client's learning rate. Clients whose
 rounds have fewer steps are masked out of the steps they do not take.
 
@@ -18,7 +18,7 @@ and contribute nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from fedprivacy.training.capture import BatchedCapture
 from fedprivacy.training.clipping import Clipped, ClippedBatch, check_supported, clipped_sums
+from fedprivacy.training.noise import Refiner, rounded_gaussian
 from fedprivacy.training.norms import NORM_DTYPE, Float64Scratch
 
 # The clip norm of a step with the mechanism off: above every gradient norm (a squared norm of
@@ -34,16 +35,14 @@ from fedprivacy.training.norms import NORM_DTYPE, Float64Scratch
 UNCLIPPED = 1e150
 
 
-def noise_scale(sigma: float | Tensor, clip_norm: float | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """σ·C formed in float64 and rounded once into `dtype`, upwards: the noise's standard deviation
-    is never below the certified σC (a float32 σ times a float32 C could land 1 ulp under it)."""
+def noise_scale(sigma: float | Tensor, clip_norm: float | Tensor) -> Tensor:
+    """σ·C in float64, rounded upwards: the product rounded to nearest, then one ulp up, so that the
+    noise's standard deviation is never below the certified σC (at most 1.5 ulp above it); σ = 0 stays 0."""
     device = sigma.device if isinstance(sigma, Tensor) else None
-    exact = torch.as_tensor(sigma, dtype=torch.float64, device=device) * torch.as_tensor(
+    product = torch.as_tensor(sigma, dtype=torch.float64, device=device) * torch.as_tensor(
         clip_norm, dtype=torch.float64, device=device
     )
-    rounded = exact.to(dtype)
-    upward = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
-    return torch.where(rounded.to(torch.float64) < exact, upward, rounded)
+    return torch.where(product > 0, torch.nextafter(product, torch.full_like(product, math.inf)), product)
 
 
 @dataclass
@@ -53,11 +52,12 @@ class StepInputs:
     features: Tensor  # [K, B, ...] sampled rows, padded
     labels: Tensor  # [K, B]
     valid: Tensor  # [K, B] bool: a real sampled row
-    normals: Tensor  # [K, P] standard normals in the trained parameters' order
-    noise_std: Tensor  # [K] σ_t·C of this step (`noise_scale`, formed once per round), the parameters' dtype
+    noise_words: Tensor  # [K, 2m] int64 keystream words of the noise (`rng.noise_width`), P ≤ 2m
+    noise_std: Tensor  # [K] σ_t·C of this step (`noise_scale`, formed once per round), float64
     clip: Tensor  # [K]
     expected_batch: Tensor  # [K] q·N
     active: Tensor  # [K] bool: the client takes this step
+    refiners: Sequence[Refiner] = ()  # [K] each client's refinement words for this step (`rng.StepRandomness.refiner`)
 
 
 @dataclass
@@ -136,12 +136,12 @@ class RoundTotals:
 
 
 def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> Tensor:
-    """(Σ clipped + σC·N(0, I)) / (qN) per client, as one [K, P] tensor in the trained parameters'
-    order (the normals' order), the noise scaled by the step's `noise_std` (`noise_scale`: never
-    below the certified σC, tests/test_fast_engine.py checks it). `parts` cuts it per parameter."""
+    """γ·⌊(Σ clipped)/γ + (σC/γ)·Z⌉ / (qN) per client (`noise.rounded_gaussian`), as one [K, P]
+    tensor in the trained parameters' order (the noise words' order), σC the step's `noise_std`
+    (`noise_scale`: never below the certified σC). `parts` cuts it per parameter."""
     flat = torch.cat([s.reshape(s.shape[0], -1) for s in sums], dim=1) if len(sums) > 1 else sums[0].flatten(1)
     if add_noise:
-        flat = torch.addcmul(flat, step.noise_std.unsqueeze(1), step.normals)
+        flat = rounded_gaussian(flat, step.noise_words, step.noise_std, step.refiners, step.active)
     return flat / step.expected_batch.unsqueeze(1)
 
 

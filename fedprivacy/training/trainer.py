@@ -125,7 +125,6 @@ class DPTrainer:
             self.num_rows,
             self.plan.sampling_rate,
             self.stack.noise_count,
-            dtype=self.parameters[0].dtype,
             device=self.device,
         )
 
@@ -181,8 +180,8 @@ class DPTrainer:
         examples = empty = 0
         steps = range(first, first + count)
         sigmas = [plan.noise_multiplier(t) if self.private else 0.0 for t in steps]
-        # each step's σ_t·C, from σ_t in float64 as the plan has it, rounded once into the parameters' dtype
-        noise_std = noise_scale(torch.tensor(sigmas, dtype=NORM_DTYPE, **one), clip_t, self.parameters[0].dtype)
+        # each step's σ_t·C, from σ_t in float64 as the plan has it, rounded upwards once
+        noise_std = noise_scale(torch.tensor(sigmas, dtype=NORM_DTYPE, **one), clip_t)
         scheduled = torch.tensor([plan.learning_rate_at(t) for t in steps], dtype=self.parameters[0].dtype, **one)
         rate = torch.full((1,), math.nan)
 
@@ -197,11 +196,12 @@ class DPTrainer:
                 features,
                 labels,
                 valid,
-                draws.normals(self.step).unsqueeze(0),
+                draws.noise_words(self.step).unsqueeze(0),
                 noise_std[i : i + 1],
                 clip_t,
                 expected_t,
                 active,
+                [self.randomness.refiner(self.step)],
             )
 
             def learning_rate(released: list[Tensor], i: int = i) -> Tensor:

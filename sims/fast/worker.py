@@ -25,7 +25,7 @@ from fedprivacy.models import build_model, evaluation_sums
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.protocol import diagnostics as training_diagnostics
 from fedprivacy.training import DPTrainer, stack
-from fedprivacy.training.rng import DrawRequest, SeededRunWarning, StepRandomness, draw_batch
+from fedprivacy.training.rng import DrawRequest, SeededRunWarning, StepRandomness, draw_batch, keystream_device
 from fedprivacy.training.schedule import StepSizes
 
 
@@ -190,7 +190,8 @@ class LocalWorker:
         firsts = [p.first_step_of_round(server_round) for p in plans]
         counts = [p.steps_in_round(server_round) for p in plans]
         n = self.train_n[positions.cpu()]
-        keep, normals = self._draws(requests, plans, firsts, counts, n, clients.noise_count)
+        keep, noise = self._draws(requests, plans, firsts, counts, n, clients.noise_count)
+        streams = [self.randomness[self.position[r.index]] for r in requests]
         most = max(counts)
         sigma, rate = np.zeros((len(requests), most)), np.zeros((len(requests), most))
         for k, (request, first, count) in enumerate(zip(requests, firsts, counts, strict=True)):
@@ -211,7 +212,8 @@ class LocalWorker:
         totals = stack.RoundTotals()
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
-            step = stack.StepInputs(*inputs, normals[:, s], noise_std[:, s], clip, expected, steps > s)
+            refiners = [stream.refiner(first + s) for stream, first in zip(streams, firsts, strict=True)]
+            step = stack.StepInputs(*inputs, noise[:, s], noise_std[:, s], clip, expected, steps > s, refiners)
             report = clients.step(
                 weights,
                 step,
@@ -236,26 +238,27 @@ class LocalWorker:
         n: Tensor,
         parameters: int,
     ) -> tuple[Tensor, Tensor]:
-        """Every client's Poisson masks [K, steps, rows] and normals [K, steps, P] for the round,
-        P = `parameters`, the trained parameters' count."""
+        """Every client's Poisson masks [K, steps, rows] and noise words [K, steps, 2m] for the round
+        (`rng.noise_width` of P = `parameters`, the trained parameters' count)."""
         batch = [
             DrawRequest(self.randomness[self.position[r.index]], first, count, int(rows), plan.sampling_rate)
             for r, plan, first, count, rows in zip(requests, plans, firsts, counts, n.tolist(), strict=True)
         ]
-        keep_rows, noise_rows = draw_batch(batch, parameters)
-        rows = self.train_x.shape[1]
+        keep_rows, noise_rows = draw_batch(batch, parameters, keystream_device(self.device))
+        rows, width = self.train_x.shape[1], noise_rows.shape[1]
         if min(counts) == max(counts) and keep_rows.shape[1] == rows:  # rows already in [client, step] order
             shape = (len(requests), counts[0])
-            return keep_rows.reshape(*shape, rows).to(self.device), noise_rows.reshape(*shape, parameters).to(
-                self.device
-            )
-        owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts))
-        step = torch.from_numpy(np.concatenate([np.arange(c) for c in counts]))
-        keep = torch.zeros(len(requests), max(counts), rows, dtype=torch.bool)
-        normals = torch.zeros(len(requests), max(counts), parameters)
+            return keep_rows.reshape(*shape, rows).to(self.device), noise_rows.reshape(*shape, width).to(self.device)
+        made = keep_rows.device  # the CPU, or the device that made the keystream
+        owner = torch.from_numpy(np.repeat(np.arange(len(counts)), counts)).to(made)
+        step = torch.from_numpy(np.concatenate([np.arange(c) for c in counts])).to(made)
+        keep = torch.zeros(len(requests), max(counts), rows, dtype=torch.bool, device=made)
+        noise = torch.zeros(
+            len(requests), max(counts), width, dtype=torch.int64, device=made
+        )  # steps not taken: never read
         keep[owner, step, : keep_rows.shape[1]] = keep_rows
-        normals[owner, step] = noise_rows
-        return keep.to(self.device), normals.to(self.device)
+        noise[owner, step] = noise_rows
+        return keep.to(self.device), noise.to(self.device)
 
     # ----- evaluation -----
     def evaluate(self, global_state: dict[str, Tensor], indices: list[int]) -> list[tuple[int, float, int]]:

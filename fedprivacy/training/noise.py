@@ -1,0 +1,189 @@
+"""The noisy sum a client releases, exact on a finite computer: the Gaussian mechanism's output
+rounded to a power-of-two grid, the rounding computed as that of a real Gaussian.
+
+Float32 noise added to a float32 sum reaches a set of values that depends on the sum (Mironov 2012,
+"On significance of the least significant bits for differential privacy"), so a server that crafts
+the model can tell a record apart from the outputs alone. A step here releases the integers
+R = ⌊s/γ + σ'·Z⌉ (nearest), σ' = σC/γ, where Z ~ N(0, I) is a real Gaussian and γ the largest
+power of two ≤ σC/2⁸ (`grid`), then γR. R is a function of the Gaussian mechanism's output
+s + σC·Z, so the certificate of the subsampled Gaussian holds for it unchanged: rounding is
+post-processing. This is the construction of Haney et al. 2022 ("Precision-based attacks and
+interval refining: how to break, then fix, differential privacy on finite computers"): release the
+exact rounding of the ideal output, refining the randomness where floating point cannot decide.
+
+How R is found. Z is Box–Muller (Box & Muller 1958) of two uniforms U, V whose binary expansions
+start with the step's keystream words (a radius word, an angle word per pair of coordinates) and
+go on with refinement words drawn only when needed. On the model's device, in float64, each
+coordinate's y = s/γ + σ'·Z is computed with a bound on its error over every (U, V) the words
+leave open, elementary functions allowed 2⁻⁴⁸ relative error (16× above the 4 ulp that glibc,
+SLEEF and CUDA document); y is rounded where it lies further than the bound from a half-integer.
+Elsewhere (about 2⁻³⁰ of coordinates, and every zero radius word) the pair's expansions are
+extended and evaluated in interval arithmetic (mpmath.iv) until the rounding is decided. An
+expansion stops after `RADIUS_WORDS` words: outcomes of probability below 2⁻¹⁰²⁴ are cut.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+import mpmath
+import torch
+from torch import Tensor
+
+from fedprivacy.privacy.plan import RELEASE_GRID_BITS  # γ ≤ σC/2⁸: rounding adds ≤ (σC/256)²/12 of variance
+
+RADIUS_WORDS = 16  # 64-bit words an expansion may use before it is cut (probability < 2⁻¹⁰²⁴)
+MAX_RADIUS = math.sqrt(2 * (64 * RADIUS_WORDS + 1) * math.log(2))  # |Z| never exceeds it: 37.70
+LIBM_ERROR = 2.0**-48  # relative error allowed for float64 log, sqrt, cos, sin, products
+WORD_UNIT = 2.0**-64
+BLOCK_ELEMENTS = 1 << 16  # pairs per block of the float64 pass: its temporaries stay in cache
+
+# (pair index, level) -> the next 64 bits of the pair's radius and angle expansions (unsigned ints)
+Refiner = Callable[[int, int], tuple[int, int]]
+
+
+def grid(noise_std: Tensor) -> Tensor:
+    """γ per row: the largest power of two ≤ σC/2⁸ (float64, exact, σC > 0), so that σ' = σC/γ ∈ [256, 512)."""
+    _, exponent = torch.frexp(noise_std)  # σC = m·2^e, m ∈ [½, 1)
+    return torch.ldexp(torch.ones_like(noise_std), exponent - 1 - RELEASE_GRID_BITS)
+
+
+def box_muller_bounds(radius_words: Tensor, angle_words: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(r·cos θ, r·sin θ, bound), float64 of the words' shape, for radius and angle words (int64
+    views of 64-bit words): Box–Muller at the words' cell, |Z − z| ≤ bound for both coordinates and
+    every real (U, V) whose expansions start with these words. U's first word is the radius word
+    plus 2⁶³ (mod 2⁶⁴), V's the angle word as a signed integer, times 2⁻⁶⁴. Cells of U within
+    2⁻⁵² of 0 get an infinite bound."""
+    # the cell's anchor: the word rounded to float64, read in [0, 1)
+    u = radius_words.to(torch.float64).mul_(WORD_UNIT).add_(0.5)
+    squared = torch.log(u).mul_(-2.0)  # −2 ln u
+    radius = torch.sqrt(squared)
+    # −2 ln U over the cell moves by ≤ 2·2⁻⁵²/(u − 2⁻⁵²): the anchor is within 2⁻⁵² of every U
+    # in it (the word's float64 rounding, the sum's, the cell's width); plus the float evaluation's
+    # error. An anchor ≤ 2⁻⁵² (a first word below 2¹²) gets an infinite bound, NaN included.
+    spread = torch.sub(u, 2.0**-52).clamp_(min=0.0).reciprocal_().mul_(2.0**-51)
+    spread.add_(squared, alpha=LIBM_ERROR).add_(LIBM_ERROR)
+    bound = torch.sqrt(squared + spread).sub_(torch.sqrt(squared.sub_(spread).clamp_(min=0.0)))
+    # |Δ(r·trig)| ≤ Δr + r·Δtrig, Δtrig covering the angle cell (2π·2⁻⁶⁴) and the float errors
+    bound.add_(radius, alpha=3 * LIBM_ERROR).mul_(1.0 + 4 * LIBM_ERROR).nan_to_num_(nan=math.inf)
+    angle = angle_words.to(torch.float64).mul_(2.0 * math.pi * WORD_UNIT)  # θ = 2πV, V ∈ [−½, ½)
+    return torch.cos(angle).mul_(radius), torch.sin(angle).mul_(radius), bound
+
+
+def rounded_gaussian(
+    sums: Tensor, words: Tensor, noise_std: Tensor, refiners: Sequence[Refiner], active: Tensor
+) -> Tensor:
+    """γ·⌊s/γ + σ'·Z⌉ per row, in the sums' dtype (exact while |R| < 2²⁴ in float32), for clipped
+    sums `sums` [K, P], keystream rows `words` [K, 2m] (2m ≥ P: m radius words, then m angle
+    words), σC per row `noise_std` [K] (float64, never below the certified σC), the rows'
+    refinement streams, and which rows take the step (the others' values are not used); a row
+    with σC = 0 is its sums unchanged. Worked in
+    blocks of columns whose float64 temporaries stay in cache."""
+    noisy = active & (noise_std > 0)  # a client not taking the step may have σ = 0; σ = 0 adds nothing
+    noise_std = torch.where(noisy, noise_std, 1.0)
+    gamma = grid(noise_std).unsqueeze(1)
+    scale = noise_std.unsqueeze(1) / gamma  # σ', exact: γ is a power of two
+    # y = s/γ + σ'z is off by at most (|s/γ| + σ'·MAX_RADIUS + 1)·2⁻⁵¹ from its float64 evaluation
+    rounding = (scale * MAX_RADIUS + 1.0) * 2.0**-51
+    out = torch.empty_like(sums)
+    undecided = torch.empty(sums.shape, dtype=torch.bool, device=sums.device)
+    pairs, width = words.shape[1] // 2, sums.shape[1]
+    block = max(1, BLOCK_ELEMENTS // max(len(sums), 1))
+    for start in range(0, pairs, block):
+        stop = min(start + block, pairs)
+        cosine, sine, bound = box_muller_bounds(words[:, start:stop], words[:, pairs + start : pairs + stop])
+        bound.mul_(scale).add_(rounding)
+        for z, first in ((cosine, start), (sine, pairs + start)):
+            last = min(first + stop - start, width)
+            if last > first:
+                columns, used = slice(first, last), slice(0, last - first)
+                y = sums[:, columns].to(torch.float64).div_(gamma)
+                gap = y.abs().mul_(2.0**-51).add_(bound[:, used])  # the error bound of y, in grid units
+                y.addcmul_(scale, z[:, used])
+                nearest = torch.round(y).add_(0.0)  # −0 to +0: the sign of a zero would tell y's
+                gap.add_(y.sub_(nearest).abs_())
+                torch.lt(gap, 0.5, out=undecided[:, columns])
+                out[:, columns] = nearest.mul_(gamma)
+    undecided.logical_not_()  # NaN (an infinite bound) is undecided
+    undecided &= torch.isfinite(sums) & noisy.unsqueeze(1)
+    if bool(undecided.any()):
+        _decide_exactly(out, undecided, sums, words, gamma.squeeze(1), scale.squeeze(1), refiners)
+    return torch.where(noisy.unsqueeze(1), out, sums)
+
+
+def _decide_exactly(
+    out: Tensor,
+    undecided: Tensor,
+    sums: Tensor,
+    words: Tensor,
+    gamma: Tensor,
+    scale: Tensor,
+    refiners: Sequence[Refiner],
+) -> None:
+    """Write into `out` γ times the exact rounding of every undecided coordinate, pair by pair."""
+    pairs, width = words.shape[1] // 2, out.shape[1]
+    rows, columns = (index.tolist() for index in torch.nonzero(undecided.cpu(), as_tuple=True))
+    todo = sorted({(row, column % pairs) for row, column in zip(rows, columns, strict=True)})
+    host_words, host_sums, host_gamma, host_scale = words.cpu(), sums.cpu().double(), gamma.cpu(), scale.cpu()
+    for row, pair in todo:
+        members = [(trig, column) for trig, column in ((0, pair), (1, pair + pairs)) if column < width]
+        scaled = [float(host_sums[row, column] / host_gamma[row]) for _, column in members]  # exact
+        whole = [round(value) for value in scaled]
+        decided = exact_pair_rounding(
+            int(host_words[row, pair]) + (1 << 63),  # U's first word (see `box_muller_bounds`)
+            int(host_words[row, pair + pairs]),  # V's, signed
+            [(trig, value - base) for (trig, _), value, base in zip(members, scaled, whole, strict=True)],
+            float(host_scale[row]),
+            lambda level, row=row, pair=pair: refiners[row](pair, level),
+        )
+        for (_, column), base, value in zip(members, whole, decided, strict=True):
+            out[row, column] = (base + value) * float(host_gamma[row])
+
+
+def exact_pair_rounding(
+    radius_word: int,
+    angle_word: int,
+    coordinates: Sequence[tuple[int, float]],
+    scale: float,
+    refine: Callable[[int], tuple[int, int]],
+) -> list[int]:
+    """⌊f + σ'·Z⌉ for each (trig, f) of a Box–Muller pair (trig 0: r·cos θ, 1: r·sin θ), Z the
+    real value of the pair's expansions: evaluated in interval arithmetic over the cell the words
+    leave open, extended by `refine` (level → next radius and angle words) until every rounding is
+    decided. At `RADIUS_WORDS` words the expansion stops: the cell's midpoint is taken (the radius
+    of an all-zero U is then `MAX_RADIUS`)."""
+    previous = mpmath.iv.prec
+    try:
+        for level in range(RADIUS_WORDS):
+            if level:
+                more_radius, more_angle = refine(level - 1)
+                radius_word = (radius_word << 64) | more_radius
+                angle_word = (angle_word << 64) | more_angle
+            last = level == RADIUS_WORDS - 1
+            if radius_word == 0 and not last:
+                continue  # U's cell reaches 0: no bound yet
+            bits = 64 * (level + 1)
+            mpmath.iv.prec = bits + 64
+            ends = (0.5, 0.5) if last else (0, 1)
+            unit = mpmath.iv.mpf(2) ** -bits
+            u = mpmath.iv.mpf([radius_word + ends[0], radius_word + ends[1]]) * unit
+            radius = mpmath.iv.sqrt(-2 * mpmath.iv.log(u))
+            angle = 2 * mpmath.iv.pi * mpmath.iv.mpf([angle_word + ends[0], angle_word + ends[1]]) * unit
+            trig = (mpmath.iv.cos(angle), mpmath.iv.sin(angle))
+            values = [mpmath.iv.mpf(f) + scale * radius * trig[which] for which, f in coordinates]
+            low = [_nearest_integer(v.a) for v in values]
+            if last or low == [_nearest_integer(v.b) for v in values]:
+                return low
+        raise AssertionError("unreachable: the last level always returns")
+    finally:
+        mpmath.iv.prec = previous
+
+
+def _nearest_integer(end: mpmath.ctx_iv.ivmpf) -> int:
+    """⌊x + ½⌋ of an interval's end point, in exact rational arithmetic."""
+    value = mpmath.mpf(end)
+    mantissa, exponent = value.man_exp  # of |x|
+    exact = Fraction(mantissa) * Fraction(2) ** exponent * (-1 if value < 0 else 1)
+    return math.floor(exact + Fraction(1, 2))
