@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import ClientStack, DPTrainer, StepDraws, StepInputs, StepRandomness
+from fedprivacy.training.noise import gaussian_cells
 from fedprivacy.training.rng import noise_width
 from fedprivacy.training.stack import noise_scale
 
@@ -65,14 +66,16 @@ def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: i
 
 def os_entropy_words(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
     """Our noise words, as the trainer draws them: `block` steps per pass, a fresh OS key per pass."""
-    randomness, step, draws = StepRandomness(), 0, None
+    randomness, step, draws, cells = StepRandomness(), 0, None, None
 
-    def next_words() -> torch.Tensor:
-        nonlocal step, draws
+    def next_words() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        nonlocal step, draws, cells
         if draws is None or step >= draws.first_step + len(draws.noise):
             draws = randomness.draws(step, block, 0, 1.0, count, device=device)
+            cells = gaussian_cells(draws.noise)  # as the trainer does: every drawn step at once
+        row = step - draws.first_step
         step += 1
-        return draws.noise_words(step - 1)
+        return draws.noise[row], (cells[0][row], cells[1][row])
 
     return next_words
 
@@ -82,9 +85,10 @@ def torch_generator_words(count: int, device: torch.device, block: int) -> Calla
     step (it keeps only 32 of them on the CPU)."""
     generator = torch.Generator(device=device)
 
-    def next_words() -> torch.Tensor:
+    def next_words() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         generator.manual_seed(secrets.randbits(64))
-        return torch.randint(-(2**63), 2**63 - 1, (noise_width(count),), generator=generator, device=device)
+        words = torch.randint(-(2**63), 2**63 - 1, (noise_width(count),), generator=generator, device=device)
+        return words, gaussian_cells(words)
 
     return next_words
 
@@ -104,7 +108,10 @@ def dp_step_with(words: Callable[[int, torch.device, int], Callable[[], torch.Te
         refiners = [StepRandomness().refiner(0)]
 
         def step() -> None:
-            inputs = StepInputs(x[None], y[None], valid, next_words()[None], *fixed, active, refiners)
+            words, cells = next_words()
+            inputs = StepInputs(
+                x[None], y[None], valid, words[None], *fixed, active, refiners, (cells[0][None], cells[1][None])
+            )
             stack.step(state, inputs, lambda released: rate)
 
         return step

@@ -24,6 +24,7 @@ from fedprivacy.training.noise import (
     MAX_RADIUS,
     box_muller_bounds,
     exact_pair_rounding,
+    gaussian_cells,
     grid,
     rounded_gaussian,
 )
@@ -255,3 +256,20 @@ def test_the_fast_engines_clients_released_together_are_never_told_apart():
     for drawn, other, seed in ((with_record, others, "a"), (others.contiguous(), with_record, "b")):
         outputs = release_rows(drawn, sigma_c, expected, f"engine:{seed}")
         assert bool(producible_rounded(outputs, other, sigma_c, expected).all())
+
+
+def test_the_trainers_path_and_the_engines_release_the_same_bits():
+    """The trainer makes a round's Box–Muller cells ahead and rounds in NumPy on a CPU; the engine
+    makes them block by block in torch: the same release, bit for bit, edge-case words (the exact
+    path) included, and rows with σC = 0 or not taking the step left as their sums."""
+    generator = np.random.default_rng(4)
+    pairs, rows = 700, 3
+    words = torch.cat([random_words(generator, pairs) for _ in range(rows)])
+    sums = torch.from_numpy(generator.normal(scale=30.0, size=(rows, 2 * pairs - 1)).astype(np.float32))
+    noise_std = torch.tensor([2.7, 0.0, 0.4], dtype=torch.float64)
+    active = torch.tensor([True, True, False])
+    refiners = [StepRandomness(f"paths:{k}").refiner(3) for k in range(rows)]
+    ahead = rounded_gaussian(sums, words, noise_std, refiners, active, gaussian_cells(words))
+    blockwise = rounded_gaussian(sums, words, noise_std, refiners, active)
+    assert torch.equal(ahead, blockwise)
+    assert torch.equal(ahead[1:], sums[1:]) and not torch.equal(ahead[0], sums[0])

@@ -24,11 +24,14 @@ expansion stops after `RADIUS_WORDS` words: outcomes of probability below 2⁻¹
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from types import ModuleType
 
 import mpmath
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,14 +43,16 @@ LIBM_ERROR = 2.0**-48  # relative error allowed for float64 log, sqrt, cos, sin,
 WORD_UNIT = 2.0**-64
 BLOCK_ELEMENTS = 1 << 16  # pairs per block of the float64 pass: its temporaries stay in cache
 
+Array = Tensor | np.ndarray
 # (pair index, level) -> the next 64 bits of the pair's radius and angle expansions (unsigned ints)
 Refiner = Callable[[int, int], tuple[int, int]]
 
 
-def grid(noise_std: Tensor) -> Tensor:
-    """γ per row: the largest power of two ≤ σC/2⁸ (float64, exact, σC > 0), so that σ' = σC/γ ∈ [256, 512)."""
-    _, exponent = torch.frexp(noise_std)  # σC = m·2^e, m ∈ [½, 1)
-    return torch.ldexp(torch.ones_like(noise_std), exponent - 1 - RELEASE_GRID_BITS)
+def grid(noise_std: Array, xp: ModuleType = torch) -> Array:
+    """γ per row: the largest power of two ≤ σC/2⁸ (float64, exact, σC > 0), so that σ' = σC/γ ∈
+    [256, 512); `xp` is the array library of `noise_std` (torch or numpy)."""
+    _, exponent = xp.frexp(noise_std)  # σC = m·2^e, m ∈ [½, 1)
+    return xp.ldexp(xp.ones_like(noise_std), exponent - 1 - RELEASE_GRID_BITS)
 
 
 def box_muller_bounds(radius_words: Tensor, angle_words: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,45 +77,90 @@ def box_muller_bounds(radius_words: Tensor, angle_words: Tensor) -> tuple[Tensor
     return torch.cos(angle).mul_(radius), torch.sin(angle).mul_(radius), bound
 
 
+def gaussian_cells(words: Tensor) -> tuple[Tensor, Tensor]:
+    """(z, bound) [..., 2m] float64 for keystream rows [..., 2m] (`box_muller_bounds`, the cosine
+    coordinates then the sine ones): computed once for all the steps a trainer draws together."""
+    pairs = words.shape[-1] // 2
+    cosine, sine, bound = box_muller_bounds(words[..., :pairs], words[..., pairs : 2 * pairs])
+    return torch.cat([cosine, sine], dim=-1), torch.cat([bound, bound], dim=-1)
+
+
 def rounded_gaussian(
-    sums: Tensor, words: Tensor, noise_std: Tensor, refiners: Sequence[Refiner], active: Tensor
+    sums: Tensor,
+    words: Tensor,
+    noise_std: Tensor,
+    refiners: Sequence[Refiner],
+    active: Tensor,
+    cells: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """γ·⌊s/γ + σ'·Z⌉ per row, in the sums' dtype (exact while |R| < 2²⁴ in float32), for clipped
     sums `sums` [K, P], keystream rows `words` [K, 2m] (2m ≥ P: m radius words, then m angle
     words), σC per row `noise_std` [K] (float64, never below the certified σC), the rows'
     refinement streams, and which rows take the step (the others' values are not used); a row
-    with σC = 0 is its sums unchanged. Worked in
-    blocks of columns whose float64 temporaries stay in cache."""
-    noisy = active & (noise_std > 0)  # a client not taking the step may have σ = 0; σ = 0 adds nothing
-    noise_std = torch.where(noisy, noise_std, 1.0)
-    gamma = grid(noise_std).unsqueeze(1)
-    scale = noise_std.unsqueeze(1) / gamma  # σ', exact: γ is a power of two
+    with σC = 0 is its sums unchanged.
+
+    The words' `gaussian_cells`, when given, are used as they are, in NumPy on a CPU (a step of a
+    small model is then a few microseconds of arithmetic, not tens of tensor dispatches);
+    otherwise they are made in blocks of columns whose float64 temporaries stay in cache."""
+    on_cpu = cells is not None and sums.device.type == "cpu"
+    xp: ModuleType = np if on_cpu else torch
+    tensors = (sums, noise_std, active, *(() if cells is None else (c[:, : sums.shape[1]] for c in cells)))
+    plain, std, taking, *given = (t.numpy() for t in tensors) if on_cpu else tensors
+    noisy = taking & (std > 0)  # a client not taking the step may have σ = 0: no noise
+    std = xp.where(noisy, std, 1.0)
+    gamma = grid(std, xp)[:, None]
+    scale = std[:, None] / gamma  # σ', exact: γ is a power of two
     # y = s/γ + σ'z is off by at most (|s/γ| + σ'·MAX_RADIUS + 1)·2⁻⁵¹ from its float64 evaluation
     rounding = (scale * MAX_RADIUS + 1.0) * 2.0**-51
-    out = torch.empty_like(sums)
-    undecided = torch.empty(sums.shape, dtype=torch.bool, device=sums.device)
-    pairs, width = words.shape[1] // 2, sums.shape[1]
-    block = max(1, BLOCK_ELEMENTS // max(len(sums), 1))
-    for start in range(0, pairs, block):
-        stop = min(start + block, pairs)
-        cosine, sine, bound = box_muller_bounds(words[:, start:stop], words[:, pairs + start : pairs + stop])
-        bound.mul_(scale).add_(rounding)
-        for z, first in ((cosine, start), (sine, pairs + start)):
-            last = min(first + stop - start, width)
-            if last > first:
-                columns, used = slice(first, last), slice(0, last - first)
-                y = sums[:, columns].to(torch.float64).div_(gamma)
-                gap = y.abs().mul_(2.0**-51).add_(bound[:, used])  # the error bound of y, in grid units
-                y.addcmul_(scale, z[:, used])
-                nearest = torch.round(y).add_(0.0)  # −0 to +0: the sign of a zero would tell y's
-                gap.add_(y.sub_(nearest).abs_())
-                torch.lt(gap, 0.5, out=undecided[:, columns])
-                out[:, columns] = nearest.mul_(gamma)
-    undecided.logical_not_()  # NaN (an infinite bound) is undecided
-    undecided &= torch.isfinite(sums) & noisy.unsqueeze(1)
+    out, undecided = xp.empty_like(plain), xp.empty_like(plain, dtype=xp.bool)
+    width = sums.shape[1]
+    if given:
+        _round_into(plain, *given, gamma, scale, rounding, out, undecided, xp)
+    else:
+        pairs = words.shape[1] // 2
+        block = max(1, BLOCK_ELEMENTS // max(len(sums), 1))
+        for start in range(0, pairs, block):
+            stop = min(start + block, pairs)
+            cosine, sine, bound = box_muller_bounds(words[:, start:stop], words[:, pairs + start : pairs + stop])
+            for z, first in ((cosine, start), (sine, pairs + start)):
+                last = min(first + stop - start, width)
+                if last > first:
+                    columns, used = slice(first, last), slice(0, last - first)
+                    parts = (out[:, columns], undecided[:, columns], xp)
+                    _round_into(sums[:, columns], z[:, used], bound[:, used], gamma, scale, rounding, *parts)
+    undecided = ~undecided  # NaN (an infinite bound) is undecided
+    undecided &= xp.isfinite(plain) & noisy[:, None]
+    convert = torch.from_numpy if on_cpu else (lambda a: a)
+    released = convert(out)
     if bool(undecided.any()):
-        _decide_exactly(out, undecided, sums, words, gamma.squeeze(1), scale.squeeze(1), refiners)
-    return torch.where(noisy.unsqueeze(1), out, sums)
+        exact = (convert(undecided), sums, words, convert(gamma[:, 0]), convert(scale[:, 0]), refiners)
+        _decide_exactly(released, *exact)
+    return released if bool(noisy.all()) else torch.where(convert(noisy)[:, None], released, sums)
+
+
+def _round_into(
+    sums: Array,
+    z: Array,
+    bound: Array,
+    gamma: Array,
+    scale: Array,
+    rounding: Array,
+    out: Array,
+    decided: Array,
+    xp: ModuleType,
+) -> None:
+    """y = s/γ + σ'z rounded, times γ, into `out`; `decided` where y lies further than its error
+    bound (σ'·bound, its own evaluation's rounding) from a half-integer. Torch tensors or NumPy
+    arrays (`xp`), with the operators both share."""
+    quiet = np.errstate(over="ignore", invalid="ignore") if xp is np else contextlib.nullcontext()
+    with quiet:  # an infinite bound makes a NaN gap: undecided
+        y = sums / gamma  # float64, exact
+        gap = abs(y) * 2.0**-51 + rounding + scale * bound  # y's error bound, in grid units
+        y += scale * z
+        nearest = xp.round(y) + 0.0  # −0 to +0: the sign of a zero would tell y's
+        gap += abs(y - nearest)
+        decided[...] = gap < 0.5
+        out[...] = nearest * gamma
 
 
 def _decide_exactly(

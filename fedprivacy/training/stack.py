@@ -58,6 +58,7 @@ class StepInputs:
     expected_batch: Tensor  # [K] q·N
     active: Tensor  # [K] bool: the client takes this step
     refiners: Sequence[Refiner] = ()  # [K] each client's refinement words for this step (`rng.StepRandomness.refiner`)
+    noise_cells: tuple[Tensor, Tensor] | None = None  # the words' `noise.gaussian_cells`, if made ahead
 
 
 @dataclass
@@ -141,7 +142,7 @@ def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> Ten
     (`noise_scale`: never below the certified σC). `parts` cuts it per parameter."""
     flat = torch.cat([s.reshape(s.shape[0], -1) for s in sums], dim=1) if len(sums) > 1 else sums[0].flatten(1)
     if add_noise:
-        flat = rounded_gaussian(flat, step.noise_words, step.noise_std, step.refiners, step.active)
+        flat = rounded_gaussian(flat, step.noise_words, step.noise_std, step.refiners, step.active, step.noise_cells)
     return flat / step.expected_batch.unsqueeze(1)
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from fedprivacy.errors import ClientRefusal
 from fedprivacy.privacy.plan import Plan
+from fedprivacy.training.noise import gaussian_cells
 from fedprivacy.training.norms import NORM_DTYPE
 from fedprivacy.training.rng import StepDraws, StepRandomness
 from fedprivacy.training.schedule import StepSizes
@@ -190,6 +191,7 @@ class DPTrainer:
         for i in range(count):
             if draws is None or self.step >= draws.first_step + len(draws.noise):
                 draws = self._draws(first + count - self.step)
+                cells = gaussian_cells(draws.noise) if self.private else None  # all the drawn steps at once
             index = draws.sample(self.step)
             features, labels, valid = self._batch(index)
             inputs = StepInputs(
@@ -202,6 +204,9 @@ class DPTrainer:
                 expected_t,
                 active,
                 [self.randomness.refiner(self.step)],
+                None
+                if cells is None
+                else (cells[0][self.step - draws.first_step, None], cells[1][self.step - draws.first_step, None]),
             )
 
             def learning_rate(released: list[Tensor], i: int = i) -> Tensor:
