@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedprivacy.models import build_model
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.training import ClientStack, DPTrainer, StepDraws, StepInputs, StepRandomness
-from fedprivacy.training.noise import gaussian_cells
+from fedprivacy.training.noise import NoiseAhead, noise_ahead
 from fedprivacy.training.rng import noise_width
 from fedprivacy.training.stack import noise_scale
 
@@ -64,36 +64,41 @@ def nonprivate_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: i
     return step
 
 
-def os_entropy_words(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
-    """Our noise words, as the trainer draws them: `block` steps per pass, a fresh OS key per pass."""
-    randomness, step, draws, cells = StepRandomness(), 0, None, None
+def os_entropy_words(count: int, device: torch.device, block: int) -> Callable[[], tuple[torch.Tensor, NoiseAhead]]:
+    """Our noise, as the trainer draws it: `block` steps per pass under a fresh OS key, their
+    Box–Muller made at once (`noise_ahead`)."""
+    randomness, step, draws, ahead = StepRandomness(), 0, None, None
+    std = noise_scale(torch.tensor([SIGMA], dtype=torch.float64, device=device), CLIP)
 
-    def next_words() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        nonlocal step, draws, cells
+    def next_words() -> tuple[torch.Tensor, NoiseAhead]:
+        nonlocal step, draws, ahead
         if draws is None or step >= draws.first_step + len(draws.noise):
             draws = randomness.draws(step, block, 0, 1.0, count, device=device)
-            cells = gaussian_cells(draws.noise)  # as the trainer does: every drawn step at once
+            ahead = noise_ahead(draws.noise, std.expand(len(draws.noise)))
         row = step - draws.first_step
         step += 1
-        return draws.noise[row], (cells[0][row], cells[1][row])
+        return draws.noise[row], ahead.row(row)
 
     return next_words
 
 
-def torch_generator_words(count: int, device: torch.device, block: int) -> Callable[[], torch.Tensor]:
+def torch_generator_words(
+    count: int, device: torch.device, block: int
+) -> Callable[[], tuple[torch.Tensor, NoiseAhead]]:
     """A weak source of the same words: torch's generator reseeded from 64 bits of OS entropy every
     step (it keeps only 32 of them on the CPU)."""
     generator = torch.Generator(device=device)
+    std = noise_scale(torch.tensor([SIGMA], dtype=torch.float64, device=device), CLIP)
 
-    def next_words() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def next_words() -> tuple[torch.Tensor, NoiseAhead]:
         generator.manual_seed(secrets.randbits(64))
-        words = torch.randint(-(2**63), 2**63 - 1, (noise_width(count),), generator=generator, device=device)
-        return words, gaussian_cells(words)
+        words = torch.randint(-(2**63), 2**63 - 1, (1, noise_width(count)), generator=generator, device=device)
+        return words[0], noise_ahead(words, std)
 
     return next_words
 
 
-def dp_step_with(words: Callable[[int, torch.device, int], Callable[[], torch.Tensor]]):
+def dp_step_with(words: Callable[[int, torch.device, int], Callable[[], tuple[torch.Tensor, NoiseAhead]]]):
     """The trainer's step: the stack of one client on the model's own weights (`ClientStack`)."""
 
     def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor, block: int) -> Callable[[], None]:
@@ -108,10 +113,8 @@ def dp_step_with(words: Callable[[int, torch.device, int], Callable[[], torch.Te
         refiners = [StepRandomness().refiner(0)]
 
         def step() -> None:
-            words, cells = next_words()
-            inputs = StepInputs(
-                x[None], y[None], valid, words[None], *fixed, active, refiners, (cells[0][None], cells[1][None])
-            )
+            words, ahead = next_words()
+            inputs = StepInputs(x[None], y[None], valid, words[None], *fixed, active, refiners, ahead)
             stack.step(state, inputs, lambda released: rate)
 
         return step

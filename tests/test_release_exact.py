@@ -24,8 +24,8 @@ from fedprivacy.training.noise import (
     MAX_RADIUS,
     box_muller_bounds,
     exact_pair_rounding,
-    gaussian_cells,
     grid,
+    noise_ahead,
     rounded_gaussian,
 )
 from fedprivacy.training.rng import DrawRequest, StepRandomness, draw_batch
@@ -259,9 +259,9 @@ def test_the_fast_engines_clients_released_together_are_never_told_apart():
 
 
 def test_the_trainers_path_and_the_engines_release_the_same_bits():
-    """The trainer makes a round's Box–Muller cells ahead and rounds in NumPy on a CPU; the engine
-    makes them block by block in torch: the same release, bit for bit, edge-case words (the exact
-    path) included, and rows with σC = 0 or not taking the step left as their sums."""
+    """The trainer makes a round's Box–Muller ahead (`noise_ahead`) and rounds in NumPy on a CPU; the
+    engine makes it block by block in torch: the same release, bit for bit, edge-case words (the
+    exact path) included, and rows with σC = 0 or not taking the step left as their sums."""
     generator = np.random.default_rng(4)
     pairs, rows = 700, 3
     words = torch.cat([random_words(generator, pairs) for _ in range(rows)])
@@ -269,7 +269,25 @@ def test_the_trainers_path_and_the_engines_release_the_same_bits():
     noise_std = torch.tensor([2.7, 0.0, 0.4], dtype=torch.float64)
     active = torch.tensor([True, True, False])
     refiners = [StepRandomness(f"paths:{k}").refiner(3) for k in range(rows)]
-    ahead = rounded_gaussian(sums, words, noise_std, refiners, active, gaussian_cells(words))
+    ahead = rounded_gaussian(sums, words, noise_std, refiners, active, noise_ahead(words, noise_std))
     blockwise = rounded_gaussian(sums, words, noise_std, refiners, active)
     assert torch.equal(ahead, blockwise)
     assert torch.equal(ahead[1:], sums[1:]) and not torch.equal(ahead[0], sums[0])
+
+
+def test_the_release_is_the_same_bits_on_every_device(compute_device):
+    """Given the same sums and words, the release on the device (its own log, cos and sin) is the
+    CPU's bit for bit: every rounding is exact, so the device's float64 errors cannot show."""
+    generator = np.random.default_rng(6)
+    pairs = 4000
+    words = torch.cat([random_words(generator, pairs) for _ in range(2)])
+    sums = torch.from_numpy(generator.normal(scale=30.0, size=(2, 2 * pairs)).astype(np.float32))
+    noise_std = torch.tensor([2.7, 0.9], dtype=torch.float64)
+    active = torch.ones(2, dtype=torch.bool)
+    refiners = [StepRandomness(f"devices:{k}").refiner(0) for k in range(2)]
+    on_cpu = rounded_gaussian(sums, words, noise_std, refiners, active)
+    moved = [t.to(compute_device) for t in (sums, words, noise_std, active)]
+    on_device = rounded_gaussian(moved[0], moved[1], moved[2], refiners, moved[3])
+    ahead = rounded_gaussian(*moved[:3], refiners, moved[3], noise_ahead(moved[1], moved[2]))
+    assert on_device.device.type == compute_device.type
+    assert torch.equal(on_device.cpu(), on_cpu) and torch.equal(ahead.cpu(), on_cpu)

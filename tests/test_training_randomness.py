@@ -224,13 +224,15 @@ def test_chacha20_as_tensor_operations_is_the_cryptography_packages_keystream():
 
 
 @pytest.mark.parametrize("width", [33, 32])
-def test_a_round_drawn_by_tensor_operations_is_the_cpus_round_bit_for_bit(width, monkeypatch):
+def test_a_round_drawn_by_tensor_operations_is_the_cpus_round_bit_for_bit(width, monkeypatch, compute_device):
     """The draws a GPU makes for itself (`draw_batch` with a device: the keystream, the Poisson
-    comparison and the noise words as tensor operations; run here on the CPU) equal the CPU's,
-    seeded clients of several sizes and steps, with a nonce per step (a tiny counter range)."""
+    comparison and the noise words as tensor operations; on the CPU here, and on the GPU when one
+    is visible) equal the `cryptography` path's, seeded clients of several sizes and steps, with a
+    nonce per step (a tiny counter range)."""
     monkeypatch.setattr(rng_module, "COUNTER_BLOCKS", 16)
     clients = [(StepRandomness(f"7:device-{i}"), 3 * i, 1 + i % 3, 40 + 17 * i, 0.05 * (i + 1)) for i in range(6)]
     requests = [DrawRequest(r, first, steps, n, q) for r, first, steps, n, q in clients]
     keep, words = draw_batch(requests, width)
-    keep_on, words_on = draw_batch(requests, width, device="cpu")
-    assert torch.equal(keep, keep_on) and torch.equal(words, words_on)
+    keep_on, words_on = draw_batch(requests, width, device=compute_device)
+    assert keep_on.device.type == words_on.device.type == compute_device.type
+    assert torch.equal(keep, keep_on.cpu()) and torch.equal(words, words_on.cpu())

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from types import ModuleType
 
@@ -77,12 +78,43 @@ def box_muller_bounds(radius_words: Tensor, angle_words: Tensor) -> tuple[Tensor
     return torch.cos(angle).mul_(radius), torch.sin(angle).mul_(radius), bound
 
 
-def gaussian_cells(words: Tensor) -> tuple[Tensor, Tensor]:
-    """(z, bound) [..., 2m] float64 for keystream rows [..., 2m] (`box_muller_bounds`, the cosine
-    coordinates then the sine ones): computed once for all the steps a trainer draws together."""
-    pairs = words.shape[-1] // 2
-    cosine, sine, bound = box_muller_bounds(words[..., :pairs], words[..., pairs : 2 * pairs])
-    return torch.cat([cosine, sine], dim=-1), torch.cat([bound, bound], dim=-1)
+@dataclass(frozen=True)
+class NoiseAhead:
+    """Noise rows made before their steps (a trainer's round, drawn at once): per row γ and σ'
+    ([rows, 1]), σ'·z and its error bound in grid units ([rows, 2m]: σ'·bound plus the rounding of
+    y's own evaluation), and whether the row has noise at all (σC > 0)."""
+
+    gamma: Tensor
+    scale: Tensor
+    offset: Tensor
+    slack: Tensor
+    noisy: Tensor
+
+    def row(self, index: int) -> NoiseAhead:
+        """Row `index` alone, as a stack of one."""
+        return NoiseAhead(
+            *(t[index : index + 1] for t in (self.gamma, self.scale, self.offset, self.slack, self.noisy))
+        )
+
+
+def noise_ahead(words: Tensor, noise_std: Tensor) -> NoiseAhead:
+    """`NoiseAhead` of keystream rows [rows, 2m] (m radius words, then m angle words) and their σC
+    [rows] (float64): Box–Muller and its bounds for every row in one pass."""
+    noisy = noise_std > 0
+    gamma, scale, rounding = _grid_scale(torch.where(noisy, noise_std, 1.0), torch)
+    pairs = words.shape[1] // 2
+    cosine, sine, bound = box_muller_bounds(words[:, :pairs], words[:, pairs : 2 * pairs])
+    offset = torch.cat([cosine, sine], dim=1).mul_(scale)
+    slack = torch.cat([bound, bound], dim=1).mul_(scale).add_(rounding)
+    return NoiseAhead(gamma, scale, offset, slack, noisy)
+
+
+def _grid_scale(noise_std: Array, xp: ModuleType) -> tuple[Array, Array, Array]:
+    """γ, σ' = σC/γ (exact: γ is a power of two) and the rounding of y = s/γ + σ'z's float64
+    evaluation beyond its |s/γ| part, (σ'·MAX_RADIUS + 1)·2⁻⁵¹, each [K, 1]."""
+    gamma = grid(noise_std, xp)[:, None]
+    scale = noise_std[:, None] / gamma
+    return gamma, scale, (scale * MAX_RADIUS + 1.0) * 2.0**-51
 
 
 def rounded_gaussian(
@@ -91,7 +123,7 @@ def rounded_gaussian(
     noise_std: Tensor,
     refiners: Sequence[Refiner],
     active: Tensor,
-    cells: tuple[Tensor, Tensor] | None = None,
+    ahead: NoiseAhead | None = None,
 ) -> Tensor:
     """γ·⌊s/γ + σ'·Z⌉ per row, in the sums' dtype (exact while |R| < 2²⁴ in float32), for clipped
     sums `sums` [K, P], keystream rows `words` [K, 2m] (2m ≥ P: m radius words, then m angle
@@ -99,64 +131,54 @@ def rounded_gaussian(
     refinement streams, and which rows take the step (the others' values are not used); a row
     with σC = 0 is its sums unchanged.
 
-    The words' `gaussian_cells`, when given, are used as they are, in NumPy on a CPU (a step of a
-    small model is then a few microseconds of arithmetic, not tens of tensor dispatches);
-    otherwise they are made in blocks of columns whose float64 temporaries stay in cache."""
-    on_cpu = cells is not None and sums.device.type == "cpu"
-    xp: ModuleType = np if on_cpu else torch
-    tensors = (sums, noise_std, active, *(() if cells is None else (c[:, : sums.shape[1]] for c in cells)))
-    plain, std, taking, *given = (t.numpy() for t in tensors) if on_cpu else tensors
-    noisy = taking & (std > 0)  # a client not taking the step may have σ = 0: no noise
-    std = xp.where(noisy, std, 1.0)
-    gamma = grid(std, xp)[:, None]
-    scale = std[:, None] / gamma  # σ', exact: γ is a power of two
-    # y = s/γ + σ'z is off by at most (|s/γ| + σ'·MAX_RADIUS + 1)·2⁻⁵¹ from its float64 evaluation
-    rounding = (scale * MAX_RADIUS + 1.0) * 2.0**-51
-    out, undecided = xp.empty_like(plain), xp.empty_like(plain, dtype=xp.bool)
+    With the rows' `NoiseAhead` (made from the same words and σC), only the rounding is left, in
+    NumPy on a CPU: a small model's step is then a few array operations, not tens of tensor
+    dispatches. Otherwise Box–Muller is computed here, in blocks of columns whose float64
+    temporaries stay in cache."""
     width = sums.shape[1]
-    if given:
-        _round_into(plain, *given, gamma, scale, rounding, out, undecided, xp)
+    if ahead is not None:
+        noisy = ahead.noisy & active
+        on_cpu = sums.device.type == "cpu"
+        xp: ModuleType = np if on_cpu else torch
+        parts = (sums, ahead.gamma, ahead.offset[:, :width], ahead.slack[:, :width])
+        plain, *rest = (t.numpy() for t in parts) if on_cpu else parts
+        out, decided = xp.empty_like(plain), xp.empty_like(plain, dtype=xp.bool)
+        _round_into(plain, *rest, out, decided, xp)
+        convert = torch.from_numpy if on_cpu else (lambda a: a)
+        released, decided, gamma, scale = convert(out), convert(decided), ahead.gamma, ahead.scale
     else:
+        noisy = active & (noise_std > 0)  # a client not taking the step may have σ = 0: no noise
+        gamma, scale, rounding = _grid_scale(torch.where(noisy, noise_std, 1.0), torch)
+        released, decided = torch.empty_like(sums), torch.empty_like(sums, dtype=torch.bool)
         pairs = words.shape[1] // 2
         block = max(1, BLOCK_ELEMENTS // max(len(sums), 1))
         for start in range(0, pairs, block):
             stop = min(start + block, pairs)
             cosine, sine, bound = box_muller_bounds(words[:, start:stop], words[:, pairs + start : pairs + stop])
+            slack = bound.mul_(scale).add_(rounding)
             for z, first in ((cosine, start), (sine, pairs + start)):
                 last = min(first + stop - start, width)
                 if last > first:
                     columns, used = slice(first, last), slice(0, last - first)
-                    parts = (out[:, columns], undecided[:, columns], xp)
-                    _round_into(sums[:, columns], z[:, used], bound[:, used], gamma, scale, rounding, *parts)
-    undecided = ~undecided  # NaN (an infinite bound) is undecided
-    undecided &= xp.isfinite(plain) & noisy[:, None]
-    convert = torch.from_numpy if on_cpu else (lambda a: a)
-    released = convert(out)
+                    parts = (z[:, used].mul_(scale), slack[:, used], released[:, columns], decided[:, columns])
+                    _round_into(sums[:, columns], gamma, *parts, torch)
+    undecided = ~decided & torch.isfinite(sums) & noisy[:, None]  # NaN (an infinite bound) is undecided
     if bool(undecided.any()):
-        exact = (convert(undecided), sums, words, convert(gamma[:, 0]), convert(scale[:, 0]), refiners)
-        _decide_exactly(released, *exact)
-    return released if bool(noisy.all()) else torch.where(convert(noisy)[:, None], released, sums)
+        _decide_exactly(released, undecided, sums, words, gamma[:, 0], scale[:, 0], refiners)
+    return released if bool(noisy.all()) else torch.where(noisy[:, None], released, sums)
 
 
 def _round_into(
-    sums: Array,
-    z: Array,
-    bound: Array,
-    gamma: Array,
-    scale: Array,
-    rounding: Array,
-    out: Array,
-    decided: Array,
-    xp: ModuleType,
+    sums: Array, gamma: Array, offset: Array, slack: Array, out: Array, decided: Array, xp: ModuleType
 ) -> None:
     """y = s/γ + σ'z rounded, times γ, into `out`; `decided` where y lies further than its error
-    bound (σ'·bound, its own evaluation's rounding) from a half-integer. Torch tensors or NumPy
-    arrays (`xp`), with the operators both share."""
+    bound (`slack` for σ'z and the evaluation, |y|·2⁻⁵¹ for s/γ) from a half-integer. Torch
+    tensors or NumPy arrays (`xp`), with the operators both share."""
     quiet = np.errstate(over="ignore", invalid="ignore") if xp is np else contextlib.nullcontext()
     with quiet:  # an infinite bound makes a NaN gap: undecided
         y = sums / gamma  # float64, exact
-        gap = abs(y) * 2.0**-51 + rounding + scale * bound  # y's error bound, in grid units
-        y += scale * z
+        gap = abs(y) * 2.0**-51 + slack  # y's error bound, in grid units
+        y += offset
         nearest = xp.round(y) + 0.0  # −0 to +0: the sign of a zero would tell y's
         gap += abs(y - nearest)
         decided[...] = gap < 0.5

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from fedprivacy.training.capture import BatchedCapture
 from fedprivacy.training.clipping import Clipped, ClippedBatch, check_supported, clipped_sums
-from fedprivacy.training.noise import Refiner, rounded_gaussian
+from fedprivacy.training.noise import NoiseAhead, Refiner, rounded_gaussian
 from fedprivacy.training.norms import NORM_DTYPE, Float64Scratch
 
 # The clip norm of a step with the mechanism off: above every gradient norm (a squared norm of
@@ -58,7 +58,7 @@ class StepInputs:
     expected_batch: Tensor  # [K] q·N
     active: Tensor  # [K] bool: the client takes this step
     refiners: Sequence[Refiner] = ()  # [K] each client's refinement words for this step (`rng.StepRandomness.refiner`)
-    noise_cells: tuple[Tensor, Tensor] | None = None  # the words' `noise.gaussian_cells`, if made ahead
+    noise_ahead: NoiseAhead | None = None  # the words' `noise.noise_ahead`, if made before the step
 
 
 @dataclass
@@ -142,7 +142,7 @@ def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> Ten
     (`noise_scale`: never below the certified σC). `parts` cuts it per parameter."""
     flat = torch.cat([s.reshape(s.shape[0], -1) for s in sums], dim=1) if len(sums) > 1 else sums[0].flatten(1)
     if add_noise:
-        flat = rounded_gaussian(flat, step.noise_words, step.noise_std, step.refiners, step.active, step.noise_cells)
+        flat = rounded_gaussian(flat, step.noise_words, step.noise_std, step.refiners, step.active, step.noise_ahead)
     return flat / step.expected_batch.unsqueeze(1)
 
 

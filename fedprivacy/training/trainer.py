@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from fedprivacy.errors import ClientRefusal
 from fedprivacy.privacy.plan import Plan
-from fedprivacy.training.noise import gaussian_cells
+from fedprivacy.training.noise import noise_ahead
 from fedprivacy.training.norms import NORM_DTYPE
 from fedprivacy.training.rng import StepDraws, StepRandomness
 from fedprivacy.training.schedule import StepSizes
@@ -191,7 +191,8 @@ class DPTrainer:
         for i in range(count):
             if draws is None or self.step >= draws.first_step + len(draws.noise):
                 draws = self._draws(first + count - self.step)
-                cells = gaussian_cells(draws.noise) if self.private else None  # all the drawn steps at once
+                done = self.step - first  # every drawn step's Box–Muller at once
+                ahead = noise_ahead(draws.noise, noise_std[done : done + len(draws.noise)]) if self.private else None
             index = draws.sample(self.step)
             features, labels, valid = self._batch(index)
             inputs = StepInputs(
@@ -204,9 +205,7 @@ class DPTrainer:
                 expected_t,
                 active,
                 [self.randomness.refiner(self.step)],
-                None
-                if cells is None
-                else (cells[0][self.step - draws.first_step, None], cells[1][self.step - draws.first_step, None]),
+                None if ahead is None else ahead.row(self.step - draws.first_step),
             )
 
             def learning_rate(released: list[Tensor], i: int = i) -> Tensor:
