@@ -71,9 +71,11 @@ def box_muller_bounds(radius_words: Tensor, angle_words: Tensor) -> tuple[Tensor
     # error. An anchor ≤ 2⁻⁵² (a first word below 2¹²) gets an infinite bound, NaN included.
     spread = torch.sub(u, 2.0**-52).clamp_(min=0.0).reciprocal_().mul_(2.0**-51)
     spread.add_(squared, alpha=LIBM_ERROR).add_(LIBM_ERROR)
-    bound = torch.sqrt(squared + spread).sub_(torch.sqrt(squared.sub_(spread).clamp_(min=0.0)))
-    # |Δ(r·trig)| ≤ Δr + r·Δtrig, Δtrig covering the angle cell (2π·2⁻⁶⁴) and the float errors
-    bound.add_(radius, alpha=3 * LIBM_ERROR).mul_(1.0 + 4 * LIBM_ERROR).nan_to_num_(nan=math.inf)
+    # r over the cell: within sqrt(L + s) − sqrt(max(L − s, 0)) ≤ 2s/sqrt(L + s) of r̂ = sqrt(L)
+    # and |Δ(r·trig)| ≤ Δr + r·Δtrig, Δtrig covering the angle cell (2π·2⁻⁶⁴) and the float errors:
+    # bound = (2s/sqrt(L + s) + 3·LIBM_ERROR·r)·(1 + 4·LIBM_ERROR), its own rounding included
+    bound = torch.add(squared, spread).rsqrt_().mul_(spread).add_(radius, alpha=1.5 * LIBM_ERROR)
+    bound.mul_(2.0 * (1.0 + 4 * LIBM_ERROR)).nan_to_num_(nan=math.inf)
     angle = angle_words.to(torch.float64).mul_(2.0 * math.pi * WORD_UNIT)  # θ = 2πV, V ∈ [−½, ½)
     return torch.cos(angle).mul_(radius), torch.sin(angle).mul_(radius), bound
 
@@ -151,17 +153,20 @@ def rounded_gaussian(
         gamma, scale, rounding = _grid_scale(torch.where(noisy, noise_std, 1.0), torch)
         released, decided = torch.empty_like(sums), torch.empty_like(sums, dtype=torch.bool)
         pairs = words.shape[1] // 2
-        block = max(1, BLOCK_ELEMENTS // max(len(sums), 1))
-        for start in range(0, pairs, block):
-            stop = min(start + block, pairs)
-            cosine, sine, bound = box_muller_bounds(words[:, start:stop], words[:, pairs + start : pairs + stop])
-            slack = bound.mul_(scale).add_(rounding)
-            for z, first in ((cosine, start), (sine, pairs + start)):
-                last = min(first + stop - start, width)
-                if last > first:
-                    columns, used = slice(first, last), slice(0, last - first)
-                    parts = (z[:, used].mul_(scale), slack[:, used], released[:, columns], decided[:, columns])
-                    _round_into(sums[:, columns], gamma, *parts, torch)
+        rows_per_block = max(1, BLOCK_ELEMENTS // max(pairs, 1))  # whole rows, contiguous, when they fit
+        pairs_per_block = min(pairs, BLOCK_ELEMENTS)
+        for top in range(0, len(sums), rows_per_block):
+            rows = slice(top, top + rows_per_block)
+            for start in range(0, pairs, pairs_per_block):
+                stop = min(start + pairs_per_block, pairs)
+                cells = box_muller_bounds(words[rows, start:stop], words[rows, pairs + start : pairs + stop])
+                slack = cells[2].mul_(scale[rows]).add_(rounding[rows])
+                for z, first in ((cells[0], start), (cells[1], pairs + start)):
+                    last = min(first + stop - start, width)
+                    if last > first:
+                        columns, used = slice(first, last), slice(0, last - first)
+                        parts = (z[:, used].mul_(scale[rows]), slack[:, used], released[rows, columns])
+                        _round_into(sums[rows, columns], gamma[rows], *parts, decided[rows, columns], torch)
     undecided = ~decided & torch.isfinite(sums) & noisy[:, None]  # NaN (an infinite bound) is undecided
     if bool(undecided.any()):
         _decide_exactly(released, undecided, sums, words, gamma[:, 0], scale[:, 0], refiners)
