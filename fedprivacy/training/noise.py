@@ -56,10 +56,13 @@ def grid(noise_std: Array, xp: ModuleType = torch) -> Array:
     return xp.ldexp(xp.ones_like(noise_std), exponent - 1 - RELEASE_GRID_BITS)
 
 
-def box_muller_bounds(radius_words: Tensor, angle_words: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(r·cos θ, r·sin θ, bound), float64 of the words' shape, for radius and angle words (int64
-    views of 64-bit words): Box–Muller at the words' cell, |Z − z| ≤ bound for both coordinates and
-    every real (U, V) whose expansions start with these words. U's first word is the radius word
+def box_muller_bounds(
+    radius_words: Tensor, angle_words: Tensor, scale: Tensor | float = 1.0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(a·r·cos θ, a·r·sin θ, a·bound), float64 of the words' shape, for radius and angle words
+    (int64 views of 64-bit words) and a scale a (1, or σ' per row): Box–Muller at the words' cell,
+    |Z − z| ≤ bound for both coordinates and every real (U, V) whose expansions start with these
+    words (a·z exact to its rounding, which the bound's margin covers). U's first word is the radius word
     plus 2⁶³ (mod 2⁶⁴), V's the angle word as a signed integer, times 2⁻⁶⁴. Cells of U within
     2⁻⁵² of 0 get an infinite bound."""
     # the cell's anchor: the word rounded to float64, read in [0, 1)
@@ -74,8 +77,9 @@ def box_muller_bounds(radius_words: Tensor, angle_words: Tensor) -> tuple[Tensor
     # r over the cell: within sqrt(L + s) − sqrt(max(L − s, 0)) ≤ 2s/sqrt(L + s) of r̂ = sqrt(L)
     # and |Δ(r·trig)| ≤ Δr + r·Δtrig, Δtrig covering the angle cell (2π·2⁻⁶⁴) and the float errors:
     # bound = (2s/sqrt(L + s) + 3·LIBM_ERROR·r)·(1 + 4·LIBM_ERROR), its own rounding included
-    bound = torch.add(squared, spread).rsqrt_().mul_(spread).add_(radius, alpha=1.5 * LIBM_ERROR)
-    bound.mul_(2.0 * (1.0 + 4 * LIBM_ERROR)).nan_to_num_(nan=math.inf)
+    bound = spread.div_(torch.add(squared, spread).sqrt_()).add_(radius, alpha=1.5 * LIBM_ERROR)
+    bound.mul_(2.0 * (1.0 + 4 * LIBM_ERROR)).nan_to_num_(nan=math.inf).mul_(scale)
+    radius.mul_(scale)
     angle = angle_words.to(torch.float64).mul_(2.0 * math.pi * WORD_UNIT)  # θ = 2πV, V ∈ [−½, ½)
     return torch.cos(angle).mul_(radius), torch.sin(angle).mul_(radius), bound
 
@@ -105,9 +109,9 @@ def noise_ahead(words: Tensor, noise_std: Tensor) -> NoiseAhead:
     noisy = noise_std > 0
     gamma, scale, rounding = _grid_scale(torch.where(noisy, noise_std, 1.0), torch)
     pairs = words.shape[1] // 2
-    cosine, sine, bound = box_muller_bounds(words[:, :pairs], words[:, pairs : 2 * pairs])
-    offset = torch.cat([cosine, sine], dim=1).mul_(scale)
-    slack = torch.cat([bound, bound], dim=1).mul_(scale).add_(rounding)
+    cosine, sine, bound = box_muller_bounds(words[:, :pairs], words[:, pairs : 2 * pairs], scale)
+    offset = torch.cat([cosine, sine], dim=1)
+    slack = torch.cat([bound, bound], dim=1).add_(rounding)
     return NoiseAhead(gamma, scale, offset, slack, noisy)
 
 
@@ -145,13 +149,14 @@ def rounded_gaussian(
         parts = (sums, ahead.gamma, ahead.offset[:, :width], ahead.slack[:, :width])
         plain, *rest = (t.numpy() for t in parts) if on_cpu else parts
         out, decided = xp.empty_like(plain), xp.empty_like(plain, dtype=xp.bool)
-        _round_into(plain, *rest, out, decided, xp)
+        _round_into(plain, *rest, _limit(plain, rest[0], xp), out, decided, xp)
         convert = torch.from_numpy if on_cpu else (lambda a: a)
         released, decided, gamma, scale = convert(out), convert(decided), ahead.gamma, ahead.scale
     else:
         noisy = active & (noise_std > 0)  # a client not taking the step may have σ = 0: no noise
         gamma, scale, rounding = _grid_scale(torch.where(noisy, noise_std, 1.0), torch)
         released, decided = torch.empty_like(sums), torch.empty_like(sums, dtype=torch.bool)
+        limit = _limit(sums, gamma, torch)
         pairs = words.shape[1] // 2
         rows_per_block = max(1, BLOCK_ELEMENTS // max(pairs, 1))  # whole rows, contiguous, when they fit
         pairs_per_block = min(pairs, BLOCK_ELEMENTS)
@@ -159,35 +164,47 @@ def rounded_gaussian(
             rows = slice(top, top + rows_per_block)
             for start in range(0, pairs, pairs_per_block):
                 stop = min(start + pairs_per_block, pairs)
-                cells = box_muller_bounds(words[rows, start:stop], words[rows, pairs + start : pairs + stop])
-                slack = cells[2].mul_(scale[rows]).add_(rounding[rows])
+                cells = box_muller_bounds(
+                    words[rows, start:stop], words[rows, pairs + start : pairs + stop], scale[rows]
+                )
+                slack = cells[2].add_(rounding[rows])
                 for z, first in ((cells[0], start), (cells[1], pairs + start)):
                     last = min(first + stop - start, width)
                     if last > first:
                         columns, used = slice(first, last), slice(0, last - first)
-                        parts = (z[:, used].mul_(scale[rows]), slack[:, used], released[rows, columns])
-                        _round_into(sums[rows, columns], gamma[rows], *parts, decided[rows, columns], torch)
-    undecided = ~decided & torch.isfinite(sums) & noisy[:, None]  # NaN (an infinite bound) is undecided
-    if bool(undecided.any()):
+                        parts = (z[:, used], slack[:, used], limit[rows])
+                        into = (released[rows, columns], decided[rows, columns], torch)
+                        _round_into(sums[rows, columns], gamma[rows], *parts, *into)
+    undecided = ~decided  # NaN (an infinite bound) is undecided
+    if not bool(noisy.all()):
+        undecided &= noisy[:, None]
+    if bool(undecided.any()):  # rare: only then is finiteness looked at (a non-finite sum stays so)
+        undecided &= torch.isfinite(sums)
         _decide_exactly(released, undecided, sums, words, gamma[:, 0], scale[:, 0], refiners)
     return released if bool(noisy.all()) else torch.where(noisy[:, None], released, sums)
 
 
 def _round_into(
-    sums: Array, gamma: Array, offset: Array, slack: Array, out: Array, decided: Array, xp: ModuleType
+    sums: Array, gamma: Array, offset: Array, slack: Array, limit: Array, out: Array, decided: Array, xp: ModuleType
 ) -> None:
-    """y = s/γ + σ'z rounded, times γ, into `out`; `decided` where y lies further than its error
-    bound (`slack` for σ'z and the evaluation, |y|·2⁻⁵¹ for s/γ) from a half-integer. Torch
-    tensors or NumPy arrays (`xp`), with the operators both share."""
+    """y = s/γ + σ'z rounded, times γ, into `out`; `decided` where y's distance to the nearest
+    integer plus `slack` (the error bound of σ'z and of y's evaluation) stays below `limit` (½ less
+    the rounding of s/γ's part, per row). Torch tensors or NumPy arrays (`xp`), with the operators
+    both share."""
     quiet = np.errstate(over="ignore", invalid="ignore") if xp is np else contextlib.nullcontext()
     with quiet:  # an infinite bound makes a NaN gap: undecided
         y = sums / gamma  # float64, exact
-        gap = abs(y) * 2.0**-51 + slack  # y's error bound, in grid units
         y += offset
         nearest = xp.round(y) + 0.0  # −0 to +0: the sign of a zero would tell y's
-        gap += abs(y - nearest)
-        decided[...] = gap < 0.5
+        y -= nearest
+        decided[...] = abs(y) + slack < limit
         out[...] = nearest * gamma
+
+
+def _limit(sums: Array, gamma: Array, xp: ModuleType) -> Array:
+    """½ less what adding s/γ to σ'z can round away, per row: (max |s|/γ)·2⁻⁵¹ (`_round_into`)."""
+    largest = abs(sums).max(axis=1, keepdims=True) if xp is np else sums.abs().amax(1, keepdim=True)
+    return 0.5 - largest / gamma * 2.0**-51
 
 
 def _decide_exactly(
