@@ -189,7 +189,7 @@ def _round_into(
 ) -> None:
     """y = s/γ + σ'z rounded, times γ, into `out`; `decided` where y's distance to the nearest
     integer plus `slack` (the error bound of σ'z and of y's evaluation) stays below `limit` (½ less
-    the rounding of s/γ's part, per row). Torch tensors or NumPy arrays (`xp`), with the operators
+    the rounding of s/γ's part: `_limit`). Torch tensors or NumPy arrays (`xp`), with the operators
     both share."""
     quiet = np.errstate(over="ignore", invalid="ignore") if xp is np else contextlib.nullcontext()
     with quiet:  # an infinite bound makes a NaN gap: undecided
@@ -202,9 +202,12 @@ def _round_into(
 
 
 def _limit(sums: Array, gamma: Array, xp: ModuleType) -> Array:
-    """½ less what adding s/γ to σ'z can round away, per row: (max |s|/γ)·2⁻⁵¹ (`_round_into`)."""
-    largest = abs(sums).max(axis=1, keepdims=True) if xp is np else sums.abs().amax(1, keepdim=True)
-    return 0.5 - largest / gamma * 2.0**-51
+    """½ less what adding s/γ to σ'z can round away, |s|/γ·2⁻⁵¹ (`_round_into`): per element in
+    NumPy (a trainer's small rows: no reduction), per row, from the largest |s|, in torch (an
+    engine's large ones: fewer passes)."""
+    if xp is np:
+        return 0.5 - abs(sums) * (2.0**-51 / gamma)
+    return 0.5 - sums.abs().amax(1, keepdim=True) / gamma * 2.0**-51
 
 
 def _decide_exactly(
