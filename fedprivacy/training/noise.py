@@ -15,10 +15,11 @@ How R is found. Z is Box–Muller (Box & Muller 1958) of two uniforms U, V whose
 start with the step's keystream words (a radius word, an angle word per pair of coordinates) and
 go on with refinement words drawn only when needed. On the model's device, in float64, each
 coordinate's y = s/γ + σ'·Z is computed with a bound on its error over every (U, V) the words
-leave open, elementary functions allowed 2⁻⁴⁸ relative error (16× above the 4 ulp that glibc,
-SLEEF and CUDA document); y is rounded where it lies further than the bound from a half-integer.
-Elsewhere (about 2⁻³⁰ of coordinates, and every zero radius word) the pair's expansions are
-extended and evaluated in interval arithmetic (mpmath.iv) until the rounding is decided. An
+leave open, elementary functions allowed 2⁻⁴⁸ relative error (4× the 4 ulp, 2⁻⁵⁰, that glibc,
+SLEEF and CUDA document at most); y is rounded where it lies further than the bound from a
+half-integer. Elsewhere (about 4·10⁻¹¹ of coordinates, and every cell of U within 2⁻⁵² of 0) the
+pair's expansions are extended and evaluated in interval arithmetic (mpmath.iv) until the rounding
+is decided. An
 expansion stops after `RADIUS_WORDS` words: outcomes of probability below 2⁻¹⁰²⁴ are cut.
 """
 
@@ -62,9 +63,9 @@ def box_muller_bounds(
     """(a·r·cos θ, a·r·sin θ, a·bound), float64 of the words' shape, for radius and angle words
     (int64 views of 64-bit words) and a scale a (1, or σ' per row): Box–Muller at the words' cell,
     |Z − z| ≤ bound for both coordinates and every real (U, V) whose expansions start with these
-    words (a·z exact to its rounding, which the bound's margin covers). U's first word is the radius word
-    plus 2⁶³ (mod 2⁶⁴), V's the angle word as a signed integer, times 2⁻⁶⁴. Cells of U within
-    2⁻⁵² of 0 get an infinite bound."""
+    words (a·z exact to its rounding, which the bound's margin covers). U's first word is the
+    radius word plus 2⁶³ (mod 2⁶⁴), V's the angle word as a signed integer, times 2⁻⁶⁴. Cells of U
+    within 2⁻⁵² of 0 get an infinite bound."""
     # the cell's anchor: the word rounded to float64, read in [0, 1)
     u = radius_words.to(torch.float64).mul_(WORD_UNIT).add_(0.5)
     squared = torch.log(u).mul_(-2.0)  # −2 ln u
@@ -253,29 +254,43 @@ def exact_pair_rounding(
     of an all-zero U is then `MAX_RADIUS`)."""
     previous = mpmath.iv.prec
     try:
-        for level in range(RADIUS_WORDS):
+        for level in range(RADIUS_WORDS - 1):
             if level:
-                more_radius, more_angle = refine(level - 1)
-                radius_word = (radius_word << 64) | more_radius
-                angle_word = (angle_word << 64) | more_angle
-            last = level == RADIUS_WORDS - 1
-            if radius_word == 0 and not last:
-                continue  # U's cell reaches 0: no bound yet
-            bits = 64 * (level + 1)
-            mpmath.iv.prec = bits + 64
-            ends = (0.5, 0.5) if last else (0, 1)
-            unit = mpmath.iv.mpf(2) ** -bits
-            u = mpmath.iv.mpf([radius_word + ends[0], radius_word + ends[1]]) * unit
-            radius = mpmath.iv.sqrt(-2 * mpmath.iv.log(u))
-            angle = 2 * mpmath.iv.pi * mpmath.iv.mpf([angle_word + ends[0], angle_word + ends[1]]) * unit
-            trig = (mpmath.iv.cos(angle), mpmath.iv.sin(angle))
-            values = [mpmath.iv.mpf(f) + scale * radius * trig[which] for which, f in coordinates]
-            low = [_nearest_integer(v.a) for v in values]
-            if last or low == [_nearest_integer(v.b) for v in values]:
-                return low
-        raise AssertionError("unreachable: the last level always returns")
+                radius_word, angle_word = _extended(radius_word, angle_word, refine(level - 1))
+            if radius_word > 0:  # else U's cell reaches 0: no bound yet
+                low, high = _roundings(radius_word, angle_word, coordinates, scale, level, (0, 1))
+                if low == high:
+                    return low
+        radius_word, angle_word = _extended(radius_word, angle_word, refine(RADIUS_WORDS - 2))
+        return _roundings(radius_word, angle_word, coordinates, scale, RADIUS_WORDS - 1, (0.5, 0.5))[0]
     finally:
         mpmath.iv.prec = previous
+
+
+def _extended(radius_word: int, angle_word: int, more: tuple[int, int]) -> tuple[int, int]:
+    """Both expansions one 64-bit word longer (the angle's stays signed: its low bits are added)."""
+    return (radius_word << 64) | more[0], (angle_word << 64) | more[1]
+
+
+def _roundings(
+    radius_word: int,
+    angle_word: int,
+    coordinates: Sequence[tuple[int, float]],
+    scale: float,
+    level: int,
+    ends: tuple[float, float],
+) -> tuple[list[int], list[int]]:
+    """The roundings of f + σ'·Z at both ends of its interval over the words' cell (`ends` (0, 1)),
+    or at the cell's midpoint (`ends` (½, ½)), for expansions of `level` + 1 words."""
+    bits = 64 * (level + 1)
+    mpmath.iv.prec = bits + 64
+    unit = mpmath.iv.mpf(2) ** -bits
+    u = mpmath.iv.mpf([radius_word + ends[0], radius_word + ends[1]]) * unit
+    radius = mpmath.iv.sqrt(-2 * mpmath.iv.log(u))
+    angle = 2 * mpmath.iv.pi * mpmath.iv.mpf([angle_word + ends[0], angle_word + ends[1]]) * unit
+    trig = (mpmath.iv.cos(angle), mpmath.iv.sin(angle))
+    values = [mpmath.iv.mpf(f) + scale * radius * trig[which] for which, f in coordinates]
+    return [_nearest_integer(v.a) for v in values], [_nearest_integer(v.b) for v in values]
 
 
 def _nearest_integer(end: mpmath.ctx_iv.ivmpf) -> int:

@@ -10,7 +10,8 @@ choice).
   kept iff the top 53 bits of its word are below ⌊q·2⁵³⌋ (the rate never exceeds q).
 - The rare noise coordinates that need more random bits than their words (`StepRandomness.refiner`)
   take them from BLAKE2b of the seed's key and their position, or from `os.urandom` without a seed.
-- Draws are made on the CPU for many steps at once, the keystream spread over torch's threads.
+- Draws are made for many steps at once: on a CPU by `cryptography`, the keystream spread over
+  torch's threads; for a model on a GPU there, by `chacha` (the same bits).
 """
 
 from __future__ import annotations
