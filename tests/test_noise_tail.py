@@ -49,7 +49,7 @@ def released_radius(continuation: list[int], pairs: int = 1) -> np.ndarray:
         asked.append((pair, level))
         return continuation[level], 0
 
-    released = rounded_gaussian(torch.zeros(1, 2 * pairs), words, std, [refine], torch.ones(1, dtype=torch.bool))
+    released = rounded_gaussian(torch.zeros(1, 2 * pairs), words, std, [refine])
     scale = SIGMA_C / float(grid(std))
     return released[0, :pairs].double().numpy() / float(grid(std)) / scale
 

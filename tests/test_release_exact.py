@@ -19,9 +19,13 @@ import pytest
 import torch
 from scipy import stats
 
-from fedprivacy.training import stack
+from fedprivacy.training import noise, stack
 from fedprivacy.training.noise import (
+    CELL_BOUND,
+    HIGH_RADIUS_WORD,
+    LOW_RADIUS_WORD,
     MAX_RADIUS,
+    box_muller,
     box_muller_bounds,
     exact_pair_rounding,
     grid,
@@ -46,10 +50,13 @@ def random_words(generator: np.random.Generator, pairs: int) -> torch.Tensor:
     return torch.from_numpy(words)
 
 
-def test_the_float_bounds_hold_over_each_cell_and_decide_only_what_intervals_decide():
+@pytest.mark.parametrize("cell_bound", [CELL_BOUND, 0.05], ids=["tiers as shipped", "most rows to tier 2"])
+def test_the_float_bounds_hold_over_each_cell_and_decide_only_what_intervals_decide(cell_bound, monkeypatch):
     """For every pair of words (random, and U near 0 and 1, θ at the axes): the interval-arithmetic
     image of the words' cell under Box–Muller lies within z ± bound, and wherever the float64 path
-    rounds a coordinate, the exact rounding over the whole cell (mpmath.iv) is the same integer."""
+    rounds a coordinate, the exact rounding over the whole cell (mpmath.iv) is the same integer;
+    with tier 1's bound made coarse (so that nearly every row goes on to tier 2) as well."""
+    monkeypatch.setattr(noise, "CELL_BOUND", cell_bound)
     generator = np.random.default_rng(3)
     pairs = 1500
     words = random_words(generator, pairs)
@@ -76,7 +83,7 @@ def test_the_float_bounds_hold_over_each_cell_and_decide_only_what_intervals_dec
         refined.append((pair, level))
         return (pair * 7919 + level) % 2**64, (pair * 104729 + level) % 2**64
 
-    released = rounded_gaussian(sums, words, noise_std, [refine], torch.ones(1, dtype=torch.bool))
+    released = rounded_gaussian(sums, words, noise_std, [refine])
     gamma, scale = float(grid(noise_std)), 2.7 / float(grid(noise_std))
     assert refined, "the edge cases (U within 2⁻⁵² of 0) take the exact path"
     refined_pairs = {pair for pair, _ in refined}
@@ -97,6 +104,57 @@ def test_the_float_bounds_hold_over_each_cell_and_decide_only_what_intervals_dec
             assert float(released[0, c]) == (w + k) * gamma
 
 
+def cell_words() -> tuple[torch.Tensor, torch.Tensor]:
+    """Radius words across tier 1's range (its ends, u = ½, dense near both ends, random), and
+    angle words (random, the axes)."""
+    generator = np.random.default_rng(11)
+    ends = [LOW_RADIUS_WORD + k for k in (0, 1, 2, 2**20, 2**40)] + [HIGH_RADIUS_WORD - k for k in (1, 2, 2**20, 2**40)]
+    ends += [-1, 0, 1, -(2**62), 2**62]
+    near = [LOW_RADIUS_WORD + int(k) for k in generator.integers(0, 2**46, 2000)]
+    near += [HIGH_RADIUS_WORD - 1 - int(k) for k in generator.integers(0, 2**46, 2000)]
+    middle = generator.integers(LOW_RADIUS_WORD, HIGH_RADIUS_WORD, 20_000).tolist()
+    radius = torch.tensor(ends + near + middle, dtype=torch.int64)
+    angle = torch.from_numpy(generator.integers(-(2**63), 2**63, len(radius), dtype=np.int64))
+    angle[: len(EXTREME_ANGLE)] = torch.tensor(EXTREME_ANGLE)
+    return radius, angle
+
+
+def test_one_bound_covers_every_cell_in_tier_ones_range():
+    """`CELL_BOUND` (tier 1's one bound) is at least the bound of each cell's own (`box_muller_bounds`,
+    checked against intervals above) for radius words in [LOW_RADIUS_WORD, HIGH_RADIUS_WORD), and
+    the interval image of such cells (ends and a sample) lies within `box_muller`'s value ± it."""
+    radius, angle = cell_words()
+    _, _, bound = box_muller_bounds(radius, angle)
+    assert float(bound.max()) <= CELL_BOUND * 0.8, float(bound.max())  # the argument's 1.8·10⁻¹⁰
+    values = box_muller(radius, angle)
+    mpmath.iv.prec = 200
+    unit = mpmath.iv.mpf(2) ** -64
+    try:
+        for k in [*range(14), *range(14, len(radius), 97)]:
+            word = int(radius[k]) + 2**63
+            u = mpmath.iv.mpf([word, word + 1]) * unit
+            r = mpmath.iv.sqrt(-2 * mpmath.iv.log(u))
+            theta = 2 * mpmath.iv.pi * mpmath.iv.mpf([int(angle[k]), int(angle[k]) + 1]) * unit
+            for z, image in (
+                (values[k], r * mpmath.iv.cos(theta)),
+                (values[len(radius) + k], r * mpmath.iv.sin(theta)),
+            ):
+                assert float(z) - CELL_BOUND <= image.a and image.b <= float(z) + CELL_BOUND, (k, float(z), image)
+    finally:
+        mpmath.iv.prec = 53
+
+
+@pytest.mark.parametrize("word", [LOW_RADIUS_WORD - 1, HIGH_RADIUS_WORD, -(2**63), 2**63 - 1, LOW_RADIUS_WORD - 2**40])
+def test_a_block_with_one_word_outside_tier_ones_range_is_looked_at(word):
+    """A radius word outside [LOW_RADIUS_WORD, HIGH_RADIUS_WORD) anywhere in a block sets the
+    block's flag (its pairs then go to tier 2 by their words), whatever the others are."""
+    generator = np.random.default_rng(12)
+    radius = torch.from_numpy(generator.integers(LOW_RADIUS_WORD, HIGH_RADIUS_WORD, (3, 500), dtype=np.int64))
+    radius[1, 137] = word
+    squared = torch.empty(radius.shape, dtype=torch.float64)
+    assert noise._outside_possible(noise._squared_into(radius, squared))
+
+
 def test_the_released_integers_follow_the_rounded_gaussian():
     """10⁶ releases of one sum s: R = released/γ − ⌊s/γ⌉ has P(R = k) = Φ((k + ½ − f)/σ') −
     Φ((k − ½ − f)/σ'), f = s/γ − ⌊s/γ⌉ (χ² over bins of eight integers)."""
@@ -105,9 +163,7 @@ def test_the_released_integers_follow_the_rounded_gaussian():
     total = 123.456
     words = StepRandomness("release-fit").draws(0, 1, 0, 0.5, count).noise
     sums = torch.full((1, count), total, dtype=torch.float32)
-    released = rounded_gaussian(
-        sums, words, noise_std, [StepRandomness("release-fit").refiner(0)], torch.ones(1, dtype=torch.bool)
-    )
+    released = rounded_gaussian(sums, words, noise_std, [StepRandomness("release-fit").refiner(0)])
     scaled = float(sums[0, 0]) / gamma
     fraction = scaled - round(scaled)
     offsets = (released[0].double().numpy() / gamma - round(scaled)).round().astype(np.int64)
@@ -258,21 +314,26 @@ def test_the_fast_engines_clients_released_together_are_never_told_apart():
         assert bool(producible_rounded(outputs, other, sigma_c, expected).all())
 
 
-def test_the_trainers_path_and_the_engines_release_the_same_bits():
+@pytest.mark.parametrize("cell_bound", [CELL_BOUND, 0.05], ids=["tiers as shipped", "most rows to tier 2"])
+def test_the_trainers_path_and_the_engines_release_the_same_bits(cell_bound, monkeypatch):
     """The trainer makes a round's Box–Muller ahead (`noise_ahead`) and rounds in NumPy on a CPU; the
     engine makes it block by block in torch: the same release, bit for bit, edge-case words (the
-    exact path) included, and rows with σC = 0 or not taking the step left as their sums."""
+    exact path) included, and a row with σC = 0 left as its sums."""
+    monkeypatch.setattr(noise, "CELL_BOUND", cell_bound)
     generator = np.random.default_rng(4)
     pairs, rows = 700, 3
     words = torch.cat([random_words(generator, pairs) for _ in range(rows)])
     sums = torch.from_numpy(generator.normal(scale=30.0, size=(rows, 2 * pairs - 1)).astype(np.float32))
     noise_std = torch.tensor([2.7, 0.0, 0.4], dtype=torch.float64)
-    active = torch.tensor([True, True, False])
     refiners = [StepRandomness(f"paths:{k}").refiner(3) for k in range(rows)]
-    ahead = rounded_gaussian(sums, words, noise_std, refiners, active, noise_ahead(words, noise_std))
-    blockwise = rounded_gaussian(sums, words, noise_std, refiners, active)
+    ahead = rounded_gaussian(sums, words, noise_std, refiners, noise_ahead(words, noise_std))
+    blockwise = rounded_gaussian(sums, words, noise_std, refiners)
     assert torch.equal(ahead, blockwise)
-    assert torch.equal(ahead[1:], sums[1:]) and not torch.equal(ahead[0], sums[0])
+    assert torch.equal(ahead[1], sums[1]) and not torch.equal(ahead[0], sums[0])
+    assert torch.equal(
+        ahead[0],
+        rounded_gaussian(sums[:1], words[:1], noise_std[:1], refiners, noise_ahead(words, noise_std).row(0))[0],
+    )
 
 
 def test_the_release_is_the_same_bits_on_every_device(compute_device):
@@ -283,11 +344,10 @@ def test_the_release_is_the_same_bits_on_every_device(compute_device):
     words = torch.cat([random_words(generator, pairs) for _ in range(2)])
     sums = torch.from_numpy(generator.normal(scale=30.0, size=(2, 2 * pairs)).astype(np.float32))
     noise_std = torch.tensor([2.7, 0.9], dtype=torch.float64)
-    active = torch.ones(2, dtype=torch.bool)
     refiners = [StepRandomness(f"devices:{k}").refiner(0) for k in range(2)]
-    on_cpu = rounded_gaussian(sums, words, noise_std, refiners, active)
-    moved = [t.to(compute_device) for t in (sums, words, noise_std, active)]
-    on_device = rounded_gaussian(moved[0], moved[1], moved[2], refiners, moved[3])
-    ahead = rounded_gaussian(*moved[:3], refiners, moved[3], noise_ahead(moved[1], moved[2]))
+    on_cpu = rounded_gaussian(sums, words, noise_std, refiners)
+    moved = [t.to(compute_device) for t in (sums, words, noise_std)]
+    on_device = rounded_gaussian(*moved, refiners)
+    ahead = rounded_gaussian(*moved, refiners, noise_ahead(moved[1], moved[2]))
     assert on_device.device.type == compute_device.type
     assert torch.equal(on_device.cpu(), on_cpu) and torch.equal(ahead.cpu(), on_cpu)

@@ -190,6 +190,20 @@ def test_a_round_of_draws_is_its_streams_words_compared_and_kept():
     assert row == keep.shape[0]
 
 
+def test_draws_held_at_once_never_share_their_words():
+    """A batch's words are views of the thread's kept buffer: a draw made while an earlier one is
+    still held gets its own buffer (two unseeded draws are never the same words, and a held draw
+    does not change), and once nothing refers to it the kept buffer serves the next draw."""
+    first = draw_batch([DrawRequest(StepRandomness(), 0, 2, 10, 0.5)], 100)[1]
+    held = first.clone()
+    second = draw_batch([DrawRequest(StepRandomness(), 0, 2, 10, 0.5)], 100)[1]
+    assert torch.equal(first, held) and not torch.equal(first, second)
+    kept = first.data_ptr()
+    assert second.data_ptr() != kept
+    del first, second
+    assert draw_batch([DrawRequest(StepRandomness(), 0, 2, 10, 0.5)], 100)[1].data_ptr() == kept
+
+
 def test_the_radius_is_rayleigh_from_its_whole_words():
     """The noise's radius sqrt(z₁² + z₂²) of a pair is Rayleigh."""
     count = 200_000

@@ -13,24 +13,30 @@ exact rounding of the ideal output, refining the randomness where floating point
 
 How R is found. Z is Box–Muller (Box & Muller 1958) of two uniforms U, V whose binary expansions
 start with the step's keystream words (a radius word, an angle word per pair of coordinates) and
-go on with refinement words drawn only when needed. On the model's device, in float64, each
-coordinate's y = s/γ + σ'·Z is computed with a bound on its error over every (U, V) the words
-leave open, elementary functions allowed 2⁻⁴⁸ relative error (4× the 4 ulp, 2⁻⁵⁰, that glibc,
-SLEEF and CUDA document at most); y is rounded where it lies further than the bound from a
-half-integer. Elsewhere (about 4·10⁻¹¹ of coordinates, and every cell of U within 2⁻⁵² of 0) the
-pair's expansions are extended and evaluated in interval arithmetic (mpmath.iv) until the rounding
-is decided. An
-expansion stops after `RADIUS_WORDS` words: outcomes of probability below 2⁻¹⁰²⁴ are cut.
+go on with refinement words drawn only when needed. Elementary functions are allowed 2⁻⁴⁸
+relative error (4× the 4 ulp, 2⁻⁵⁰, that glibc, SLEEF and CUDA document at most). Three tiers:
+
+1. On the model's device, in float64, y = s/γ + σ'·ẑ at the words' cell, with one bound for all
+   cells with 2⁻²⁰ ≤ U ≤ 1 − 2⁻²⁰ (`CELL_BOUND`); a row whose every coordinate lies further than
+   that bound from a half-integer is rounded (a coordinate is closer with probability below
+   3·10⁻⁷; one reduction per row).
+2. The coordinates of the rows left, and every pair whose U may lie outside that range (about
+   2·10⁻⁶ of pairs), again in float64 with a bound for their own cell (`box_muller_bounds`): all
+   but about 4·10⁻¹¹ of coordinates are decided.
+3. Elsewhere the pair's expansions are extended and evaluated in interval arithmetic (mpmath.iv)
+   until the rounding is decided. An expansion stops after `RADIUS_WORDS` words: outcomes of
+   probability below 2⁻¹⁰²⁴ are cut.
+
+Every tier releases the exact rounding, so which tier decides a coordinate does not change a bit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 from types import ModuleType
+from typing import NamedTuple
 
 import mpmath
 import numpy as np
@@ -43,11 +49,29 @@ RADIUS_WORDS = 16  # 64-bit words an expansion may use before it is cut (probabi
 MAX_RADIUS = math.sqrt(2 * (64 * RADIUS_WORDS + 1) * math.log(2))  # |Z| never exceeds it: 37.70
 LIBM_ERROR = 2.0**-48  # relative error allowed for float64 log, sqrt, cos, sin, products
 WORD_UNIT = 2.0**-64
-BLOCK_ELEMENTS = 1 << 16  # pairs per block of the float64 pass: its temporaries stay in cache
+ANGLE_UNIT = 2.0 * math.pi * WORD_UNIT  # θ = 2πV, V the angle word as a signed integer times 2⁻⁶⁴
+# |Z − ẑ| ≤ CELL_BOUND for both coordinates of every cell with 2⁻²⁰ ≤ U ≤ 1 − 2⁻²⁰, i.e. radius
+# words in [LOW_RADIUS_WORD, HIGH_RADIUS_WORD): `box_muller_bounds`' bound is < 1.8·10⁻¹⁰ there
+# (`box_muller` gives the argument); 2⁻³² = 2.33·10⁻¹⁰
+CELL_BOUND = 2.0**-32
+LOW_RADIUS_WORD = -(1 << 63) + (1 << 44)  # U's first word 2⁴⁴: U ≥ 2⁻²⁰ from it on
+HIGH_RADIUS_WORD = (1 << 63) - (1 << 44)  # U's first word 2⁶⁴ − 2⁴⁴: U ≤ 1 − 2⁻²⁰ below it
+# −2 ln u of every word outside that range, and of no more than about 2⁻¹⁸ of the others, lies
+# outside [OUTSIDE_BELOW, OUTSIDE_ABOVE] (27.73 and 1.9·10⁻⁶ at the ends): a block whose −2 ln u
+# all lie within needs no look at its words
+OUTSIDE_BELOW, OUTSIDE_ABOVE = 2.0**-18, 27.0
+BLOCK_PAIRS = {"cpu": 1 << 16}  # pairs per block of the tier-1 pass: its temporaries stay in cache
+DEVICE_BLOCK_PAIRS = 1 << 22  # elsewhere: few blocks (each block's check waits for the device)
 
 Array = Tensor | np.ndarray
 # (pair index, level) -> the next 64 bits of the pair's radius and angle expansions (unsigned ints)
 Refiner = Callable[[int, int], tuple[int, int]]
+Candidates = list[tuple[Tensor, Tensor]]  # (rows, columns) of coordinates tier 1 left open
+
+
+def _outside(radius_words: Array) -> Array:
+    """Where a radius word leaves `CELL_BOUND` unproven: U may lie below 2⁻²⁰ or above 1 − 2⁻²⁰."""
+    return (radius_words < LOW_RADIUS_WORD) | (radius_words >= HIGH_RADIUS_WORD)
 
 
 def grid(noise_std: Array, xp: ModuleType = torch) -> Array:
@@ -55,6 +79,52 @@ def grid(noise_std: Array, xp: ModuleType = torch) -> Array:
     [256, 512); `xp` is the array library of `noise_std` (torch or numpy)."""
     _, exponent = xp.frexp(noise_std)  # σC = m·2^e, m ∈ [½, 1)
     return xp.ldexp(xp.ones_like(noise_std), exponent - 1 - RELEASE_GRID_BITS)
+
+
+def _squared_radius(radius_words: Tensor) -> tuple[Tensor, Tensor]:
+    """The cell's anchor u (the word rounded to float64, read in [0, 1): U's first word is the
+    radius word plus 2⁶³) and −2 ln u."""
+    u = radius_words.to(torch.float64).mul_(WORD_UNIT).add_(0.5)
+    return u, torch.log(u).mul_(-2.0)
+
+
+def box_muller(radius_words: Tensor, angle_words: Tensor, scale: Tensor | float = 1.0) -> Tensor:
+    """a·ẑ, Box–Muller at the words' cell ([..., 2m]: the m cosines, then the m sines), for radius
+    and angle words (int64 views of 64-bit words) and a scale a (1, or σ' per row), computed by the
+    same operations as `box_muller_bounds`.
+
+    For radius words in [`LOW_RADIUS_WORD`, `HIGH_RADIUS_WORD`), |Z − ẑ| ≤ `CELL_BOUND` for every
+    real (U, V) the words leave open: `box_muller_bounds`' bound, b = 2(1 + 4ε)(s/√(L + s) +
+    1.5ε·r̂) with s = 2⁻⁵¹/(u − 2⁻⁵²) + ε(L + 1), L = −2 ln u, ε = `LIBM_ERROR`, is there at most
+    (i) for ½ ≤ u ≤ 1 − 2⁻²⁰: s < 2.65·2⁻⁴⁸ (L ≤ 1.39) and L ≥ 2⁻¹⁹(1 − 2⁻²⁰), so b ≤ 2(1 +
+    2⁻²⁰)·s/√L < 1.4·10⁻¹¹; (ii) for 2⁻²⁰ ≤ u < ½: s/√L ≤ 2⁻⁵¹/(u√L)·(1 + 2⁻³⁰) + ε(L + 1)/√L,
+    and u√(−2 ln u) increases on (0, ½], so b < 2·2⁻⁵¹/(2⁻²⁰·√(40 ln 2)) + 10⁻¹³ < 1.8·10⁻¹⁰."""
+    shape = (*radius_words.shape[:-1], 2 * radius_words.shape[-1])
+    out = torch.empty(shape, dtype=torch.float64, device=radius_words.device)
+    cosine, sine = out.chunk(2, dim=-1)
+    squared = _squared_into(radius_words, torch.empty_like(cosine))
+    _rotate_into(squared, angle_words, scale, cosine, sine)
+    return out
+
+
+def _squared_into(radius_words: Tensor, out: Tensor) -> Tensor:
+    """−2 ln u of the cells' anchors (`_squared_radius`, the same operations) into a float64 buffer."""
+    return out.copy_(radius_words).mul_(WORD_UNIT).add_(0.5).log_().mul_(-2.0)
+
+
+def _rotate_into(squared: Tensor, angle_words: Tensor, scale: Tensor | float, cosine: Tensor, sine: Tensor) -> None:
+    """a·r̂·cos θ and a·r̂·sin θ into float64 buffers (`squared` becomes a·r̂): `box_muller`'s second
+    half, in buffers the engine reuses block after block (fresh pages cost more than the arithmetic)."""
+    radius = squared.sqrt_().mul_(scale)
+    sine.copy_(angle_words).mul_(ANGLE_UNIT)
+    torch.cos(sine, out=cosine).mul_(radius)
+    sine.sin_().mul_(radius)
+
+
+def _outside_possible(squared: Tensor) -> bool:
+    """Whether some −2 ln u may belong to a radius word outside [`LOW_RADIUS_WORD`,
+    `HIGH_RADIUS_WORD`) (`OUTSIDE_BELOW`, `OUTSIDE_ABOVE`): False means none does."""
+    return not (float(squared.amin()) > OUTSIDE_BELOW and float(squared.amax()) < OUTSIDE_ABOVE)
 
 
 def box_muller_bounds(
@@ -66,9 +136,7 @@ def box_muller_bounds(
     words (a·z exact to its rounding, which the bound's margin covers). U's first word is the
     radius word plus 2⁶³ (mod 2⁶⁴), V's the angle word as a signed integer, times 2⁻⁶⁴. Cells of U
     within 2⁻⁵² of 0 get an infinite bound."""
-    # the cell's anchor: the word rounded to float64, read in [0, 1)
-    u = radius_words.to(torch.float64).mul_(WORD_UNIT).add_(0.5)
-    squared = torch.log(u).mul_(-2.0)  # −2 ln u
+    u, squared = _squared_radius(radius_words)
     radius = torch.sqrt(squared)
     # −2 ln U over the cell moves by ≤ 2·2⁻⁵²/(u − 2⁻⁵²): the anchor is within 2⁻⁵² of every U
     # in it (the word's float64 rounding, the sum's, the cell's width); plus the float evaluation's
@@ -81,47 +149,72 @@ def box_muller_bounds(
     bound = spread.div_(torch.add(squared, spread).sqrt_()).add_(radius, alpha=1.5 * LIBM_ERROR)
     bound.mul_(2.0 * (1.0 + 4 * LIBM_ERROR)).nan_to_num_(nan=math.inf).mul_(scale)
     radius.mul_(scale)
-    angle = angle_words.to(torch.float64).mul_(2.0 * math.pi * WORD_UNIT)  # θ = 2πV, V ∈ [−½, ½)
+    angle = angle_words.to(torch.float64).mul_(ANGLE_UNIT)
     return torch.cos(angle).mul_(radius), torch.sin(angle).mul_(radius), bound
 
 
-@dataclass(frozen=True)
-class NoiseAhead:
+class NoiseAhead(NamedTuple):
     """Noise rows made before their steps (a trainer's round, drawn at once): per row γ and σ'
-    ([rows, 1]), σ'·z and its error bound in grid units ([rows, 2m]: σ'·bound plus the rounding of
-    y's own evaluation), and whether the row has noise at all (σC > 0)."""
+    ([rows, 1]), tier 1's room and room per unit of |s| ([rows], `_room`), σ'·ẑ ([rows, 2m],
+    `box_muller`), whether a radius word lies outside `CELL_BOUND`'s range (`_outside`) and whether
+    the row has noise at all (σC > 0) ([rows]); and whether every row is noisy with no such word
+    (`plain`: the step looks at neither). NumPy arrays on a CPU (a step's rounding is then a few
+    NumPy operations, not tens of tensor dispatches), tensors on the model's device elsewhere."""
 
-    gamma: Tensor
-    scale: Tensor
-    offset: Tensor
-    slack: Tensor
-    noisy: Tensor
+    gamma: Array
+    scale: Array
+    room: Array
+    room_per_sum: Array
+    offset: Array
+    small: Array
+    noisy: Array
+    plain: bool
 
     def row(self, index: int) -> NoiseAhead:
         """Row `index` alone, as a stack of one."""
-        return NoiseAhead(
-            *(t[index : index + 1] for t in (self.gamma, self.scale, self.offset, self.slack, self.noisy))
-        )
+        fields = [field[index : index + 1] for field in self[:-1]]
+        return NoiseAhead(*fields, plain=bool(fields[-1][0]) and not bool(fields[-2][0]))
 
 
 def noise_ahead(words: Tensor, noise_std: Tensor) -> NoiseAhead:
     """`NoiseAhead` of keystream rows [rows, 2m] (m radius words, then m angle words) and their σC
-    [rows] (float64): Box–Muller and its bounds for every row in one pass."""
-    noisy = noise_std > 0
-    gamma, scale, rounding = _grid_scale(torch.where(noisy, noise_std, 1.0), torch)
+    [rows] (float64): Box–Muller for every row in one pass (torch's, vectorised), the per-row
+    values in NumPy on a CPU."""
     pairs = words.shape[1] // 2
-    cosine, sine, bound = box_muller_bounds(words[:, :pairs], words[:, pairs : 2 * pairs], scale)
-    offset = torch.cat([cosine, sine], dim=1)
-    slack = torch.cat([bound, bound], dim=1).add_(rounding)
-    return NoiseAhead(gamma, scale, offset, slack, noisy)
+    radius_words = words[:, :pairs]
+    host = words.device.type == "cpu"
+    xp: ModuleType = np if host else torch
+    std = noise_std.numpy() if host else noise_std
+    noisy = std > 0
+    gamma, scale = _grid_scale(xp.where(noisy, std, 1.0), xp)
+    offset = box_muller(radius_words, words[:, pairs : 2 * pairs], torch.from_numpy(scale) if host else scale)
+    small = _outside(radius_words.numpy() if host else radius_words).any(1)
+    plain = bool(noisy.all()) and not bool(small.any())
+    return NoiseAhead(gamma, scale, *_room(gamma, scale), offset.numpy() if host else offset, small, noisy, plain)
 
 
-def _grid_scale(noise_std: Array, xp: ModuleType) -> tuple[Array, Array, Array]:
-    """γ, σ' = σC/γ (exact: γ is a power of two) and the rounding of y = s/γ + σ'z's float64
-    evaluation beyond its |s/γ| part, (σ'·MAX_RADIUS + 1)·2⁻⁵¹, each [K, 1]."""
+def _grid_scale(noise_std: Array, xp: ModuleType = torch) -> tuple[Array, Array]:
+    """γ and σ' = σC/γ (exact: γ is a power of two), each [K, 1]."""
     gamma = grid(noise_std, xp)[:, None]
-    scale = noise_std[:, None] / gamma
-    return gamma, scale, (scale * MAX_RADIUS + 1.0) * 2.0**-51
+    return gamma, noise_std[:, None] / gamma
+
+
+def _rounding(scale: Array) -> Array:
+    """What y = s/γ + σ'ẑ's float64 evaluation can round away beyond its |s/γ| part (`_limit`):
+    (σ'·MAX_RADIUS + 1)·2⁻⁵¹."""
+    return (scale * MAX_RADIUS + 1.0) * 2.0**-51
+
+
+def _room(gamma: Array, scale: Array) -> tuple[Array, Array]:
+    """Tier 1 decides a row whose every y lies closer than room − max|s|·room_per_sum to an integer:
+    room = ½ − σ'·`CELL_BOUND` − `_rounding`, and room_per_sum = 2⁻⁵¹/γ for what adding s/γ can
+    round away (`_limit`); each [K]."""
+    return (0.5 - scale * CELL_BOUND - _rounding(scale))[:, 0], (2.0**-51 / gamma)[:, 0]
+
+
+def _limit(sums: Array, gamma: Array) -> Array:
+    """½ less what adding s/γ to σ'ẑ can round away, |s|/γ·2⁻⁵¹ (elementwise)."""
+    return 0.5 - abs(sums) * (2.0**-51 / gamma)
 
 
 def rounded_gaussian(
@@ -129,101 +222,195 @@ def rounded_gaussian(
     words: Tensor,
     noise_std: Tensor,
     refiners: Sequence[Refiner],
-    active: Tensor,
     ahead: NoiseAhead | None = None,
 ) -> Tensor:
     """γ·⌊s/γ + σ'·Z⌉ per row, in the sums' dtype (exact while |R| < 2²⁴ in float32), for clipped
     sums `sums` [K, P], keystream rows `words` [K, 2m] (2m ≥ P: m radius words, then m angle
-    words), σC per row `noise_std` [K] (float64, never below the certified σC), the rows'
-    refinement streams, and which rows take the step (the others' values are not used); a row
-    with σC = 0 is its sums unchanged.
+    words), σC per row `noise_std` [K] (float64, never below the certified σC) and the rows'
+    refinement streams; a row with σC = 0 is its sums unchanged.
 
-    With the rows' `NoiseAhead` (made from the same words and σC), only the rounding is left, in
-    NumPy on a CPU: a small model's step is then a few array operations, not tens of tensor
-    dispatches. Otherwise Box–Muller is computed here, in blocks of columns whose float64
-    temporaries stay in cache."""
-    width = sums.shape[1]
-    if ahead is not None:
-        noisy = ahead.noisy & active
-        on_cpu = sums.device.type == "cpu"
-        xp: ModuleType = np if on_cpu else torch
-        parts = (sums, ahead.gamma, ahead.offset[:, :width], ahead.slack[:, :width])
-        plain, *rest = (t.numpy() for t in parts) if on_cpu else parts
-        out, decided = xp.empty_like(plain), xp.empty_like(plain, dtype=xp.bool)
-        _round_into(plain, *rest, _limit(plain, rest[0], xp), out, decided, xp)
-        convert = torch.from_numpy if on_cpu else (lambda a: a)
-        released, decided, gamma, scale = convert(out), convert(decided), ahead.gamma, ahead.scale
+    With the rows' `NoiseAhead` (made from the same words and σC), only the rounding is left.
+    Otherwise Box–Muller is computed here, in blocks whose float64 temporaries stay in
+    cache on a CPU."""
+    if ahead is None:
+        noisy = noise_std > 0  # a client not taking the step may have σ = 0: no noise
+        gamma, scale = _grid_scale(torch.where(noisy, noise_std, 1.0))
+        released, candidates = _tier_one_blocks(sums, words, gamma, scale, noisy)
     else:
-        noisy = active & (noise_std > 0)  # a client not taking the step may have σ = 0: no noise
-        gamma, scale, rounding = _grid_scale(torch.where(noisy, noise_std, 1.0), torch)
-        released, decided = torch.empty_like(sums), torch.empty_like(sums, dtype=torch.bool)
-        limit = _limit(sums, gamma, torch)
+        noisy, gamma, scale = ahead.noisy, ahead.gamma, ahead.scale
+        released, candidates = _tier_one_ahead(sums, words, ahead)
+        if ahead.plain and not candidates:
+            return released
+    if candidates:
+        rows, columns = (torch.cat(parts) for parts in zip(*candidates, strict=True))
+        gamma, scale = (torch.as_tensor(t, device=sums.device)[:, 0] for t in (gamma, scale))
+        _tier_two(released, rows, columns, sums, words, gamma, scale, refiners)
+    if bool(noisy.all()):
+        return released
+    return torch.where(torch.as_tensor(noisy, device=sums.device)[:, None], released, sums)
+
+
+def _round_block(
+    sums: Array,
+    gamma: Array,
+    offset: Array,
+    room: Array,
+    room_per_sum: Array,
+    out: Array,
+    y: Array | None = None,
+    nearest: Array | None = None,
+) -> tuple[Array, Array]:
+    """Tier 1 for a block of rows: ⌊s/γ + σ'ẑ⌉·γ into `out`; returns each element's distance to the
+    nearest integer and each row's threshold (`_room`): a row whose every distance is below it is
+    decided. Torch tensors or NumPy arrays, with the operators both share; `y` and `nearest` are
+    float64 scratch of the block's shape, if given. A NaN distance (a non-finite sum, an infinite
+    ẑ) is never below it."""
+    xp = np if isinstance(sums, np.ndarray) else torch
+    if y is None:
+        y = sums.astype(np.float64) if xp is np else sums.to(torch.float64)
+    else:
+        y[...] = sums  # then y /= γ, not s/γ: an operation on mixed dtypes is several times slower
+    y /= gamma  # exact
+    y += offset
+    nearest = (np.rint if xp is np else torch.round)(y, out=nearest)  # both: to nearest, ties to even
+    nearest += 0.0  # −0 to +0: the sign of a zero would tell y's
+    y -= nearest
+    nearest *= gamma
+    out[...] = nearest
+    return xp.abs(y, out=y), room - _row_max(abs(sums)) * room_per_sum
+
+
+def _row_max(values: Array) -> Array:
+    """Each row's largest value (NaN if it holds one), NumPy or torch, by the method either has."""
+    return values.max(1) if isinstance(values, np.ndarray) else values.amax(1)
+
+
+def _open_rows(distance: Array, threshold: Array, noisy: Array, top: int, first: int) -> Candidates:
+    """The coordinates of a block's noisy rows that tier 1 left open ((rows, columns), offset by the
+    block's `top` row and `first` column)."""
+    passed = _row_max(distance) < threshold
+    if bool(passed.all()):
+        return []
+    failing = ~passed & noisy
+    if not bool(failing.any()):
+        return []
+    distance, threshold, failing = (torch.as_tensor(a) for a in (distance, threshold, failing))
+    rows = torch.nonzero(failing)[:, 0]
+    local_rows, columns = torch.nonzero(~(distance[rows] < threshold[rows, None]), as_tuple=True)
+    return [(rows[local_rows] + top, columns + first)]
+
+
+def _outside_pairs(radius_words: Tensor, noisy: Tensor, top: int, first: int, pairs: int, width: int) -> Candidates:
+    """Both coordinates of every pair in a block whose radius word is `_outside` (there `CELL_BOUND`
+    is not proven), in noisy rows."""
+    rows, columns = torch.nonzero(_outside(radius_words) & noisy[:, None], as_tuple=True)
+    rows, columns = torch.cat([rows, rows]) + top, torch.cat([columns, columns + pairs]) + first
+    inside = columns < width
+    return [(rows[inside], columns[inside])]
+
+
+def _tier_one_blocks(
+    sums: Tensor, words: Tensor, gamma: Tensor, scale: Tensor, noisy: Tensor
+) -> tuple[Tensor, Candidates]:
+    """Tier 1 with Box–Muller computed block by block (the fast engine's path): whole rows per
+    block where they fit, their cosines' columns, then their sines'."""
+    width, pairs = sums.shape[1], words.shape[1] // 2
+    block = BLOCK_PAIRS.get(sums.device.type, DEVICE_BLOCK_PAIRS)
+    rows_per_block = max(1, block // max(pairs, 1))
+    pairs_per_block = min(pairs, block)
+    room, room_per_sum = _room(gamma, scale)
+    released, candidates = torch.empty_like(sums), []
+    shape = (min(rows_per_block, len(sums)), pairs_per_block)
+    scratch = [torch.empty(shape, dtype=torch.float64, device=sums.device) for _ in range(5)]
+    for top in range(0, len(sums), rows_per_block):
+        rows = slice(top, top + rows_per_block)
+        count = min(rows_per_block, len(sums) - top)
+        for start in range(0, pairs, pairs_per_block):
+            stop = min(start + pairs_per_block, pairs)
+            squared, cosine, sine, y, nearest = (buffer[:count, : stop - start] for buffer in scratch)
+            radius_words = words[rows, start:stop]
+            outside = _outside_possible(_squared_into(radius_words, squared))
+            _rotate_into(squared, words[rows, pairs + start : pairs + stop], scale[rows], cosine, sine)
+            for z, first in ((cosine, start), (sine, pairs + start)):
+                last = min(first + stop - start, width)
+                if last > first:
+                    columns, used = slice(first, last), slice(0, last - first)
+                    distance, threshold = _round_block(
+                        sums[rows, columns],
+                        gamma[rows],
+                        z[:, used],
+                        room[rows],
+                        room_per_sum[rows],
+                        released[rows, columns],
+                        y[:, used],
+                        nearest[:, used],
+                    )
+                    candidates += _open_rows(distance, threshold, noisy[rows], top, first)
+            if outside:
+                candidates += _outside_pairs(radius_words, noisy[rows], top, start, pairs, width)
+    return released, candidates
+
+
+def _tier_one_ahead(sums: Tensor, words: Tensor, ahead: NoiseAhead) -> tuple[Tensor, Candidates]:
+    """Tier 1 with Box–Muller made ahead (the trainer's path), in NumPy on a CPU."""
+    width = sums.shape[1]
+    parts = (ahead.gamma, ahead.offset[:, :width], ahead.room, ahead.room_per_sum)
+    if isinstance(ahead.offset, np.ndarray):
+        plain = sums.numpy()
+        out = np.empty(plain.shape, plain.dtype)
+        distance, threshold = _round_block(plain, *parts, out)
+        released = torch.from_numpy(out)
+    else:
+        released = torch.empty_like(sums)
+        distance, threshold = _round_block(sums, *parts, released)
+    candidates = _open_rows(distance, threshold, ahead.noisy, 0, 0)
+    if not ahead.plain and bool((ahead.small & ahead.noisy).any()):
         pairs = words.shape[1] // 2
-        rows_per_block = max(1, BLOCK_ELEMENTS // max(pairs, 1))  # whole rows, contiguous, when they fit
-        pairs_per_block = min(pairs, BLOCK_ELEMENTS)
-        for top in range(0, len(sums), rows_per_block):
-            rows = slice(top, top + rows_per_block)
-            for start in range(0, pairs, pairs_per_block):
-                stop = min(start + pairs_per_block, pairs)
-                cells = box_muller_bounds(
-                    words[rows, start:stop], words[rows, pairs + start : pairs + stop], scale[rows]
-                )
-                slack = cells[2].add_(rounding[rows])
-                for z, first in ((cells[0], start), (cells[1], pairs + start)):
-                    last = min(first + stop - start, width)
-                    if last > first:
-                        columns, used = slice(first, last), slice(0, last - first)
-                        parts = (z[:, used], slack[:, used], limit[rows])
-                        into = (released[rows, columns], decided[rows, columns], torch)
-                        _round_into(sums[rows, columns], gamma[rows], *parts, *into)
-    undecided = ~decided  # NaN (an infinite bound) is undecided
-    if not bool(noisy.all()):
-        undecided &= noisy[:, None]
-    if bool(undecided.any()):  # rare: only then is finiteness looked at (a non-finite sum stays so)
-        undecided &= torch.isfinite(sums)
-        _decide_exactly(released, undecided, sums, words, gamma[:, 0], scale[:, 0], refiners)
-    return released if bool(noisy.all()) else torch.where(noisy[:, None], released, sums)
+        noisy = torch.as_tensor(ahead.noisy, device=words.device)
+        candidates += _outside_pairs(words[:, :pairs], noisy, 0, 0, pairs, width)
+    return released, candidates
 
 
-def _round_into(
-    sums: Array, gamma: Array, offset: Array, slack: Array, limit: Array, out: Array, decided: Array, xp: ModuleType
-) -> None:
-    """y = s/γ + σ'z rounded, times γ, into `out`; `decided` where y's distance to the nearest
-    integer plus `slack` (the error bound of σ'z and of y's evaluation) stays below `limit` (½ less
-    the rounding of s/γ's part: `_limit`). Torch tensors or NumPy arrays (`xp`), with the operators
-    both share."""
-    quiet = np.errstate(over="ignore", invalid="ignore") if xp is np else contextlib.nullcontext()
-    with quiet:  # an infinite bound makes a NaN gap: undecided
-        y = sums / gamma  # float64, exact
-        y += offset
-        nearest = xp.round(y) + 0.0  # −0 to +0: the sign of a zero would tell y's
-        y -= nearest
-        decided[...] = abs(y) + slack < limit
-        out[...] = nearest * gamma
-
-
-def _limit(sums: Array, gamma: Array, xp: ModuleType) -> Array:
-    """½ less what adding s/γ to σ'z can round away, |s|/γ·2⁻⁵¹ (`_round_into`): per element in
-    NumPy (a trainer's small rows: no reduction), per row, from the largest |s|, in torch (an
-    engine's large ones: fewer passes)."""
-    if xp is np:
-        return 0.5 - abs(sums) * (2.0**-51 / gamma)
-    return 0.5 - sums.abs().amax(1, keepdim=True) / gamma * 2.0**-51
-
-
-def _decide_exactly(
+def _tier_two(
     out: Tensor,
-    undecided: Tensor,
+    rows: Tensor,
+    columns: Tensor,
     sums: Tensor,
     words: Tensor,
     gamma: Tensor,
     scale: Tensor,
     refiners: Sequence[Refiner],
 ) -> None:
-    """Write into `out` γ times the exact rounding of every undecided coordinate, pair by pair."""
+    """Decide the coordinates (rows, columns) tier 1 left open with the bound of their own cell
+    (`box_muller_bounds`), and the rest exactly (`_decide_exactly`); write γ·R into `out`."""
+    pairs = words.shape[1] // 2
+    sine = columns >= pairs
+    pair = torch.where(sine, columns - pairs, columns)
+    cosine_z, sine_z, bound = box_muller_bounds(words[rows, pair], words[rows, pairs + pair], scale[rows])
+    row_gamma = gamma[rows]
+    plain = sums[rows, columns].to(torch.float64)
+    y = plain / row_gamma + torch.where(sine, sine_z, cosine_z)
+    nearest = torch.round(y).add_(0.0)
+    decided = (y - nearest).abs_().add_(bound).add_(_rounding(scale[rows])) < _limit(plain, row_gamma)
+    out[rows, columns] = (nearest * row_gamma).to(out.dtype)
+    undecided = ~decided & torch.isfinite(plain)  # NaN (an infinite bound) is undecided; a non-finite sum stays so
+    if bool(undecided.any()):
+        _decide_exactly(out, rows[undecided], columns[undecided], sums, words, gamma, scale, refiners)
+
+
+def _decide_exactly(
+    out: Tensor,
+    rows: Tensor,
+    columns: Tensor,
+    sums: Tensor,
+    words: Tensor,
+    gamma: Tensor,
+    scale: Tensor,
+    refiners: Sequence[Refiner],
+) -> None:
+    """Write into `out` γ times the exact rounding of the coordinates (rows, columns), pair by pair."""
     pairs, width = words.shape[1] // 2, out.shape[1]
-    rows, columns = (index.tolist() for index in torch.nonzero(undecided.cpu(), as_tuple=True))
-    todo = sorted({(row, column % pairs) for row, column in zip(rows, columns, strict=True)})
+    todo = sorted({(row, column % pairs) for row, column in zip(rows.tolist(), columns.tolist(), strict=True)})
     host_words, host_sums, host_gamma, host_scale = words.cpu(), sums.cpu().double(), gamma.cpu(), scale.cpu()
     for row, pair in todo:
         members = [(trig, column) for trig, column in ((0, pair), (1, pair + pairs)) if column < width]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -77,14 +78,18 @@ class _Scratch(threading.local):
     (page faults) cost time on a VM (a 1,000-client MLP round's draws: 19–20 → 18–19 ms; a
     1,000-client CNN round's, 101 MB, 87 → 42 ms on 2 cores once 256 MiB were kept instead of 64).
     Buffers up to `SCRATCH_KEPT` bytes are kept; a larger draw (10,000 CNN clients) gets one of its
-    own, so that a run's peak memory does not grow by it."""
+    own, so that a run's peak memory does not grow by it. The words are handed out as views of the
+    buffer: while anything still refers to the last ones, a draw gets a fresh buffer instead."""
 
     def __init__(self) -> None:
         self.words = bytearray()
         self.zeros = b""
 
     def buffer(self, size: int) -> memoryview:
-        """`size` bytes for the caller to overwrite: the thread's kept buffer, or a fresh one."""
+        """`size` bytes for the caller to overwrite and keep: the thread's kept buffer if nothing
+        refers to what it last held (a view of it holds a reference to it), else a fresh one."""
+        if sys.getrefcount(self.words) > 2:  # the attribute and the call's argument: no view left
+            return memoryview(bytearray(size))
         return self._kept("words", size, bytearray)
 
     def plaintext(self, size: int) -> memoryview:
@@ -166,7 +171,7 @@ def draw_batch(
     thresholds = {q: np.uint64(sampling_threshold(q)) for q in {r.q for r in requests}}
     if len(widths) == 1:  # the usual round: every client's steps fill one buffer
         words = _filled_rows(requests, widths.pop())
-        noise = words[:, :width].copy().view(np.int64)  # a copy: the buffer is the thread's, reused
+        noise = words[:, :width].view(np.int64)
         # every row has `most` Poisson words (a shorter client's last ones are its padding): one comparison
         steps = [r.steps for r in requests]
         keep = (
@@ -219,10 +224,10 @@ def _blocks(width: int) -> int:
 
 def _filled_rows(requests: Sequence[DrawRequest], blocks: int) -> np.ndarray:
     """[rows, 8·blocks] keystream words (uint64): each request's steps in order, written straight
-    into one buffer (the thread's kept one, if it fits: the result is valid until the thread's
-    next draw). From `PARALLEL_WORDS` words on, the requests are dealt to torch's threads (the
-    transform's helpers), each writing its requests' own stretches: `cryptography` lets go of the
-    GIL while it encrypts (a 1,000-client CNN round's keystream: 17.9 → 12.5 ms on 2 cores)."""
+    into one buffer (the thread's kept one, if it fits and nothing refers to its last words). From
+    `PARALLEL_WORDS` words on, the requests are dealt to torch's threads (the transform's helpers),
+    each writing its requests' own stretches: `cryptography` lets go of the GIL while it encrypts
+    (a 1,000-client CNN round's keystream: 17.9 → 12.5 ms on 2 cores)."""
     view = _scratch.buffer(sum(r.steps for r in requests) * blocks * 64)
     ends = np.cumsum([r.steps * blocks * 64 for r in requests]).tolist()
     starts = [0, *ends[:-1]]

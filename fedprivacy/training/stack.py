@@ -142,7 +142,7 @@ def release(sums: list[Tensor], step: StepInputs, add_noise: bool = True) -> Ten
     (`noise_scale`: never below the certified σC). `parts` cuts it per parameter."""
     flat = torch.cat([s.reshape(s.shape[0], -1) for s in sums], dim=1) if len(sums) > 1 else sums[0].flatten(1)
     if add_noise:
-        flat = rounded_gaussian(flat, step.noise_words, step.noise_std, step.refiners, step.active, step.noise_ahead)
+        flat = rounded_gaussian(flat, step.noise_words, step.noise_std, step.refiners, step.noise_ahead)
     return flat / step.expected_batch.unsqueeze(1)
 
 
