@@ -12,6 +12,7 @@ float32 mechanism leaked: the reference below (float32 noise added to the float3
 from __future__ import annotations
 
 import math
+import warnings
 
 import mpmath
 import numpy as np
@@ -334,6 +335,32 @@ def test_the_trainers_path_and_the_engines_release_the_same_bits(cell_bound, mon
         ahead[0],
         rounded_gaussian(sums[:1], words[:1], noise_std[:1], refiners, noise_ahead(words, noise_std).row(0))[0],
     )
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1.0, math.inf, 2.0**-70])
+def test_a_noise_scale_that_is_not_zero_or_a_usable_positive_value_is_refused(bad):
+    """σC = NaN or negative would read as "no noise" and release the sums as they are; a σC too small
+    for its grid (γ would underflow) is refused too, by both paths, naming the field."""
+    words = torch.zeros((2, 8), dtype=torch.int64)
+    noise_std = torch.tensor([1.0, bad], dtype=torch.float64)
+    with pytest.raises(ValueError, match="noise_std"):
+        rounded_gaussian(torch.ones(2, 8), words, noise_std, [None, None])
+    with pytest.raises(ValueError, match="noise_std"):
+        noise_ahead(words, noise_std)
+
+
+def test_a_non_finite_sum_stays_so_without_a_warning():
+    """An infinite or NaN clipped sum is released as it is (the update is dropped downstream), on
+    both paths and without NumPy's invalid-value warnings."""
+    sums = torch.tensor([[math.inf, -math.inf, math.nan, 1.0]])
+    words = torch.from_numpy(np.random.default_rng(5).integers(-(2**63), 2**63, (1, 4), dtype=np.int64))
+    noise_std = torch.tensor([2.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ahead in (None, noise_ahead(words, noise_std)):
+            released = rounded_gaussian(sums, words, noise_std, [None], ahead)
+            assert torch.equal(released[0, :2], sums[0, :2]) and bool(torch.isnan(released[0, 2]))
+            assert bool(torch.isfinite(released[0, 3]))
 
 
 def test_the_release_is_the_same_bits_on_every_device(compute_device):

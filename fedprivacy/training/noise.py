@@ -20,9 +20,9 @@ relative error (4× the 4 ulp, 2⁻⁵⁰, that glibc, SLEEF and CUDA document a
    cells with 2⁻²⁰ ≤ U ≤ 1 − 2⁻²⁰ (`CELL_BOUND`); a row whose every coordinate lies further than
    that bound from a half-integer is rounded (a coordinate is closer with probability below
    3·10⁻⁷; one reduction per row).
-2. The coordinates of the rows left, and every pair whose U may lie outside that range (about
-   2·10⁻⁶ of pairs), again in float64 with a bound for their own cell (`box_muller_bounds`): all
-   but about 4·10⁻¹¹ of coordinates are decided.
+2. In the rows left, the coordinates tier 1 could not decide, and every pair whose U may lie
+   outside that range (about 2·10⁻⁶ of pairs), again in float64 with a bound for their own cell
+   (`box_muller_bounds`): all but about 4·10⁻¹¹ of coordinates are decided.
 3. Elsewhere the pair's expansions are extended and evaluated in interval arithmetic (mpmath.iv)
    until the rounding is decided. An expansion stops after `RADIUS_WORDS` words: outcomes of
    probability below 2⁻¹⁰²⁴ are cut.
@@ -60,6 +60,7 @@ HIGH_RADIUS_WORD = (1 << 63) - (1 << 44)  # U's first word 2⁶⁴ − 2⁴⁴: 
 # outside [OUTSIDE_BELOW, OUTSIDE_ABOVE] (27.73 and 1.9·10⁻⁶ at the ends): a block whose −2 ln u
 # all lie within needs no look at its words
 OUTSIDE_BELOW, OUTSIDE_ABOVE = 2.0**-18, 27.0
+SMALLEST_NOISE_STD = 2.0**-60  # σC is 0 (no noise) or at least this: γ ≥ 2⁻⁶⁹, s/γ finite in float64
 BLOCK_PAIRS = {"cpu": 1 << 16}  # pairs per block of the tier-1 pass: its temporaries stay in cache
 DEVICE_BLOCK_PAIRS = 1 << 22  # elsewhere: few blocks (each block's check waits for the device)
 
@@ -96,8 +97,8 @@ def box_muller(radius_words: Tensor, angle_words: Tensor, scale: Tensor | float 
     For radius words in [`LOW_RADIUS_WORD`, `HIGH_RADIUS_WORD`), |Z − ẑ| ≤ `CELL_BOUND` for every
     real (U, V) the words leave open: `box_muller_bounds`' bound, b = 2(1 + 4ε)(s/√(L + s) +
     1.5ε·r̂) with s = 2⁻⁵¹/(u − 2⁻⁵²) + ε(L + 1), L = −2 ln u, ε = `LIBM_ERROR`, is there at most
-    (i) for ½ ≤ u ≤ 1 − 2⁻²⁰: s < 2.65·2⁻⁴⁸ (L ≤ 1.39) and L ≥ 2⁻¹⁹(1 − 2⁻²⁰), so b ≤ 2(1 +
-    2⁻²⁰)·s/√L < 1.4·10⁻¹¹; (ii) for 2⁻²⁰ ≤ u < ½: s/√L ≤ 2⁻⁵¹/(u√L)·(1 + 2⁻³⁰) + ε(L + 1)/√L,
+    (i) for ½ ≤ u ≤ 1 − 2⁻²⁰: s < 2.65·2⁻⁴⁸ (L ≤ 1.39, r̂ ≤ 1.18) and L ≥ 2⁻¹⁹(1 − 2⁻²⁰), so
+    b ≤ 2(1 + 4ε)(s/√L + 1.8ε) < 1.4·10⁻¹¹; (ii) for 2⁻²⁰ ≤ u < ½: s/√L ≤ 2⁻⁵¹/(u√L)·(1 + 2⁻³⁰) + ε(L + 1)/√L,
     and u√(−2 ln u) increases on (0, ½], so b < 2·2⁻⁵¹/(2⁻²⁰·√(40 ln 2)) + 10⁻¹³ < 1.8·10⁻¹⁰."""
     shape = (*radius_words.shape[:-1], 2 * radius_words.shape[-1])
     out = torch.empty(shape, dtype=torch.float64, device=radius_words.device)
@@ -185,12 +186,22 @@ def noise_ahead(words: Tensor, noise_std: Tensor) -> NoiseAhead:
     host = words.device.type == "cpu"
     xp: ModuleType = np if host else torch
     std = noise_std.numpy() if host else noise_std
-    noisy = std > 0
+    noisy = _noisy(std)
     gamma, scale = _grid_scale(xp.where(noisy, std, 1.0), xp)
     offset = box_muller(radius_words, words[:, pairs : 2 * pairs], torch.from_numpy(scale) if host else scale)
     small = _outside(radius_words.numpy() if host else radius_words).any(1)
     plain = bool(noisy.all()) and not bool(small.any())
     return NoiseAhead(gamma, scale, *_room(gamma, scale), offset.numpy() if host else offset, small, noisy, plain)
+
+
+def _noisy(noise_std: Array) -> Array:
+    """Which rows get noise (σC > 0); σC must be 0 or in [`SMALLEST_NOISE_STD`, ∞): a NaN or
+    negative σC would otherwise mean no noise at all."""
+    if not bool(((noise_std == 0) | ((noise_std >= SMALLEST_NOISE_STD) & (noise_std < math.inf))).all()):
+        raise ValueError(
+            f"noise_std (σ·C) must be 0 or a finite value of at least 2⁻⁶⁰ per row; got {noise_std.tolist()}"
+        )
+    return noise_std > 0
 
 
 def _grid_scale(noise_std: Array, xp: ModuleType = torch) -> tuple[Array, Array]:
@@ -233,7 +244,7 @@ def rounded_gaussian(
     Otherwise Box–Muller is computed here, in blocks whose float64 temporaries stay in
     cache on a CPU."""
     if ahead is None:
-        noisy = noise_std > 0  # a client not taking the step may have σ = 0: no noise
+        noisy = _noisy(noise_std)  # a client not taking the step may have σ = 0: no noise
         gamma, scale = _grid_scale(torch.where(noisy, noise_std, 1.0))
         released, candidates = _tier_one_blocks(sums, words, gamma, scale, noisy)
     else:
@@ -358,7 +369,8 @@ def _tier_one_ahead(sums: Tensor, words: Tensor, ahead: NoiseAhead) -> tuple[Ten
     if isinstance(ahead.offset, np.ndarray):
         plain = sums.numpy()
         out = np.empty(plain.shape, plain.dtype)
-        distance, threshold = _round_block(plain, *parts, out)
+        with np.errstate(invalid="ignore", over="ignore"):  # a non-finite sum or ẑ: NaN, never decided
+            distance, threshold = _round_block(plain, *parts, out)
         released = torch.from_numpy(out)
     else:
         released = torch.empty_like(sums)
