@@ -23,7 +23,7 @@ import pytest
 from scipy import stats
 
 from fedprivacy import cli
-from fedprivacy.reports.statistics import binomial_se, paired_difference, t_interval
+from fedprivacy.reports.statistics import binomial_se, holm_adjusted, paired_difference, t_interval
 from fedprivacy.reports.sweep_report import write_report
 from fedprivacy.sweepfiles import RESULT_COLUMNS
 
@@ -376,3 +376,177 @@ def test_no_two_baselines_look_alike():
     assert own == [("C0", "--"), ("C1", "--")]
     shared = [_baseline_style(["epochs"], [k], ["rule"], colours, i) for i, k in enumerate((1, 2, 4))]
     assert len(set(shared)) == 3 and {colour for colour, _ in shared} == {"black"}
+
+
+# ---------------- p-values, Holm's correction and what a tuned sweep's pairs compare ----------------
+
+
+def test_a_paired_p_value_is_scipys_one_sample_t_test_on_the_per_seed_differences(hand_sweep):
+    """Every pair of the hand sweep against ttest_1samp on its differences; the edge cases by hand."""
+    pairs = pd.read_csv(hand_sweep / "report" / "paired_differences.csv")
+    assert len(pairs) == 4 and "p_holm" not in pairs and "tuned_a" not in pairs
+    for row in pairs.itertuples():
+        if row.differs_in == "rule":
+            a, b = FINALS[("calibrated", row.epsilon)], FINALS[("proactive", row.epsilon)]
+        else:
+            a, b = FINALS[(row.rule, 1.0)], FINALS[(row.rule, 4.0)]
+        expected = stats.ttest_1samp(np.subtract(b, a), 0.0).pvalue
+        assert row.p_value == pytest.approx(expected, rel=1e-9)
+    one = paired_difference({0: 0.5, 1: 0.4}, {1: 0.9})
+    assert one is not None and one.p_value is None  # one shared seed: no test
+    same = paired_difference({0: 0.5, 1: 0.25}, {0: 0.75, 1: 0.5})  # +0.25 exactly on both seeds: sd 0
+    assert same is not None and same.interval.sd == 0 and same.p_value == 0.0
+    none = paired_difference({0: 0.5, 1: 0.25}, {0: 0.5, 1: 0.25})
+    assert none is not None and none.p_value == 1.0
+
+
+def test_holm_adjusts_a_family_as_the_closed_form_gives():
+    """Sorted 0.005, 0.01, 0.03, 0.04 (m = 4) times 4, 3, 2, 1: 0.02, 0.03, 0.06, 0.04; running max
+    0.02, 0.03, 0.06, 0.06. A None stays out of the family (m stays 4) and comes back None."""
+    adjusted = holm_adjusted([0.01, 0.04, None, 0.03, 0.005])
+    assert adjusted[2] is None
+    assert [adjusted[i] for i in (0, 1, 3, 4)] == pytest.approx([0.03, 0.06, 0.06, 0.02], abs=1e-15)
+    assert holm_adjusted([0.5, 0.6]) == [1.0, 1.0]  # 2 · 0.5 capped at 1, and no lower after it
+    assert holm_adjusted([]) == [] and holm_adjusted([None]) == [None]
+
+
+# rule at ε = 1 is higher by +0.03, +0.05, +0.01, +0.04 (p 0.032: resolved alone, not among 2 tests);
+# ε = 4 against ε = 1 for calibrated by +0.05, −0.03, +0.02, −0.01 (p 0.70); proactive at ε = 4 ran seed 0 only.
+CALIBRATED = [0.60, 0.55, 0.65, 0.58]
+RULE_GAIN = [0.03, 0.05, 0.01, 0.04]
+EPSILON_GAIN = [0.05, -0.03, 0.02, -0.01]
+
+
+def _holm_accuracy(p: dict) -> float:
+    seed = p["seed"]
+    return CALIBRATED[seed] + RULE_GAIN[seed] * (p["rule"] == "proactive") + EPSILON_GAIN[seed] * (p["epsilon"] == 4)
+
+
+def test_report_holm_adds_adjusted_p_values_over_every_pair_with_one(tmp_path, capsys, monkeypatch):
+    folder = write_sweep(
+        tmp_path / "sweep",
+        {"rule": ["calibrated", "proactive"], "epsilon": [1.0, 4.0], "seed": [0, 1, 2, 3]},
+        _holm_accuracy,
+        failed=lambda p: p["rule"] == "proactive" and p["epsilon"] == 4.0 and p["seed"] > 0,
+    )
+    for args, out in (([], "plain"), (["--holm"], "holm")):
+        monkeypatch.setattr(sys, "argv", ["fedprivacy", "report", str(folder), "--out", str(tmp_path / out), *args])
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+        assert exit_info.value.code == 0, capsys.readouterr().err
+    plain = pd.read_csv(tmp_path / "plain" / "paired_differences.csv")
+    assert "p_holm" not in plain and "verdict_holm" not in plain
+    assert "p_holm" not in (tmp_path / "plain" / "report.md").read_text()
+    pairs = pd.read_csv(tmp_path / "holm" / "paired_differences.csv").set_index(["differs_in", "rule", "epsilon"])
+    p_rule = stats.ttest_1samp(np.array(RULE_GAIN), 0.0).pvalue
+    p_epsilon = stats.ttest_1samp(np.array(EPSILON_GAIN), 0.0).pvalue
+    assert p_rule < 0.05 < 2 * p_rule < p_epsilon  # so Holm takes back the rule's verdict
+    rule = pairs.loc[("rule", np.nan, 1.0)]
+    epsilon = pairs.loc[("epsilon", "calibrated", np.nan)]
+    assert rule.p_holm == pytest.approx(2 * p_rule, rel=1e-9)  # the smaller of m = 2: 2 · p
+    assert epsilon.p_holm == pytest.approx(max(2 * p_rule, p_epsilon), rel=1e-9)
+    assert (rule.verdict, rule.verdict_holm) == ("b higher", "not resolved")
+    assert epsilon.verdict_holm == "not resolved"
+    single = [pairs.loc[("rule", np.nan, 4.0)], pairs.loc[("epsilon", "proactive", np.nan)]]
+    assert all(row.shared_seeds == 1 and pd.isna(row.p_value) for row in single)
+    assert all(pd.isna(row.p_holm) and pd.isna(row.verdict_holm) for row in single)  # outside the family
+    markdown = (tmp_path / "holm" / "report.md").read_text()
+    assert "Holm 1979" in markdown and "(2 in all: every axis" in markdown
+    shown = markdown_table(markdown, "### rule: b − a")
+    assert list(shown.columns[-3:]) == ["p_value", "p_holm", "verdict_holm"]
+    assert shown["verdict_holm"].tolist() == ["not resolved", "—"] and shown.loc[1, "p_holm"] == "—"
+    assert float(shown.loc[0, "p_holm"]) == pytest.approx(2 * p_rule, abs=5e-5)
+
+
+TUNED = {  # each arm's choice: the rule's pair at ε = 1 chose different values, at ε = 4 the same
+    ("calibrated", 1.0): {"learning-rate": 0.3, "epochs": 4},
+    ("proactive", 1.0): {"learning-rate": 1.0, "epochs": 4},
+    ("calibrated", 4.0): {"learning-rate": 1.0, "epochs": 8},
+    ("proactive", 4.0): {"learning-rate": 1.0, "epochs": 8},
+}
+
+
+def _tune(folder: Path, seeds: list[int]) -> None:
+    """Make write_sweep's folder a tuned sweep's: sweep.json's tune, each arm's choice.json listing its
+    cells (as sims.sweep.tuning writes it), and sweep.csv's tuned.<key> columns."""
+    spec = json.loads((folder / "sweep.json").read_text())
+    spec["tune"] = {
+        "space": {"learning-rate": [0.3, 1.0], "epochs": [4, 8]},
+        "seeds": [1000],
+        "select": "final",
+        "trials": 0,
+        "split_seed": 0,
+        "baseline_learning_rate": [],
+    }
+    (folder / "sweep.json").write_text(json.dumps(spec))
+    cells = pd.read_csv(folder / "sweep.csv")
+    for (rule, epsilon), values in TUNED.items():
+        arm = f"rule={rule}_epsilon={epsilon}"
+        chosen = {"name": "_".join(f"{k}={v}" for k, v in values.items()), "values": values, "score": 0.5}
+        choice = {
+            "arm": arm,
+            "params": {"rule": rule, "epsilon": epsilon},
+            "cells": [f"{arm}_seed={seed}" for seed in seeds],
+            "rule": "the mean over tune seeds of the final validation accuracy",
+            "candidates": [{**chosen, "scores": {"1000": 0.5}, "errors": {}}],
+            "chosen": chosen,
+        }
+        (folder / "tuning" / arm).mkdir(parents=True)
+        (folder / "tuning" / arm / "choice.json").write_text(json.dumps(choice))
+        mine = (cells["rule"] == rule) & (cells["epsilon"] == epsilon)
+        for key, value in values.items():
+            cells.loc[mine, f"tuned.{key}"] = value
+    cells.to_csv(folder / "sweep.csv", index=False)
+
+
+def test_a_tuned_sweeps_pairs_show_each_sides_tuned_values_and_what_they_compare(tmp_path):
+    """The same folder reported before and after it becomes a tuned sweep's: untuned, the pairs have
+    no tuned columns (and report.md says nothing of them); tuned, both sides' values and the label."""
+    seeds = [0, 1, 2, 3]
+    folder = write_sweep(
+        tmp_path / "sweep",
+        {"rule": ["calibrated", "proactive"], "epsilon": [1.0, 4.0], "seed": seeds},
+        lambda p: FINALS[(p["rule"], p["epsilon"])][p["seed"]],
+    )
+    write_report(folder, tmp_path / "untuned")
+    untuned = pd.read_csv(tmp_path / "untuned" / "paired_differences.csv")
+    assert list(untuned.columns) == [
+        "differs_in",
+        "rule",
+        "epsilon",
+        "a",
+        "b",
+        "neighbours",
+        "shared_seeds",
+        "difference_mean",
+        "ci95_low",
+        "ci95_high",
+        "verdict",
+        "p_value",
+    ]
+    text = (tmp_path / "untuned" / "report.md").read_text()
+    assert "tuned_a" not in text and "own tuned optimum" not in text
+    _tune(folder, seeds)
+    write_report(folder)
+    pairs = pd.read_csv(folder / "report" / "paired_differences.csv")
+    assert list(pairs.columns[:8]) == ["differs_in", "rule", "epsilon", "a", "b", "tuned_a", "tuned_b", "compared"]
+    rule = pairs[pairs["differs_in"] == "rule"].set_index("epsilon")
+    assert rule.loc[1.0, ["tuned_a", "tuned_b", "compared"]].tolist() == [
+        "learning-rate=0.3, epochs=4",
+        "learning-rate=1, epochs=4",
+        "each arm at its own tuned optimum",
+    ]
+    assert rule.loc[4.0, ["tuned_a", "tuned_b", "compared"]].tolist() == [
+        "learning-rate=1, epochs=8",
+        "learning-rate=1, epochs=8",
+        "tuned values equal",
+    ]
+    epsilon = pairs[pairs["differs_in"] == "epsilon"].set_index("rule")
+    assert set(epsilon["compared"]) == {"each arm at its own tuned optimum"}  # both chose 8 epochs at ε = 4
+    assert epsilon.loc["calibrated", "tuned_b"] == "learning-rate=1, epochs=8"
+    markdown = (folder / "report" / "report.md").read_text()
+    assert "`each arm at its own tuned optimum`: they differ" in markdown
+    shown = markdown_table(markdown, "### rule: b − a")
+    assert list(shown.columns[:6]) == ["epsilon", "a", "b", "tuned_a", "tuned_b", "compared"]
+    assert shown["compared"].tolist() == ["each arm at its own tuned optimum", "tuned values equal"]
+    assert shown["tuned_a"].tolist() == ["learning-rate=0.3, epochs=4", "learning-rate=1, epochs=8"]

@@ -237,9 +237,15 @@ def report(
     out: Path | None = typer.Option(
         None, "--out", help="folder for the figures and report.md (default: SWEEP_DIR/report)"
     ),
+    holm: bool = typer.Option(
+        False,
+        "--holm",
+        help="also adjust the paired differences' p-values by Holm's step-down (Holm 1979) over every pair "
+        "(p_holm, verdict_holm)",
+    ),
 ) -> None:
     """Figures (PNG and SVG) and report.md from a sweep's sweep.csv and cell folders."""
     from fedprivacy.reports.sweep_report import write_report
 
-    written = guarded(lambda: write_report(sweep_dir, out))
+    written = guarded(lambda: write_report(sweep_dir, out, holm=holm))
     Console().print(f"{len(written)} files, report: {written[-1]}")

@@ -7,6 +7,10 @@ taken seed by seed remove that shared part, so a paired interval can resolve a d
 overlapping per-setting intervals cannot. The binomial standard error sqrt(p(1 − p)/m) is the spread
 a single run's accuracy p has from its m test rows alone: differences well inside it are differences
 the test set cannot tell apart, however many rounds or clients the run had.
+
+A report that reads a verdict off every pair makes many tests at once; `holm_adjusted` adjusts their
+p-values by Holm's step-down (Holm 1979), which keeps the chance of any false verdict among them
+at most the level, whatever the dependence between the tests.
 """
 
 from __future__ import annotations
@@ -62,6 +66,19 @@ class PairedDifference:
         """The interval excludes 0: with fewer than 2 shared seeds there is none, so never resolved."""
         return self.interval.excludes_zero
 
+    @property
+    def p_value(self) -> float | None:
+        """The two-sided paired t-test's p-value of a mean difference of 0 (n − 1 degrees of freedom,
+        the interval's own t): None with fewer than 2 shared seeds; a zero sd gives 0 for a non-zero
+        mean and 1 for a zero one."""
+        interval = self.interval
+        if interval.sd is None:
+            return None
+        if interval.sd == 0:
+            return 0.0 if interval.mean != 0 else 1.0
+        t = interval.mean / (interval.sd / math.sqrt(interval.n))
+        return float(2 * stats.t.sf(abs(t), interval.n - 1))
+
 
 def paired_difference(a: Mapping[Hashable, float], b: Mapping[Hashable, float]) -> PairedDifference | None:
     """The per-seed differences b[s] − a[s] over the seeds in both (in a's order); None when none is shared."""
@@ -69,6 +86,18 @@ def paired_difference(a: Mapping[Hashable, float], b: Mapping[Hashable, float]) 
     if not seeds:
         return None
     return PairedDifference(seeds, t_interval([b[seed] - a[seed] for seed in seeds]))
+
+
+def holm_adjusted(p_values: Sequence[float | None]) -> list[float | None]:
+    """Holm's (1979) step-down adjustment over the p-values given (None: out of the family, and None
+    back): with the m of them sorted ascending, the i-th becomes max over j ≤ i of min(1, (m − j + 1)·p_j)."""
+    family = sorted((p, index) for index, p in enumerate(p_values) if p is not None)
+    adjusted: list[float | None] = [None] * len(p_values)
+    running = 0.0
+    for rank, (p, index) in enumerate(family):
+        running = max(running, min(1.0, (len(family) - rank) * p))
+        adjusted[index] = running
+    return adjusted
 
 
 def binomial_se(accuracy: float, evaluation_rows: float | None) -> float | None:

@@ -5,6 +5,11 @@ arm gets its mean final accuracy with a 95% t-interval over seeds and the binomi
 of one run's accuracy on its evaluation rows. Two arms that differ in exactly one grid key and ran
 the same seeds are compared seed by seed (`statistics.paired_difference`): rule against rule or ε
 against ε with everything else, the seed's data and sampling included, held fixed.
+
+In a sweep with [tune] each arm runs at the values its own tuning chose, so two arms of a pair may
+also differ in those: the pair names both sides' tuned values and says which comparison it is.
+Every pair has its paired t-test's p-value; on request (`holm`) the pairs' p-values are adjusted
+as one family by Holm's step-down (Holm 1979), and a verdict read off the adjusted ones.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from collections.abc import Hashable
 
 import pandas as pd
 
-from fedprivacy.reports.statistics import binomial_se, paired_difference, t_interval
+from fedprivacy.reports.statistics import binomial_se, holm_adjusted, paired_difference, t_interval
 from fedprivacy.reports.sweep_data import SEED, SweepData
+from fedprivacy.reports.sweep_tuning import value_text
 
 NOT_RESOLVED = "not resolved"
 # A key with more values than this shows only neighbouring values' pairs in report.md (all of them
@@ -22,6 +28,11 @@ NOT_RESOLVED = "not resolved"
 ALL_PAIRS_UP_TO = 3
 MAX_SHOWN = 30
 PAIR_COLUMNS = ("a", "b", "shared_seeds", "difference_mean", "ci95_low", "ci95_high", "verdict")
+TUNED_COLUMNS = ("tuned_a", "tuned_b", "compared")  # a tuned sweep's pairs only, after b
+HOLM_COLUMNS = ("p_holm", "verdict_holm")  # with holm only, after p_value
+HOLM_LEVEL = 0.05  # verdict_holm resolves a pair whose adjusted p-value is below this (the intervals' 95%)
+OWN_OPTIMUM = "each arm at its own tuned optimum"
+SAME_TUNED = "tuned values equal"
 
 
 def arm_keys(data: SweepData) -> list[str]:
@@ -91,17 +102,49 @@ def _along(data: SweepData, arms: list[tuple], keys: list[str], axis: list[str])
     return fixed
 
 
-def paired_table(data: SweepData) -> pd.DataFrame:
+def _verdict(mean: float, resolved: bool) -> str:
+    return NOT_RESOLVED if not resolved else "b higher" if mean > 0 else "b lower"
+
+
+def _tuned_text(values: dict | None) -> str | None:
+    return None if values is None else ", ".join(f"{key}={value_text(value)}" for key, value in values.items())
+
+
+def _tuned_columns(tuned: dict[tuple, dict | None], a: tuple, b: tuple) -> dict[str, str | None]:
+    """Both sides' tuned values and what the pair compares: `compared` blank when a side has no choice."""
+    found = (tuned.get(a), tuned.get(b))
+    compared = None if None in found else SAME_TUNED if found[0] == found[1] else OWN_OPTIMUM
+    return {"tuned_a": _tuned_text(found[0]), "tuned_b": _tuned_text(found[1]), "compared": compared}
+
+
+def _with_holm(table: pd.DataFrame) -> pd.DataFrame:
+    """`p_holm` over every pair with a p-value (the others blank) and the verdict it gives at 5%."""
+    adjusted = holm_adjusted([None if pd.isna(p) else p for p in table["p_value"]])
+    verdicts = [
+        None if p is None else _verdict(mean, p < HOLM_LEVEL) for p, mean in zip(adjusted, table["difference_mean"])
+    ]
+    return table.assign(
+        p_holm=pd.Series([float("nan") if p is None else p for p in adjusted], index=table.index, dtype=float),
+        verdict_holm=pd.Series(verdicts, index=table.index, dtype=object),
+    )
+
+
+def paired_table(data: SweepData, holm: bool = False) -> pd.DataFrame:
     """Every pair of arms that differ along one axis (a key, or a linked group's keys together) and
     share a seed: the mean of b − a over the shared seeds (b after a in grid order) and its 95%
     interval. `neighbours`: no arm lies between a and b along the axis; `verdict`: `b higher`,
-    `b lower`, or `not resolved` (the interval holds 0, or fewer than 2 shared seeds give none)."""
+    `b lower`, or `not resolved` (the interval holds 0, or fewer than 2 shared seeds give none);
+    `p_value`: the paired t-test's (blank with fewer than 2 shared seeds).
+
+    A tuned sweep's pairs add `tuned_a`, `tuned_b` (`key=value, …`: the values each arm's tuning
+    chose) and `compared`: OWN_OPTIMUM where they differ, SAME_TUNED where they are equal. `holm`
+    adds HOLM_COLUMNS: the p-values adjusted over every pair that has one, and the verdict at 5%."""
     keys = arm_keys(data)
     measured = data.measured
     seeds = measured[SEED] if SEED in measured else pd.Series(0, index=measured.index)
-    accuracy = {
-        values: dict(zip(seeds.loc[cells.index], cells["final_accuracy"])) for values, cells in _arms(measured, keys)
-    }
+    arms = _arms(measured, keys)
+    accuracy = {values: dict(zip(seeds.loc[cells.index], cells["final_accuracy"])) for values, cells in arms}
+    tuned = {values: data.tuned.get(cells["cell"].iloc[0]) for values, cells in arms} if data.tuned else {}
     rows = []
     for name, axis in data.axes.items():
         inside = [keys.index(k) for k in axis]
@@ -112,35 +155,41 @@ def paired_table(data: SweepData) -> pd.DataFrame:
                     if pair is None:
                         continue
                     interval = pair.interval
-                    verdict = NOT_RESOLVED if not pair.resolved else "b higher" if interval.mean > 0 else "b lower"
                     rows.append(
                         {
                             "differs_in": name,
                             **{k: (None if k in axis else v) for k, v in zip(keys, a)},
                             "a": _step(axis, tuple(a[p] for p in inside)),
                             "b": _step(axis, tuple(b[p] for p in inside)),
+                            **(_tuned_columns(tuned, a, b) if tuned else {}),
                             "neighbours": j == i + 1,
                             "shared_seeds": interval.n,
                             "difference_mean": interval.mean,
                             "ci95_low": interval.low,
                             "ci95_high": interval.high,
-                            "verdict": verdict,
+                            "verdict": _verdict(interval.mean, pair.resolved),
+                            "p_value": pair.p_value,
                         }
                     )
-    columns = ["differs_in", *keys, "a", "b", "neighbours", *PAIR_COLUMNS[2:]]
+    tuned_columns = list(TUNED_COLUMNS) if tuned else []
+    columns = ["differs_in", *keys, "a", "b", *tuned_columns, "neighbours", *PAIR_COLUMNS[2:], "p_value"]
     # object columns first, so a key's blank (its own axis) keeps the others' integers integers
     table = pd.DataFrame(rows, columns=columns, dtype=object)
-    numbers = {"difference_mean": float, "ci95_low": float, "ci95_high": float}
-    return table.astype({"neighbours": bool, "shared_seeds": int, **numbers})
+    numbers = {"difference_mean": float, "ci95_low": float, "ci95_high": float, "p_value": float}
+    table = table.astype({"neighbours": bool, "shared_seeds": int, **numbers})
+    return _with_holm(table) if holm else table
 
 
 def pairs_shown(pairs: pd.DataFrame, name: str, axis: list[str]) -> tuple[pd.DataFrame, int]:
     """The pairs along axis `name` (its keys `axis`) that report.md shows: the other keys as columns,
-    then PAIR_COLUMNS; and how many it leaves to paired_differences.csv. All pairs when the axis
+    then PAIR_COLUMNS (a tuned sweep's TUNED_COLUMNS after b; with Holm's columns, `p_value` and
+    HOLM_COLUMNS last); and how many it leaves to paired_differences.csv. All pairs when the axis
     has few values, else those of neighbouring values; at most MAX_SHOWN."""
     along = pairs[pairs["differs_in"] == name]
     values = set(along["a"]) | set(along["b"])
     chosen = along if len(values) <= ALL_PAIRS_UP_TO else along[along["neighbours"]]
     others = [c for c in pairs.columns[1 : list(pairs.columns).index("a")] if c not in axis]
-    shown = chosen.head(MAX_SHOWN)[[*others, *PAIR_COLUMNS]]
+    tuned = [c for c in TUNED_COLUMNS if c in pairs]
+    tests = ["p_value", *HOLM_COLUMNS] if HOLM_COLUMNS[0] in pairs else []
+    shown = chosen.head(MAX_SHOWN)[[*others, "a", "b", *tuned, *PAIR_COLUMNS[2:], *tests]]
     return shown, len(along) - len(shown)

@@ -13,17 +13,32 @@ keys but the seed and those linked with the x key, over which the report takes m
 error, and `largest_class_share`, what always predicting their largest class scores (sweep.csv's
 `beats_largest_class` compares, `fedprivacy.results`); NaN for a results folder written before
 summary.json recorded them, or for a run that evaluated through its clients.
+
+With [tune] (sweep.json's `tune`), `tuned` maps each cell (sweep.csv's `cell`) to the values its
+arm's tuning chose: `<sweep>/tuning/<arm>/choice.json` lists the arm's cells under `cells` and
+the choice under `chosen`. An arm without a choice (every candidate failed) has no entry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from fedprivacy.errors import InputError
-from fedprivacy.sweepfiles import BASELINE, BASELINE_JSON, CELL_JSON, SWEEP_CSV, SWEEP_JSON, read_json
+from fedprivacy.sweepfiles import (
+    BASELINE,
+    BASELINE_JSON,
+    CELL_JSON,
+    CELLS,
+    CHOICE_JSON,
+    SWEEP_CSV,
+    SWEEP_JSON,
+    TUNING,
+    read_json,
+)
 
 SEED = "seed"
 SUMMARY_JSON = "summary.json"
@@ -39,6 +54,7 @@ class SweepData:
     baselines: pd.DataFrame  # one row per completed baseline: its grid values, final and best accuracy
     baseline_rounds: pd.DataFrame  # the baselines' rounds.csv, with their grid values
     linked: dict[str, list[str]] = field(default_factory=dict)  # a linked group's name -> its keys
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)  # [tune]: a cell -> its arm's chosen values
 
     @property
     def completed(self) -> pd.DataFrame:
@@ -89,6 +105,16 @@ def _summary_fields(run: Path) -> list[float]:
     return [float("nan") if summary.get(key) is None else float(summary[key]) for key in SUMMARY_FIELDS]
 
 
+def _tuned(folder: Path) -> dict[str, dict[str, Any]]:
+    """sweep.csv's `cell` -> the values its arm's choice.json chose (the arms with a choice)."""
+    found = {}
+    for path in sorted((folder / TUNING).glob(f"*/{CHOICE_JSON}")):
+        choice = read_json(path)
+        if choice.get("chosen"):
+            found.update({f"{CELLS}/{name}": choice["chosen"]["values"] for name in choice.get("cells", [])})
+    return found
+
+
 def load_sweep(folder: Path) -> SweepData:
     """Read `folder` (a sweep's --out); a folder without sweep.csv or sweep.json is refused in one line."""
     for needed in (SWEEP_CSV, SWEEP_JSON):
@@ -133,4 +159,5 @@ def load_sweep(folder: Path) -> SweepData:
         baselines=pd.DataFrame(baselines),
         baseline_rounds=pd.concat(baseline_rounds, ignore_index=True) if baseline_rounds else pd.DataFrame(),
         linked={name: list(group) for name, group in linked.items()},
+        tuned=_tuned(folder) if spec.get("tune") else {},
     )

@@ -4,8 +4,9 @@ report.md holds the tables behind the figures: accuracy per setting (mean, stand
 95% t-interval and count over seeds, the binomial standard error of one run's accuracy on its
 evaluation rows, mean best-round accuracy, the largest ε any client spent, whether every cell kept every
 client within budget), the non-private baselines, the paired differences between settings that
-share seeds (fedprivacy.reports.sweep_arms), budget use per setting (the spread of ε spent / ε
-budget over clients, clients that ran out of budget) and the cells that failed.
+share seeds (fedprivacy.reports.sweep_arms; with `holm`, their p-values adjusted by Holm 1979 over
+every pair), budget use per setting (the spread of ε spent / ε budget over clients, clients that
+ran out of budget) and the cells that failed.
 A sweep none of whose cells completed still gets report.md, with why each cell failed.
 """
 
@@ -17,7 +18,16 @@ import pandas as pd
 
 from fedprivacy.errors import InputError
 from fedprivacy.reports.statistics import binomial_se
-from fedprivacy.reports.sweep_arms import NOT_RESOLVED, arm_table, paired_table, pairs_shown
+from fedprivacy.reports.sweep_arms import (
+    HOLM_COLUMNS,
+    NOT_RESOLVED,
+    OWN_OPTIMUM,
+    SAME_TUNED,
+    TUNED_COLUMNS,
+    arm_table,
+    paired_table,
+    pairs_shown,
+)
 from fedprivacy.reports.sweep_data import SEED, SweepData, load_sweep
 from fedprivacy.reports.sweep_figures import write_figures
 from fedprivacy.reports.sweep_tuning import tuning_markdown
@@ -136,8 +146,11 @@ def _paired_differences(data: SweepData, pairs: pd.DataFrame) -> list[str]:
         "`difference_mean` is the mean over the shared seeds of b's final accuracy minus a's (b after a in "
         "the grid's order), `ci95_low`–`ci95_high` its 95% t-interval over those seeds. "
         f"`{NOT_RESOLVED}`: the interval holds 0, or fewer than 2 shared seeds give none; else `b higher` "
-        "or `b lower`. Every pair is in [paired_differences.csv](paired_differences.csv).",
+        "or `b lower`. Every pair is in [paired_differences.csv](paired_differences.csv), with its paired "
+        "t-test's `p_value`.",
         "",
+        *_tuned_paragraph(pairs),
+        *_holm_paragraph(pairs),
     ]
     if pairs.empty:
         return [*lines, "(none: no two settings that differ along one axis share a seed)", ""]
@@ -148,6 +161,36 @@ def _paired_differences(data: SweepData, pairs: pd.DataFrame) -> list[str]:
         more = f" ({left_out} more, of values further apart, in paired_differences.csv)" if left_out else ""
         lines += [f"### {name}: b − a{more}", "", _markdown(shown), ""]
     return lines
+
+
+def _tuned_paragraph(pairs: pd.DataFrame) -> list[str]:
+    """What a tuned sweep's pair compares: each arm ran at the values its own tuning chose."""
+    if TUNED_COLUMNS[0] not in pairs:
+        return []
+    return [
+        "Each arm ran at the values its own tuning chose ([tune], see Tuning): `tuned_a` and `tuned_b` are a's "
+        f"and b's. `{OWN_OPTIMUM}`: they differ, so b − a compares the two settings each at its own tuned "
+        "optimum, not the axis alone at fixed values. "
+        f"`{SAME_TUNED}`: both arms chose the same values, so the pair holds them equal and differs along its "
+        "axis alone.",
+        "",
+    ]
+
+
+def _holm_paragraph(pairs: pd.DataFrame) -> list[str]:
+    """What Holm's correction covers: every pair of paired_differences.csv with a p-value."""
+    if HOLM_COLUMNS[0] not in pairs:
+        return []
+    family = int(pairs["p_value"].notna().sum())
+    return [
+        "`p_holm` is `p_value` adjusted by Holm's step-down (Holm 1979) over the family of every pair in "
+        f"paired_differences.csv that has a p-value ({family} in all: every axis, not only the rows shown here), "
+        "so that, as far as the t-test's assumptions hold, the chance that any pair whose expected difference "
+        "is 0 gets `b higher` or `b lower` in `verdict_holm` (`p_holm` < 0.05) is at most 5%. `verdict` is each "
+        "pair's own test, uncorrected. A pair with fewer than 2 shared seeds has no p-value: it is outside the "
+        "family and its Holm fields are blank (—).",
+        "",
+    ]
 
 
 def _no_better_cells(data: SweepData) -> list[str]:
@@ -190,7 +233,8 @@ def failures_markdown(data: SweepData) -> str:
     )
 
 
-def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | None = None) -> str:
+def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | None = None, holm: bool = False) -> str:
+    """report.md; `pairs` is paired_table's (made here, with Holm's columns when `holm`, if not given)."""
     pngs = [p for p in figures if p.suffix == ".png"]
     arms = accuracy_table(data)
     lines = [
@@ -217,7 +261,7 @@ def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | 
         "",
         _markdown(baseline_table(data)),
         "",
-        *_paired_differences(data, paired_table(data) if pairs is None else pairs),
+        *_paired_differences(data, paired_table(data, holm) if pairs is None else pairs),
         "## Accuracy per round",
         "",
         _figure(pngs[1], "accuracy per round"),
@@ -241,8 +285,9 @@ def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | 
     return "\n".join(lines)
 
 
-def write_report(sweep_dir: Path, out: Path | None = None) -> list[Path]:
-    """Write the figures (PNG and SVG) and report.md into `out` (default `<sweep_dir>/report`)."""
+def write_report(sweep_dir: Path, out: Path | None = None, holm: bool = False) -> list[Path]:
+    """Write the figures (PNG and SVG) and report.md into `out` (default `<sweep_dir>/report`);
+    `holm` adds the paired differences' Holm-adjusted p-values and verdicts."""
     data = load_sweep(sweep_dir)
     if not data.cells["status"].isin(["completed", "failed"]).any():
         raise InputError("sweep_dir", str(sweep_dir), "has no finished cell yet: nothing to report")
@@ -252,7 +297,7 @@ def write_report(sweep_dir: Path, out: Path | None = None) -> list[Path]:
         figures = write_figures(data, out) if not data.completed.empty else []
         tables, markdown = [], out / "report.md"
         if figures:
-            pairs = paired_table(data)
+            pairs = paired_table(data, holm)
             tables.append(out / "paired_differences.csv")
             pairs.to_csv(tables[0], index=False)
             text = report_markdown(data, figures, pairs)

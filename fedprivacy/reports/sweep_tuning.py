@@ -29,7 +29,7 @@ def _score(candidate: dict[str, Any], chosen: dict[str, Any] | None) -> str:
     return f"**{text}**" if chosen is not None and candidate["name"] == chosen["name"] else text
 
 
-def _text(value: Any) -> str:
+def value_text(value: Any) -> str:
     """A tuned value as the scenario would write it (1e-06, 0.3, 8, "inverse_sqrt")."""
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -51,7 +51,7 @@ def chosen_table(choices: list[dict[str, Any]]) -> pd.DataFrame:
             {
                 "arm": choice["arm"],
                 **(
-                    {"tuned." + key: _text(value) for key, value in chosen["values"].items()}
+                    {"tuned." + key: value_text(value) for key, value in chosen["values"].items()}
                     if chosen
                     else {"chosen": "none"}
                 ),
@@ -84,12 +84,12 @@ def edge_notes(choices: list[dict[str, Any]], space: dict[str, list[Any]]) -> li
             numeric = len(values) >= 2 and all(isinstance(v, int | float) for v in values)
             if numeric and value in (min(values), max(values)):
                 end = "smallest" if value == min(values) else "largest"
-                notes.append(f"- {choice['arm']}: {key} = {_text(value)}, the {end} candidate")
+                notes.append(f"- {choice['arm']}: {key} = {value_text(value)}, the {end} candidate")
     return notes
 
 
 def _intro(tune: dict[str, Any], cells: list[dict[str, Any]]) -> str:
-    space = "; ".join(f"{key} ∈ {{{', '.join(map(_text, values))}}}" for key, values in tune["space"].items())
+    space = "; ".join(f"{key} ∈ {{{', '.join(map(value_text, values))}}}" for key, values in tune["space"].items())
     drawn = f"{tune['trials']} combinations drawn at random (random search)" if tune["trials"] else "every combination"
     rule = cells[0]["rule"] if cells else tune["select"]
     return (
@@ -149,7 +149,7 @@ def _baseline_lines(baselines: list[dict[str, Any]], tune: dict[str, Any]) -> li
         "### The non-private baseline's learning rate",
         "",
         f"Chosen the same way, on the same validation rows, among {source}: learning-rate ∈ "
-        f"{{{', '.join(map(_text, rates))}}}; each baseline then ran it on the test rows with its own seed.",
+        f"{{{', '.join(map(value_text, rates))}}}; each baseline then ran it on the test rows with its own seed.",
         "",
         _markdown(chosen_table(baselines)),
         "",
