@@ -25,6 +25,7 @@ from scipy import stats
 from fedprivacy import cli
 from fedprivacy.reports.statistics import binomial_se, holm_adjusted, paired_difference, t_interval
 from fedprivacy.reports.sweep_report import write_report
+from fedprivacy.reports.sweep_tuning import tuning_markdown
 from fedprivacy.sweepfiles import RESULT_COLUMNS
 
 T_975_1 = 12.706204736174698  # t_{0.975, 1}, from tables: the hand formula's quantile for two values
@@ -550,3 +551,142 @@ def test_a_tuned_sweeps_pairs_show_each_sides_tuned_values_and_what_they_compare
     assert list(shown.columns[:6]) == ["epsilon", "a", "b", "tuned_a", "tuned_b", "compared"]
     assert shown["compared"].tolist() == ["each arm at its own tuned optimum", "tuned values equal"]
     assert shown["tuned_a"].tolist() == ["learning-rate=0.3, epochs=4", "learning-rate=1, epochs=8"]
+
+
+# ---------------- splits as a replicate level: seeds nested in split-seeds ----------------
+
+
+def test_the_two_stage_interval_is_the_t_interval_over_split_means():
+    """Seeds nested in splits: each split's mean over its seeds, then mean ± t_{0.975, k−1} · s/√k over
+    the k split means; one split (or none given) is the interval over the values themselves."""
+    from fedprivacy.reports.statistics import two_stage_interval
+
+    values = [0.60, 0.64, 0.55, 0.57, 0.70, 0.66, 0.62]
+    splits = [0, 0, 1, 1, 2, 2, 2]  # split 2 ran three seeds: its mean counts once, as the others'
+    means = [0.62, 0.56, np.mean([0.70, 0.66, 0.62])]
+    mean, sd = np.mean(means), np.std(means, ddof=1)
+    half = stats.t.ppf(0.975, 2) * sd / math.sqrt(3)
+    interval = two_stage_interval(values, splits)
+    assert (interval.n, interval.mean, interval.sd) == (3, pytest.approx(mean, abs=1e-15), pytest.approx(sd, abs=1e-15))
+    assert (interval.low, interval.high) == pytest.approx((mean - half, mean + half), abs=1e-12)
+    assert two_stage_interval(values, [4] * len(values)) == t_interval(values) == two_stage_interval(values)
+
+
+# split-seed ∈ {0, 1, 2} × seed ∈ {0, 1}: calibrated's accuracy per (split, seed); proactive adds a gain per
+# (split, seed), so the per-split mean differences are 0.03, 0.01 and 0.05.
+SPLIT_FINALS = {0: [0.60, 0.62], 1: [0.52, 0.58], 2: [0.66, 0.70]}
+SPLIT_GAIN = {0: [0.02, 0.04], 1: [0.00, 0.02], 2: [0.06, 0.04]}
+
+
+def _split_accuracy(p: dict) -> float:
+    split, seed = p["split-seed"], p["seed"]
+    return SPLIT_FINALS[split][seed] + SPLIT_GAIN[split][seed] * (p["rule"] == "proactive")
+
+
+def test_a_sweep_over_split_seeds_pools_splits_and_seeds_nested_in_them(tmp_path):
+    splits, seeds = [0, 1, 2], [0, 1]
+    baselines = [
+        {
+            "name": f"split-seed={split}_seed={seed}",
+            "status": "completed",
+            "params": {"split-seed": split, "seed": seed},
+            "final_accuracy": 0.8 + 0.01 * split + 0.002 * seed,
+            "best_accuracy": 0.85,
+            "schedule_from": f"rule=calibrated_split-seed={split}_seed={seed}",
+        }
+        for split in splits
+        for seed in seeds
+    ]
+    folder = write_sweep(
+        tmp_path,
+        {"rule": ["calibrated", "proactive"], "split-seed": splits, "seed": seeds},
+        _split_accuracy,
+        baselines=baselines,
+    )
+    write_report(folder)
+    markdown = (folder / "report" / "report.md").read_text()
+    arms = markdown_table(markdown, "## Accuracy").set_index("rule")
+    assert list(arms.columns[:3]) == ["splits", "seeds", "final_accuracy_mean"] and len(arms) == 2
+    for rule in ("calibrated", "proactive"):
+        per_split = [
+            np.mean([_split_accuracy({"rule": rule, "split-seed": s, "seed": d}) for d in seeds]) for s in splits
+        ]
+        expected = stats.ttest_1samp(per_split, 0.0).confidence_interval(0.95)  # 2 degrees of freedom
+        row = arms.loc[rule]
+        assert (row["splits"], row["seeds"]) == ("3", "2")
+        assert float(row["final_accuracy_mean"]) == pytest.approx(np.mean(per_split), abs=5e-5)
+        assert float(row["final_accuracy_sd"]) == pytest.approx(np.std(per_split, ddof=1), abs=5e-5)
+        assert (float(row["ci95_low"]), float(row["ci95_high"])) == pytest.approx(
+            (expected.low, expected.high), abs=5e-5
+        )
+    pairs = pd.read_csv(folder / "report" / "paired_differences.csv")
+    assert len(pairs) == 1 and "split-seed" not in pairs and "split-seed" not in arms
+    (pair,) = pairs.itertuples()
+    differences = [np.mean(SPLIT_GAIN[s]) for s in splits]  # 0.03, 0.01, 0.05
+    expected = stats.ttest_1samp(differences, 0.0)
+    assert (pair.shared_seeds, pair.shared_splits) == (6, 3)
+    assert pair.difference_mean == pytest.approx(0.03, abs=1e-12)
+    interval = expected.confidence_interval(0.95)
+    assert (pair.ci95_low, pair.ci95_high) == pytest.approx((interval.low, interval.high), abs=1e-12)
+    assert pair.p_value == pytest.approx(expected.pvalue, rel=1e-9)
+    shown = markdown_table(markdown, "### rule: b − a")
+    assert list(shown.columns[2:5]) == ["shared_seeds", "shared_splits", "difference_mean"]
+    assert "An interval covers the variation between splits" in markdown and "and between seeds" in markdown
+    baseline = markdown_table(markdown, "### Non-private baseline")  # one row for the one setting it reads
+    finals = [np.mean([0.8 + 0.01 * s + 0.002 * d for d in seeds]) for s in splits]
+    assert len(baseline) == 1 and (baseline.loc[0, "splits"], baseline.loc[0, "seeds"]) == ("3", "2")
+    assert float(baseline.loc[0, "final_accuracy"]) == pytest.approx(np.mean(finals), abs=5e-5)
+    assert (folder / "report" / "accuracy_by_setting.png").is_file()  # not against split-seed, a replicate
+
+
+@pytest.mark.parametrize("case", ["one value", "linked"])
+def test_a_split_seed_with_one_value_or_in_a_linked_group_stays_a_settings_key(case, tmp_path):
+    """Its tables are those the same sweep gives with split-seed as any other key: intervals over seeds,
+    no `splits` or `shared_splits`, and report.md says the interval covers seeds within one split."""
+    seeds = [0, 1, 2]
+    grid: dict[str, list] = {"rule": ["calibrated", "proactive"], "seed": seeds}
+    linked = None
+    if case == "one value":
+        grid = {"rule": grid["rule"], "split-seed": [5], "seed": seeds}
+    else:
+        linked = {"data": {"split-seed": [0, 1], "epochs": [2, 4]}}
+    folder = write_sweep(
+        tmp_path,
+        grid,
+        lambda p: 0.5 + 0.05 * (p["rule"] == "proactive") + 0.02 * p["seed"] ** 2 + 0.01 * p.get("epochs", 0),
+        linked=linked,
+    )
+    write_report(folder)
+    markdown = (folder / "report" / "report.md").read_text()
+    arms = markdown_table(markdown, "## Accuracy")
+    assert "splits" not in arms and "split-seed" in arms and set(arms["seeds"]) == {"3"}
+    for row in arms.itertuples():
+        finals = [
+            0.5 + 0.05 * (row.rule == "proactive") + 0.02 * s**2 + (0.01 * int(row.epochs) if linked else 0)
+            for s in seeds
+        ]
+        interval = stats.ttest_1samp(finals, 0.0).confidence_interval(0.95)
+        assert (float(row.ci95_low), float(row.ci95_high)) == pytest.approx((interval.low, interval.high), abs=5e-5)
+    pairs = pd.read_csv(folder / "report" / "paired_differences.csv")
+    assert "shared_splits" not in pairs and set(pairs["shared_seeds"]) == {3}
+    assert len(pairs) == (2 + 2 if linked else 1)  # linked: rule at each step, and the step at each rule
+    assert "An interval covers the variation between seeds within one split" in markdown
+
+
+@pytest.mark.parametrize(
+    ("tables", "says"),
+    [
+        ({"run": {"split-seed": 3}, "grid": {"rule": ["proactive"]}}, "split-seed = 3, the split every cell used"),
+        ({"run": {}, "grid": {"split-seed": [0, 1]}}, "each arm's own split-seed, the split its cells used"),
+        (
+            {"run": {}, "grid": {}, "linked": {"g": {"split-seed": [0, 1], "epochs": [1, 2]}}},
+            "each arm's own split-seed",
+        ),
+    ],
+)
+def test_the_tuning_section_names_the_split_its_runs_validated_on(tmp_path, tables, says):
+    """The tuning runs start from their arm's first cell's config: one split-seed of [run], or each
+    arm's own where [grid] or [linked] varies it (never the [sweep] default the spec keeps then)."""
+    tune = {"space": {"learning-rate": [0.3, 1.0]}, "seeds": [1000], "select": "final", "trials": 0, "split_seed": 0}
+    (tmp_path / "sweep.json").write_text(json.dumps({"name": "s", **tables, "tune": tune, "cells": []}))
+    assert says in tuning_markdown(tmp_path)

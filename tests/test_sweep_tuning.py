@@ -182,6 +182,22 @@ def test_every_cell_and_tuning_run_shares_the_sweeps_split_seed(tmp_path):
     assert plan.runs == 4
 
 
+def test_a_grid_of_split_seeds_tunes_each_split_from_its_own_first_cell(tmp_path):
+    """split-seed in [grid]: each split is an arm of its own, whose tuning runs start from its first
+    cell's run config and so cut their training and validation rows with that split's seed."""
+    raw = with_tables(grid={"epsilon": [1.0], "split-seed": [3, 7], "seed": [0, 1]})
+    spec = spec_of(raw, tmp_path)
+    plan = plan_tuning(spec, cells(spec))
+    assert [arm.name for arm in plan.arms] == ["epsilon=1_split-seed=3", "epsilon=1_split-seed=7"]
+    for arm, split in zip(plan.arms, (3, 7)):
+        assert arm.params["split-seed"] == split and arm.base["split-seed"] == split
+        assert arm.cells == (f"epsilon=1_split-seed={split}_seed=0", f"epsilon=1_split-seed={split}_seed=1")
+        runs = [arm.run(c, s) for c in plan.candidates for s in plan.tune.seeds]
+        assert {run.run_config["split-seed"] for run in runs} == {split}
+        assert {run.run_config["seed"] for run in runs} == set(plan.tune.seeds)  # never a cell's seed
+    assert plan.runs == 2 * 2 * 2
+
+
 def test_random_search_draws_the_same_combinations_for_the_same_scenario(tmp_path):
     space = {"learning-rate": [0.1, 0.3, 1, 3], "clip-norm": [0.1, 1, 10], "lr-schedule": ["constant", "inverse_sqrt"]}
     raw = {**scenario(**{"tune-trials": 5}), "tune": space}

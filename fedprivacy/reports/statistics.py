@@ -11,6 +11,11 @@ the test set cannot tell apart, however many rounds or clients the run had.
 A report that reads a verdict off every pair makes many tests at once; `holm_adjusted` adjusts their
 p-values by Holm's step-down (Holm 1979), which keeps the chance of any false verdict among them
 at most the level, whatever the dependence between the tests.
+
+A sweep whose grid varies `split-seed` has seeds nested in splits: each split cuts other rows into
+the clients' training and test sets. `two_stage_interval` takes each split's mean over its seeds,
+then the t-interval over those split means (splits − 1 degrees of freedom), so the interval covers
+the variation between splits as well as between seeds; with one split it is the interval over seeds.
 """
 
 from __future__ import annotations
@@ -54,12 +59,30 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
     return Interval(int(x.size), mean, sd, mean - half, mean + half)
 
 
+def two_stage_interval(
+    values: Sequence[float], splits: Sequence[Hashable] | None = None, confidence: float = CONFIDENCE
+) -> Interval:
+    """Seeds nested in splits: with 2 or more distinct `splits` (each value's split), the t-interval over
+    the split means (each split's mean over its values, n = splits); else `t_interval(values)`."""
+    x = np.asarray(values, dtype=float)
+    if splits is None or len(set(splits)) < 2:
+        return t_interval(x, confidence)
+    if len(splits) != x.size:
+        raise ValueError("every value needs its split")
+    means: dict[Hashable, list[float]] = {}
+    for split, value in zip(splits, x):
+        means.setdefault(split, []).append(float(value))
+    return t_interval([float(np.mean(found)) for found in means.values()], confidence)
+
+
 @dataclass(frozen=True)
 class PairedDifference:
-    """b − a over the seeds both ran, seed by seed, and the interval of their mean."""
+    """b − a over the units both ran (seeds, or (split, seed) pairs), unit by unit, and the interval
+    of their mean (`two_stage_interval`'s: over split means when 2 or more splits are shared)."""
 
     seeds: tuple[Hashable, ...]
     interval: Interval
+    splits: int | None = None  # the shared splits, when units are (split, seed) pairs
 
     @property
     def resolved(self) -> bool:
@@ -80,12 +103,19 @@ class PairedDifference:
         return float(2 * stats.t.sf(abs(t), interval.n - 1))
 
 
-def paired_difference(a: Mapping[Hashable, float], b: Mapping[Hashable, float]) -> PairedDifference | None:
-    """The per-seed differences b[s] − a[s] over the seeds in both (in a's order); None when none is shared."""
+def paired_difference(
+    a: Mapping[Hashable, float], b: Mapping[Hashable, float], nested: bool = False
+) -> PairedDifference | None:
+    """The per-seed differences b[s] − a[s] over the seeds in both (in a's order); None when none is shared.
+    `nested`: the keys are (split, seed) pairs, and the interval is `two_stage_interval`'s over splits."""
     seeds = tuple(seed for seed in a if seed in b)
     if not seeds:
         return None
-    return PairedDifference(seeds, t_interval([b[seed] - a[seed] for seed in seeds]))
+    differences = [b[seed] - a[seed] for seed in seeds]
+    if not nested:
+        return PairedDifference(seeds, t_interval(differences))
+    splits = [split for split, _ in seeds]
+    return PairedDifference(seeds, two_stage_interval(differences, splits), len(set(splits)))
 
 
 def holm_adjusted(p_values: Sequence[float | None]) -> list[float | None]:

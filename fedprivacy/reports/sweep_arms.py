@@ -6,6 +6,11 @@ of one run's accuracy on its evaluation rows. Two arms that differ in exactly on
 the same seeds are compared seed by seed (`statistics.paired_difference`): rule against rule or ε
 against ε with everything else, the seed's data and sampling included, held fixed.
 
+When the grid varies `split-seed` (`SweepData.split_key`), an arm's replicates are its (split, seed)
+runs: its accuracy is the mean over splits of each split's mean over its seeds, its interval the
+t-interval over those split means (`statistics.two_stage_interval`), and a pair is compared on the
+(split, seed) units both ran, per split first and then over the shared splits.
+
 In a sweep with [tune] each arm runs at the values its own tuning chose, so two arms of a pair may
 also differ in those: the pair names both sides' tuned values and says which comparison it is.
 Every pair has its paired t-test's p-value; on request (`holm`) the pairs' p-values are adjusted
@@ -18,7 +23,7 @@ from collections.abc import Hashable
 
 import pandas as pd
 
-from fedprivacy.reports.statistics import binomial_se, holm_adjusted, paired_difference, t_interval
+from fedprivacy.reports.statistics import binomial_se, holm_adjusted, paired_difference, two_stage_interval
 from fedprivacy.reports.sweep_data import SEED, SweepData
 from fedprivacy.reports.sweep_tuning import value_text
 
@@ -36,8 +41,8 @@ SAME_TUNED = "tuned values equal"
 
 
 def arm_keys(data: SweepData) -> list[str]:
-    """The grid keys but the seed: the lines' keys, then the horizontal axis's and those linked with it."""
-    rest = [k for k in data.grid if k != SEED and k not in data.series_keys]
+    """The setting's keys: the lines' keys, then the horizontal axis's and those linked with it."""
+    rest = [k for k in data.setting_keys if k not in data.series_keys]
     return [*data.series_keys, *sorted(rest, key=lambda k: k != data.x_key)]
 
 
@@ -56,16 +61,25 @@ def arm_table(data: SweepData) -> pd.DataFrame:
 
     `evaluation_rows` is the smallest over the arm's seeds (a seed can split the data differently), so
     `binomial_se` = sqrt(p(1 − p)/evaluation_rows) at the mean accuracy p errs on the wide side.
+
+    Pooled over splits (`SweepData.split_key`), `splits` (the arm's split-seeds) comes before `seeds`
+    (its distinct seeds), and the mean, sd and interval are `two_stage_interval`'s, over split means.
     """
     keys = arm_keys(data)
+    split = data.split_key
     rows = []
     for values, cells in _arms(data.measured, keys):
-        interval = t_interval(cells["final_accuracy"].to_numpy())
+        splits = cells[split].tolist() if split else None
+        interval = two_stage_interval(cells["final_accuracy"].to_numpy(), splits)
         evaluation_rows = cells["evaluation_rows"].min() if "evaluation_rows" in cells else float("nan")
+        counts = {"seeds": interval.n}
+        if split:
+            seeds = cells[SEED].nunique() if SEED in cells else 1
+            counts = {"splits": cells[split].nunique(), "seeds": seeds}
         rows.append(
             {
                 **dict(zip(keys, values)),
-                "seeds": interval.n,
+                **counts,
                 "final_accuracy_mean": interval.mean,
                 "final_accuracy_sd": interval.sd,
                 "ci95_low": interval.low,
@@ -138,10 +152,17 @@ def paired_table(data: SweepData, holm: bool = False) -> pd.DataFrame:
 
     A tuned sweep's pairs add `tuned_a`, `tuned_b` (`key=value, …`: the values each arm's tuning
     chose) and `compared`: OWN_OPTIMUM where they differ, SAME_TUNED where they are equal. `holm`
-    adds HOLM_COLUMNS: the p-values adjusted over every pair that has one, and the verdict at 5%."""
+    adds HOLM_COLUMNS: the p-values adjusted over every pair that has one, and the verdict at 5%.
+
+    Pooled over splits (`SweepData.split_key`), the units are (split-seed, seed) pairs: `shared_seeds`
+    counts the shared units, `shared_splits` (after it) their splits, and with 2 or more shared splits
+    the interval and `p_value` are over the per-split means of b − a (`two_stage_interval`)."""
     keys = arm_keys(data)
     measured = data.measured
+    split = data.split_key
     seeds = measured[SEED] if SEED in measured else pd.Series(0, index=measured.index)
+    if split:
+        seeds = pd.Series(list(zip(measured[split], seeds)), index=measured.index, dtype=object)
     arms = _arms(measured, keys)
     accuracy = {values: dict(zip(seeds.loc[cells.index], cells["final_accuracy"])) for values, cells in arms}
     tuned = {values: data.tuned.get(cells["cell"].iloc[0]) for values, cells in arms} if data.tuned else {}
@@ -151,7 +172,7 @@ def paired_table(data: SweepData, holm: bool = False) -> pd.DataFrame:
         for arms in _along(data, list(accuracy), keys, axis).values():
             for i, a in enumerate(arms):
                 for j, b in enumerate(arms[i + 1 :], start=i + 1):
-                    pair = paired_difference(accuracy[a], accuracy[b])
+                    pair = paired_difference(accuracy[a], accuracy[b], nested=bool(split))
                     if pair is None:
                         continue
                     interval = pair.interval
@@ -163,7 +184,8 @@ def paired_table(data: SweepData, holm: bool = False) -> pd.DataFrame:
                             "b": _step(axis, tuple(b[p] for p in inside)),
                             **(_tuned_columns(tuned, a, b) if tuned else {}),
                             "neighbours": j == i + 1,
-                            "shared_seeds": interval.n,
+                            "shared_seeds": len(pair.seeds),
+                            **({"shared_splits": pair.splits} if split else {}),
                             "difference_mean": interval.mean,
                             "ci95_low": interval.low,
                             "ci95_high": interval.high,
@@ -172,12 +194,19 @@ def paired_table(data: SweepData, holm: bool = False) -> pd.DataFrame:
                         }
                     )
     tuned_columns = list(TUNED_COLUMNS) if tuned else []
-    columns = ["differs_in", *keys, "a", "b", *tuned_columns, "neighbours", *PAIR_COLUMNS[2:], "p_value"]
+    columns = ["differs_in", *keys, "a", "b", *tuned_columns, "neighbours", *_pair_columns(bool(split)), "p_value"]
     # object columns first, so a key's blank (its own axis) keeps the others' integers integers
     table = pd.DataFrame(rows, columns=columns, dtype=object)
     numbers = {"difference_mean": float, "ci95_low": float, "ci95_high": float, "p_value": float}
-    table = table.astype({"neighbours": bool, "shared_seeds": int, **numbers})
+    counts = {"shared_seeds": int, **({"shared_splits": int} if split else {})}
+    table = table.astype({"neighbours": bool, **counts, **numbers})
     return _with_holm(table) if holm else table
+
+
+def _pair_columns(pooled: bool) -> list[str]:
+    """PAIR_COLUMNS after b: `shared_splits` after `shared_seeds` when pooled over splits."""
+    after = list(PAIR_COLUMNS[2:])
+    return [*after[:1], "shared_splits", *after[1:]] if pooled else after
 
 
 def pairs_shown(pairs: pd.DataFrame, name: str, axis: list[str]) -> tuple[pd.DataFrame, int]:
@@ -191,5 +220,5 @@ def pairs_shown(pairs: pd.DataFrame, name: str, axis: list[str]) -> tuple[pd.Dat
     others = [c for c in pairs.columns[1 : list(pairs.columns).index("a")] if c not in axis]
     tuned = [c for c in TUNED_COLUMNS if c in pairs]
     tests = ["p_value", *HOLM_COLUMNS] if HOLM_COLUMNS[0] in pairs else []
-    shown = chosen.head(MAX_SHOWN)[[*others, "a", "b", *tuned, *PAIR_COLUMNS[2:], *tests]]
+    shown = chosen.head(MAX_SHOWN)[[*others, "a", "b", *tuned, *_pair_columns("shared_splits" in pairs), *tests]]
     return shown, len(along) - len(shown)

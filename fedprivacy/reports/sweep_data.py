@@ -8,6 +8,12 @@ keys but the seed and those linked with the x key, over which the report takes m
 `grid` holds every varied key: [grid]'s, then each [linked.<name>] group's (sweep.json's
 "linked"), whose keys step together and so make one axis (`axes`).
 
+The replicates of a setting (`replicate_keys`) are its seeds, and its splits too when [grid] varies
+`split-seed` (2 or more values, outside any linked group): then a setting (`setting_keys`) is a
+cell's grid values without both, and the report pools its runs over splits and seeds nested in them
+(`statistics.two_stage_interval`). A split-seed with one value, or linked with other keys, stays a
+setting's key like any other.
+
 `cells` gains `evaluation_rows` from each completed cell's summary.json: how many central rows
 (test, or validation under evaluate-on) its accuracy was measured on, for the binomial standard
 error, and `largest_class_share`, what always predicting their largest class scores (sweep.csv's
@@ -41,6 +47,7 @@ from fedprivacy.sweepfiles import (
 )
 
 SEED = "seed"
+SPLIT_SEED = "split-seed"
 SUMMARY_JSON = "summary.json"
 
 
@@ -66,17 +73,31 @@ class SweepData:
         return self.completed[self.completed["final_accuracy"].notna()]
 
     @property
+    def split_key(self) -> str | None:
+        """SPLIT_SEED when the report pools over splits: a [grid] key (not linked) with 2 or more values."""
+        linked = any(SPLIT_SEED in keys for keys in self.linked.values())
+        return SPLIT_SEED if not linked and len(self.grid.get(SPLIT_SEED, [])) >= 2 else None
+
+    @property
+    def replicate_keys(self) -> tuple[str, ...]:
+        """The keys whose values replicate a setting: the seed, and the split-seed when pooled over."""
+        return (SEED, self.split_key) if self.split_key else (SEED,)
+
+    @property
+    def setting_keys(self) -> list[str]:
+        """The grid keys that make a setting: all but `replicate_keys`, in grid order."""
+        return [k for k in self.grid if k not in self.replicate_keys]
+
+    @property
     def x_key(self) -> str | None:
         if "epsilon" in self.grid:
             return "epsilon"
-        numeric = [
-            k for k, values in self.grid.items() if k != SEED and all(isinstance(v, int | float) for v in values)
-        ]
+        numeric = [k for k in self.setting_keys if all(isinstance(v, int | float) for v in self.grid[k])]
         return numeric[0] if numeric else None
 
     @property
     def series_keys(self) -> list[str]:
-        return [k for k in self.grid if k not in (SEED, self.x_key, *self.partners(self.x_key))]
+        return [k for k in self.setting_keys if k not in (self.x_key, *self.partners(self.x_key))]
 
     def partners(self, key: str | None) -> list[str]:
         """The keys linked with `key` (they take one value per value of it)."""
@@ -84,9 +105,9 @@ class SweepData:
 
     @property
     def axes(self) -> dict[str, list[str]]:
-        """The grid's axes but the seed's, named: a [grid] key alone, or a linked group's keys together."""
+        """The grid's axes but the replicates', named: a [grid] key alone, or a linked group's keys together."""
         grouped = {k for keys in self.linked.values() for k in keys}
-        found = {k: [k] for k in self.grid if k != SEED and k not in grouped}
+        found = {k: [k] for k in self.setting_keys if k not in grouped}
         for name, keys in self.linked.items():
             found[f"{name} ({', '.join(keys)})"] = [k for k in keys if k != SEED]
         return found

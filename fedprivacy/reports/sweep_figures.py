@@ -12,6 +12,10 @@
 - accuracy per round and ε spent per round: one panel per series, one line per x value (means
   over seeds), the baseline's accuracy dashed in black;
 - budget use: spent/budget of every client (columns) in every setting (rows), means over seeds.
+
+When the grid varies `split-seed` (`SweepData.split_key`), a setting's splits are replicates like its
+seeds: no line or row splits by them, and a bar is the interval over split means
+(`statistics.two_stage_interval`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
-from fedprivacy.reports.statistics import t_interval
-from fedprivacy.reports.sweep_data import SEED, SweepData
+from fedprivacy.reports.statistics import two_stage_interval
+from fedprivacy.reports.sweep_data import SweepData
 
 FORMATS = ("png", "svg")
 PANEL_WIDTH, PANEL_HEIGHT = 5.0, 3.6
@@ -107,12 +111,23 @@ def _matching(table: pd.DataFrame, keys: Sequence[str], values: Sequence[object]
 
 
 ACCURACY_LABEL = "final test accuracy (mean, 95% interval over seeds)"
+POOLED_ACCURACY_LABEL = "final test accuracy (mean, 95% interval over splits)"
 
 
-def mean_and_half_width(values: Sequence[float]) -> tuple[float, float]:
-    """The mean and its 95% t-interval's half width (NaN for one value: no bar is drawn)."""
-    interval = t_interval(values)
+def _accuracy_label(data: SweepData) -> str:
+    return POOLED_ACCURACY_LABEL if data.split_key else ACCURACY_LABEL
+
+
+def mean_and_half_width(values: Sequence[float], splits: Sequence[object] | None = None) -> tuple[float, float]:
+    """The mean and its 95% t-interval's half width (NaN for one value: no bar is drawn); with each
+    value's split, `two_stage_interval`'s over split means."""
+    interval = two_stage_interval(values, splits)
     return interval.mean, (interval.high - interval.mean) if interval.high is not None else np.nan
+
+
+def _arm_mean_and_half_width(data: SweepData, arm: pd.DataFrame) -> tuple[float, float]:
+    """`mean_and_half_width` of an arm's final accuracy, over its splits when the report pools them."""
+    return mean_and_half_width(arm["final_accuracy"], arm[data.split_key].tolist() if data.split_key else None)
 
 
 def accuracy_figure(data: SweepData, out: Path) -> list[Path]:
@@ -124,12 +139,12 @@ def accuracy_figure(data: SweepData, out: Path) -> list[Path]:
     colours: dict[str, str] = {}  # a series' colour, for its own baseline
     if x_key is None:  # nothing numeric varies: one point per setting
         found = groups(completed, series)
-        means, halves = zip(*(mean_and_half_width(rows["final_accuracy"]) for _, rows in found))
+        means, halves = zip(*(_arm_mean_and_half_width(data, rows) for _, rows in found))
         axis.errorbar(range(len(found)), means, yerr=_accuracy_bars(means, halves), fmt="o", capsize=4)
         axis.set_xticks(range(len(found)), [label(series, values) for values, _ in found], rotation=20, ha="right")
     else:
         for values, rows in groups(completed, series):
-            points = sorted((x, *mean_and_half_width(arm["final_accuracy"])) for x, arm in rows.groupby(x_key))
+            points = sorted((x, *_arm_mean_and_half_width(data, arm)) for x, arm in rows.groupby(x_key))
             xs, means, halves = zip(*points)
             drawn = axis.errorbar(
                 xs, means, yerr=_accuracy_bars(means, halves), fmt="o-", capsize=4, label=label(series, values)
@@ -139,7 +154,7 @@ def accuracy_figure(data: SweepData, out: Path) -> list[Path]:
         axis.set_xlabel("ε (per client)" if x_key == "epsilon" else x_key)
     _baseline_lines(data, axis, colours)
     _accuracy_axis(axis)
-    axis.set_ylabel(ACCURACY_LABEL)
+    axis.set_ylabel(_accuracy_label(data))
     axis.set_title(f"{data.name}: accuracy against {'ε' if x_key == 'epsilon' else x_key or 'setting'}")
     axis.grid(True, alpha=0.3)
     if axis.get_legend_handles_labels()[0]:  # one setting and no baseline: nothing to name
@@ -172,7 +187,7 @@ def accuracy_vs_spent_figure(data: SweepData, out: Path) -> list[Path]:
         points = []
         for _, arm in groups(rows, [x_key] if x_key else []):
             spent = arm["epsilon_spent_max"]
-            points.append((spent.mean(), spent.min(), spent.max(), *mean_and_half_width(arm["final_accuracy"])))
+            points.append((spent.mean(), spent.min(), spent.max(), *_arm_mean_and_half_width(data, arm)))
         points.sort()
         xs, lows, highs, means, halves = (np.array(column, dtype=float) for column in zip(*points))
         spread = [xs - lows, highs - xs] if (highs > lows).any() else None
@@ -181,14 +196,14 @@ def accuracy_vs_spent_figure(data: SweepData, out: Path) -> list[Path]:
         colours[label(series, values)] = drawn.lines[0].get_color()
     _plain_log_axis(axis, completed["epsilon_spent_max"], always=x_key == "epsilon")
     if not data.baselines.empty:
-        keys = [k for k in data.baselines.columns if k in data.grid and k != SEED]
+        keys = [k for k in data.baselines.columns if k in data.setting_keys]
         for index, (values, rows) in enumerate(groups(data.baselines, keys)):
             name = "non-private" + (f" ({label(keys, values)})" if keys else "")
             colour, style = _baseline_style(keys, values, series, colours, index)
             axis.axhline(rows["final_accuracy"].mean(), color=colour, linestyle=style, linewidth=1.2, label=name)
     _accuracy_axis(axis)
     axis.set_xlabel("largest ε spent by a client (mean over seeds; bar: least to most)")
-    axis.set_ylabel(ACCURACY_LABEL)
+    axis.set_ylabel(_accuracy_label(data))
     axis.set_title(f"{data.name}: accuracy against ε spent")
     axis.grid(True, alpha=0.3)
     if axis.get_legend_handles_labels()[0]:  # one setting and no baseline: nothing to name
@@ -213,7 +228,7 @@ def _baseline_lines(data: SweepData, axis: Axes, colours: dict[str, str]) -> Non
     if data.baselines.empty:
         return
     x_key = data.x_key
-    keys = [k for k in data.baselines.columns if k in data.grid and k not in (SEED, x_key)]
+    keys = [k for k in data.baselines.columns if k in data.setting_keys and k != x_key]
     for index, (values, rows) in enumerate(groups(data.baselines, keys)):
         name = "non-private" + (f" ({label(keys, values)})" if keys else "")
         colour, style = _baseline_style(keys, values, data.series_keys, colours, index)
@@ -285,7 +300,7 @@ def _schedule_of(data: SweepData, series: Sequence[str], values: Sequence[object
 
 def budget_use_figure(data: SweepData, out: Path) -> list[Path]:
     """Each client's ε spent / ε budget (mean over seeds), one row per setting."""
-    keys = [k for k in data.grid if k != SEED]
+    keys = data.setting_keys
     found = groups(data.clients, keys)
     table = pd.DataFrame([rows.groupby("client_id")["budget_used"].mean() for _, rows in found])
     fig = Figure(figsize=(max(6.0, 0.35 * table.shape[1] + 3), max(2.5, 0.32 * table.shape[0] + 1.5)), layout="tight")

@@ -8,6 +8,9 @@ share seeds (fedprivacy.reports.sweep_arms; with `holm`, their p-values adjusted
 every pair), budget use per setting (the spread of ε spent / ε budget over clients, clients that
 ran out of budget) and the cells that failed.
 A sweep none of whose cells completed still gets report.md, with why each cell failed.
+When the grid varies `split-seed` (`SweepData.split_key`), a setting's splits are replicates like its
+seeds: its rows pool them (seeds nested in splits, `statistics.two_stage_interval`), and so do the
+baselines' rows, one per setting.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedprivacy.errors import InputError
-from fedprivacy.reports.statistics import binomial_se
+from fedprivacy.reports.statistics import binomial_se, two_stage_interval
 from fedprivacy.reports.sweep_arms import (
     HOLM_COLUMNS,
     NOT_RESOLVED,
@@ -60,16 +63,48 @@ def baseline_table(data: SweepData) -> pd.DataFrame:
         data.cells.set_index("cell")["evaluation_rows"] if "evaluation_rows" in data.cells else pd.Series(dtype=float)
     )
     evaluation_rows = data.baselines["schedule_from"].map(lambda name: rows.get(f"cells/{name}", float("nan")))
+    if data.split_key and data.split_key in data.baselines:
+        return _pooled_baselines(data, evaluation_rows)
     return data.baselines.assign(
         binomial_se=[binomial_se(p, m) for p, m in zip(data.baselines["final_accuracy"], evaluation_rows)],
         evaluation_rows=evaluation_rows.astype("Int64"),
     )
 
 
+def _pooled_baselines(data: SweepData, evaluation_rows: pd.Series) -> pd.DataFrame:
+    """One baseline row per setting, pooled over its splits and seeds as the arms are: the mean over
+    splits of each split's mean, its interval over split means, the binomial s.e. at that mean on
+    the fewest evaluation rows."""
+    baselines = data.baselines.assign(evaluation_rows=evaluation_rows)
+    keys = [k for k in data.setting_keys if k in baselines]
+    split = data.split_key
+    found = baselines.groupby(keys, sort=False, dropna=False) if keys else [((), baselines)]
+    rows = []
+    for values, group in found:
+        interval = two_stage_interval(group["final_accuracy"].to_numpy(dtype=float), group[split].tolist())
+        fewest = group["evaluation_rows"].min()
+        rows.append(
+            {
+                **dict(zip(keys, values if isinstance(values, tuple) else (values,))),
+                "splits": group[split].nunique(),
+                "seeds": group[SEED].nunique() if SEED in group else 1,
+                "final_accuracy": interval.mean,
+                "ci95_low": interval.low,
+                "ci95_high": interval.high,
+                "best_accuracy": group["best_accuracy"].mean(),
+                "binomial_se": binomial_se(interval.mean, fewest),
+                "evaluation_rows": None if pd.isna(fewest) else int(fewest),
+            }
+        )
+    table = pd.DataFrame(rows)
+    table["evaluation_rows"] = table["evaluation_rows"].astype("Int64")
+    return table
+
+
 def budget_table(data: SweepData) -> pd.DataFrame:
     return summarise(
         data.clients.assign(exhausted=data.clients["status"].eq("exhausted")),
-        [k for k in data.grid if k != SEED],
+        data.setting_keys,
         client_runs=("budget_used", "size"),
         used_min=("budget_used", "min"),
         used_median=("budget_used", "median"),
@@ -85,7 +120,7 @@ def client_accuracy_table(data: SweepData) -> pd.DataFrame:
         return pd.DataFrame()
     return summarise(
         data.clients.dropna(subset=["accuracy"]),
-        [k for k in data.grid if k != SEED],
+        data.setting_keys,
         client_runs=("accuracy", "size"),
         accuracy_min=("accuracy", "min"),
         accuracy_median=("accuracy", "median"),
@@ -121,19 +156,50 @@ def _heading(data: SweepData) -> list[str]:
         "",
         f"{len(data.cells)} cells: {counts.get('completed', 0)} completed, {counts.get('failed', 0)} failed, "
         f"{counts.get('pending', 0)} pending. Grid: {grid}. Means, standard deviations and 95% intervals "
-        "(Student's t) are over seeds; accuracy is the central test accuracy after the last round, and "
+        f"(Student's t) are {_over(data)}; accuracy is the central test accuracy after the last round, and "
         "`binomial_se` = sqrt(p(1 − p)/m) is the standard error of one run's accuracy p from its m evaluation "
         "rows (`evaluation_rows`) alone.",
         "",
     ]
 
 
+def _over(data: SweepData) -> str:
+    """What the means and intervals are over: seeds, or splits and the seeds nested in them."""
+    if not data.split_key:
+        return "over seeds"
+    return (
+        f"over splits (`{data.split_key}`): each split's mean over its seeds, then the mean, sd and t-interval "
+        "of those split means (splits − 1 degrees of freedom; over seeds where one split completed)"
+    )
+
+
+def _mean_over(data: SweepData) -> str:
+    return "over splits of each split's mean over its seeds" if data.split_key else "over seeds"
+
+
+def _coverage(data: SweepData) -> str:
+    """One sentence: which sources of variation an interval covers."""
+    if data.split_key:
+        return (
+            "An interval covers the variation between splits (each split-seed's partition and train/validation/test "
+            "split) and between seeds within them (initial weights, client sampling)."
+        )
+    return (
+        "An interval covers the variation between seeds within one split (a fixed split-seed; with split-seed −1 "
+        "each seed also cuts its own split), not between splits: put split-seed in [grid] to pool over them."
+    )
+
+
 def _single_seeds(arms: pd.DataFrame) -> list[str]:
-    """Say which rows have no interval: a single seed gives no spread to build one from."""
-    single = int((arms["seeds"] < 2).sum()) if len(arms) else 0
-    if not single:
+    """Say which rows have no interval: a single seed (of a single split) gives no spread to build one from."""
+    single = arms["seeds"] < 2 if len(arms) else pd.Series(dtype=bool)
+    if "splits" in arms:
+        single &= arms["splits"] < 2
+    count = int(single.sum())
+    if not count:
         return []
-    return [f"{single} of {len(arms)} settings ran one seed: no sd and no interval (—) for them.", ""]
+    ran = "one split and one seed" if "splits" in arms else "one seed"
+    return [f"{count} of {len(arms)} settings ran {ran}: no sd and no interval (—) for them.", ""]
 
 
 def _paired_differences(data: SweepData, pairs: pd.DataFrame) -> list[str]:
@@ -149,6 +215,7 @@ def _paired_differences(data: SweepData, pairs: pd.DataFrame) -> list[str]:
         "or `b lower`. Every pair is in [paired_differences.csv](paired_differences.csv), with its paired "
         "t-test's `p_value`.",
         "",
+        *_pooled_pairs_paragraph(data),
         *_tuned_paragraph(pairs),
         *_holm_paragraph(pairs),
     ]
@@ -161,6 +228,19 @@ def _paired_differences(data: SweepData, pairs: pd.DataFrame) -> list[str]:
         more = f" ({left_out} more, of values further apart, in paired_differences.csv)" if left_out else ""
         lines += [f"### {name}: b − a{more}", "", _markdown(shown), ""]
     return lines
+
+
+def _pooled_pairs_paragraph(data: SweepData) -> list[str]:
+    """How pairs pool over splits: (split, seed) units, per-split means, the interval over them."""
+    if not data.split_key:
+        return []
+    return [
+        f"Pooled over splits: the units both settings ran are ({data.split_key}, seed) pairs (`shared_seeds` counts "
+        "them, `shared_splits` their splits); b − a is averaged per split over its shared seeds, and with 2 or more "
+        "shared splits the mean, interval and `p_value` are over those split means (splits − 1 degrees of "
+        "freedom), else over the seeds of the one split.",
+        "",
+    ]
 
 
 def _tuned_paragraph(pairs: pd.DataFrame) -> list[str]:
@@ -241,9 +321,10 @@ def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | 
         *_heading(data),
         "## Accuracy",
         "",
-        "Final accuracy per setting: the mean over seeds with its 95% interval (bars), against the grid "
+        f"Final accuracy per setting: the mean {_mean_over(data)} with its 95% interval (bars), against the grid "
         "and against the largest ε any client actually spent (its mean over seeds; a horizontal bar spans the "
-        "seeds' values where they differ).",
+        f"seeds' values where they differ). {_coverage(data)} `binomial_se` is not part of it: it is the test-set "
+        "sampling error of a single run's accuracy.",
         "",
         _figure(pngs[0], "final accuracy"),
         "",

@@ -88,7 +88,20 @@ def edge_notes(choices: list[dict[str, Any]], space: dict[str, list[Any]]) -> li
     return notes
 
 
-def _intro(tune: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+def _split_text(spec: dict[str, Any]) -> str:
+    """Which split the tuning runs validated on: the sweep's one split-seed, or each arm's own when
+    [grid] or [linked] varies it (a tuning run starts from its arm's first cell's run config)."""
+    varied = "split-seed" in spec.get("grid", {}) or any(
+        "split-seed" in group for group in spec.get("linked", {}).values()
+    )
+    if varied:
+        return "each arm's own split-seed, the split its cells used"
+    return (
+        f"split-seed = {spec.get('run', {}).get('split-seed', spec['tune']['split_seed'])}, the split every cell used"
+    )
+
+
+def _intro(tune: dict[str, Any], cells: list[dict[str, Any]], split: str) -> str:
     space = "; ".join(f"{key} ∈ {{{', '.join(map(value_text, values))}}}" for key, values in tune["space"].items())
     drawn = f"{tune['trials']} combinations drawn at random (random search)" if tune["trials"] else "every combination"
     rule = cells[0]["rule"] if cells else tune["select"]
@@ -97,7 +110,7 @@ def _intro(tune: dict[str, Any], cells: list[dict[str, Any]]) -> str:
         f"by {rule} (tune seeds {', '.join(map(str, tune['seeds']))}); ties went to the first candidate in "
         "declared order. "
         f"Every tuning run evaluated on validation rows (evaluate-on = validation) cut from the clients' own "
-        f"training rows with split-seed = {tune['split_seed']}, the split every cell used, so no tuning run read a "
+        f"training rows with {split}, so no tuning run read a "
         "test row; the cells then ran the chosen values on their test rows with their own seeds, which no tuning "
         "run used."
     )
@@ -116,7 +129,7 @@ def tuning_markdown(sweep_dir: Path) -> str:
         "",
         "## Tuning",
         "",
-        _intro(tune, cells),
+        _intro(tune, cells, _split_text(spec)),
         "",
         f"**Privacy.** {TUNING_PRIVACY_NOTE}",
         "",
