@@ -144,6 +144,36 @@ BAD = {
         "tune",
         "tunes only the baseline",
     ),
+    "tune-seeds-close not a list": (
+        scenario(**{"tune-seeds-close": 1002}),
+        "sweep.tune-seeds-close",
+        "must be a list of integers >= 0, e.g. [1002, 1003, 1004]",
+    ),
+    "a negative close seed": (
+        scenario(**{"tune-seeds-close": [1002, -1]}),
+        "sweep.tune-seeds-close",
+        "must be a list of integers >= 0",
+    ),
+    "a close seed listed twice": (
+        scenario(**{"tune-seeds-close": [1002, 1002]}),
+        "sweep.tune-seeds-close",
+        "lists a seed twice",
+    ),
+    "a close seed that is a cell's seed": (
+        scenario(**{"tune-seeds-close": [1002, 1]}),
+        "sweep.tune-seeds-close",
+        "1 is also a cell's seed (grid.seed",
+    ),
+    "a close seed that is a tune seed": (
+        scenario(**{"tune-seeds-close": [1001, 1002]}),
+        "sweep.tune-seeds-close",
+        "1001 is also in sweep.tune-seeds = [1000, 1001]",
+    ),
+    "tune-seeds-close without [tune]": (
+        {**with_tables(tune=None), "sweep": {"tune-seeds-close": [7]}},
+        "sweep.tune-seeds-close",
+        "needs a [tune] table",
+    ),
     "evaluate-on beside [tune]": (
         with_tables(run={"dataset": "digits", "evaluate-on": "validation"}),
         "run.evaluate-on",
@@ -158,6 +188,15 @@ def test_the_scenario_refuses_a_bad_tuning_naming_the_field(case, tmp_path):
     with pytest.raises(InputError) as refused:
         spec_of(raw, tmp_path)
     assert refused.value.field == field and allowed in str(refused.value), str(refused.value)
+
+
+def test_tune_seeds_close_takes_a_list_or_none_and_defaults_to_the_seeds_after_the_tune_seeds(tmp_path):
+    assert spec_of(scenario(), tmp_path).tune.close_seeds == (1002, 1003, 1004)
+    assert spec_of(scenario(**{"tune-seeds-close": []}), tmp_path).tune.close_seeds == ()
+    assert spec_of(scenario(**{"tune-seeds-close": [7, 9]}), tmp_path).tune.close_seeds == (7, 9)
+    # not given: the seeds after the largest tune seed that no cell uses
+    raw = {**scenario(**{"tune-seeds": [5, 6]}), "grid": {"epsilon": [1.0], "seed": [0, 8]}}
+    assert spec_of(raw, tmp_path).tune.close_seeds == (7, 9, 10)
 
 
 def test_a_candidate_that_makes_a_bad_run_config_is_refused_before_anything_runs(tmp_path):
@@ -484,7 +523,9 @@ def test_the_dry_run_counts_the_tuning_runs(tmp_path, capsys, monkeypatch):
     assert exit_info.value.code == 0
     assert "tuned: 6 cells after 24 tuning runs" in printed
     assert "2 arms × 6 candidates × 2 tune seeds = 24 tuning runs" in printed
+    assert "and up to 36 more (3 extra seeds) for candidates close to the best" in printed  # 2 × 6 × 3
     assert "non-private baseline: 6 more tuning runs" in printed  # 1 baseline arm × 3 η × 2 tune seeds
+    assert "(up to 9 more for close candidates)" in printed
     assert not (tmp_path / "o").exists()
 
 
@@ -503,3 +544,130 @@ def test_a_choice_at_either_end_of_a_numeric_space_is_flagged_even_with_two_cand
         "- b: learning-rate = 30, the largest candidate",
         "- b: epochs = 16, the largest candidate",
     ]
+
+
+CLOSE_LR = 1.0001  # a step no different from GOOD_LR in effect: the two are close on any seeds
+
+
+def close_scenario(**sweep: Any) -> dict[str, Any]:
+    """One cell; η between two steps that train alike, so the tune seeds cannot tell them apart."""
+    return {
+        **scenario(**sweep),
+        "grid": {"epsilon": [1.0], "seed": [0]},
+        "tune": {"learning-rate": [GOOD_LR, CLOSE_LR]},
+    }
+
+
+def _run_counted(spec, out: Path) -> list[str]:
+    CountingRunner.ran = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sims.sweep.driver.create_runner", lambda name, resources: CountingRunner(resources))
+        assert run_sweep(spec, cells(spec), out).failures == []
+    return sorted(CountingRunner.ran)
+
+
+def test_close_candidates_run_the_extra_seeds_the_choice_uses_them_and_a_rerun_does_not_repeat_them(tmp_path):
+    spec = spec_of(close_scenario(), tmp_path)
+    out = tmp_path / "out"
+    names = ("learning-rate=1", "learning-rate=1.0001")
+    every = (1000, 1001, 1002, 1003, 1004)
+    assert _run_counted(spec, out) == sorted(
+        [f"{ARM}/{n}_seed={s}" for n in names for s in every] + ["cells/" + ARM + "_seed=0"]
+    )
+    choice = json.loads((out / "tuning" / ARM / "choice.json").read_text())
+    assert choice["extra_seeds"] is True and choice["tune_seeds_close"] == [1002, 1003, 1004]
+    scores = _scores(out)
+    for candidate in choice["candidates"]:
+        assert candidate["seeds"] == list(every) and candidate["close"]["extra_seeds"] == [1002, 1003, 1004]
+        assert candidate["score"] == pytest.approx(statistics.fmean(scores[candidate["name"]]), abs=1e-12)
+        assert len(scores[candidate["name"]]) == 5
+    best, runner_up = sorted(choice["candidates"], key=lambda c: -c["tune_seeds_score"])
+    assert best["close"]["close"] is False and runner_up["close"]["close"] is True
+    assert runner_up["close"]["margin"] < 1.96 * runner_up["close"]["se"]
+    means = {name: statistics.fmean(values) for name, values in scores.items()}
+    assert choice["chosen"]["name"] == max(names, key=lambda n: (means[n], -names.index(n)))
+    # the baseline's η tuning runs the same rule: its two candidates are as close
+    baseline = json.loads((out / "tuning" / "baseline" / "default" / "choice.json").read_text())
+    assert baseline["extra_seeds"] is True and all(c["seeds"] == list(every) for c in baseline["candidates"])
+    section = write_report(out, tmp_path / "report")[-1].read_text()
+    assert "Extra seeds for close candidates" in section
+    assert f"- {ARM}: {best['name']} and the close {runner_up['name']} (margin" in section
+    assert "also ran seeds 1002, 1003, 1004" in section
+    # a rerun: nothing runs; a sweep killed among the extra runs redoes only the unfinished one
+    assert _run_counted(spec, out) == []
+    (out / "tuning" / ARM / "choice.json").unlink()
+    (out / "tuning" / ARM / "learning-rate=1.0001_seed=1003" / "cell.json").unlink()
+    shutil.rmtree(out / "cells" / f"{ARM}_seed=0")
+    assert _run_counted(spec, out) == sorted([f"{ARM}/learning-rate=1.0001_seed=1003", f"cells/{ARM}_seed=0"])
+    assert json.loads((out / "tuning" / ARM / "choice.json").read_text())["chosen"] == choice["chosen"]
+
+
+def test_tune_seeds_close_empty_decides_on_the_tune_seeds_alone(tmp_path):
+    spec = spec_of(close_scenario(**{"tune-seeds-close": []}), tmp_path)
+    out = tmp_path / "out"
+    ran = _run_counted(spec, out)
+    assert [r for r in ran if r.startswith(ARM)] == sorted(
+        f"{ARM}/learning-rate={lr}_seed={s}" for lr in ("1", "1.0001") for s in (1000, 1001)
+    )
+    choice = json.loads((out / "tuning" / ARM / "choice.json").read_text())
+    assert choice["extra_seeds"] is False and choice["tune_seeds_close"] == []
+    assert all(c["seeds"] == [1000, 1001] and c["close"]["extra_seeds"] == [] for c in choice["candidates"])
+    assert len(list((out / "tuning" / "baseline" / "default").glob("*_seed=*"))) == 4
+    assert "Extra seeds for close candidates" not in write_report(out, tmp_path / "report")[-1].read_text()
+
+
+def test_a_clear_winner_gets_no_extra_seeds_and_an_older_choice_is_read_back(tuned_sweep, tmp_path):
+    out, _ = tuned_sweep
+    choice = json.loads((out / "tuning" / ARM / "choice.json").read_text())
+    assert choice["extra_seeds"] is False and choice["tune_seeds_close"] == [1002, 1003, 1004]
+    assert all(c["seeds"] == [1000, 1001] and c["close"]["extra_seeds"] == [] for c in choice["candidates"])
+    loser = next(c for c in choice["candidates"] if c["name"] != choice["chosen"]["name"])
+    assert loser["close"]["se"] > 0 and loser["close"]["margin"] >= 1.96 * loser["close"]["se"]
+    assert not list((out / "tuning" / ARM).glob("*_seed=1002"))
+    section = write_report(out, tmp_path / "report")[-1].read_text()
+    assert "No arm had a candidate close to the best, so none ran the extra seeds" in section
+    # a choice.json written before tune-seeds-close (no such input, no closeness) is read back as it was
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    for path in (copy / "tuning").rglob("choice.json"):
+        old = json.loads(path.read_text())
+        for key in ("tune_seeds_close", "extra_seeds", "close_rule"):
+            old.pop(key)
+        for candidate in old["candidates"]:
+            for key in ("seeds", "close", "tune_seeds_score"):
+                candidate.pop(key)
+        path.write_text(json.dumps(old))
+    assert _run_counted(spec_of(scenario(), tmp_path), copy) == []
+    assert "## Tuning" in write_report(copy, tmp_path / "old")[-1].read_text()
+
+
+def test_closeness_is_the_margin_against_1_96_standard_errors_of_the_binomial_accuracy():
+    from sims.sweep.tuning import Candidate, choice_record, close_runs
+
+    # p = 0.8 on m = 100 rows: s.e. per run 0.04, of a difference of two-seed means 0.04; 1.96 × 0.04 = 0.0784
+    found = tuple(Candidate(name, {"learning-rate": lr}) for name, lr in (("a", 0.1), ("b", 0.3), ("c", 1.0)))
+    scores = {"a": [0.8, 0.8, 0.6, 0.6, 0.6], "b": [0.73, 0.73, 0.9, 0.9, 0.9], "c": [0.7, 0.7, 1.0, 1.0, 1.0]}
+    seeds, extra = (1, 2), (3, 4, 5)
+    asked: list[tuple[str, int]] = []
+
+    def outcome(candidate, seed):
+        asked.append((candidate.name, seed))
+        return scores[candidate.name][seed - 1], None
+
+    def rows(name, seed):
+        return 100
+
+    needed = close_runs(found, seeds, extra, outcome, rows)
+    assert [(c.name, s) for c, s in needed] == [("a", 3), ("a", 4), ("a", 5), ("b", 3), ("b", 4), ("b", 5)]
+    record = choice_record({"arm": "x"}, found, seeds, "final", outcome, extra, rows)
+    a, b, c = record["candidates"]
+    assert b["close"]["se"] == pytest.approx(0.04) and b["close"]["margin"] == pytest.approx(0.07)
+    assert b["close"]["close"] and not c["close"]["close"] and c["close"]["margin"] == pytest.approx(0.1)
+    assert a["seeds"] == b["seeds"] == [1, 2, 3, 4, 5] and c["seeds"] == [1, 2] and c["close"]["extra_seeds"] == []
+    # b wins on its five seeds; c, better on seeds it never ran, keeps its two-seed mean
+    assert record["chosen"]["name"] == "b" and record["chosen"]["score"] == pytest.approx(0.832)
+    assert ("c", 3) not in asked
+    # without extra seeds the choice is today's: a, on the tune seeds alone
+    assert choice_record({"arm": "x"}, found, seeds, "final", outcome, (), rows)["chosen"]["name"] == "a"
+    # a failed run's candidate is never close, and no rows recorded means no s.e.: nothing is close
+    assert close_runs(found, seeds, extra, outcome, lambda name, seed: None) == []

@@ -195,8 +195,11 @@ def _tuning_lines(spec: Any, cells: list[Any], plan: Any) -> list[str]:
         f"candidates: {'; '.join(candidate.name for candidate in plan.candidates)}",
     ]
     if spec.baseline and tunes_baseline(spec.tune, spec.baseline_learning_rate):
-        runs = baseline_tuning(baseline_jobs(cells), spec.tune).runs
-        lines.append(f"non-private baseline: {runs} more tuning runs for its own learning rate (fast engine)")
+        baseline = baseline_tuning(baseline_jobs(cells), spec.tune)
+        more = f" (up to {baseline.close_runs} more for close candidates)" if baseline.close_runs else ""
+        lines.append(
+            f"non-private baseline: {baseline.runs} more tuning runs for its own learning rate{more} (fast engine)"
+        )
     lines.append("the tuning's privacy cost is not in the cells' ε (docs/simulator.md#tuning-per-cell)")
     return lines
 

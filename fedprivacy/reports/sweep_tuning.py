@@ -88,6 +88,26 @@ def edge_notes(choices: list[dict[str, Any]], space: dict[str, list[Any]]) -> li
     return notes
 
 
+def close_notes(choices: list[dict[str, Any]]) -> list[str]:
+    """The arms whose runner-up was close to the best on the tune seeds, so that the best and the close
+    candidates ran the extra seeds (tune-seeds-close): each close candidate's margin and s.e. A
+    choice.json written before tune-seeds-close has no such record and gets no line."""
+    notes = []
+    for choice in choices:
+        if not choice.get("extra_seeds"):
+            continue
+        extended = [c for c in choice["candidates"] if c.get("close", {}).get("extra_seeds")]
+        seeds = ", ".join(map(str, extended[0]["close"]["extra_seeds"]))
+        close = "; ".join(
+            f"{c['name']} (margin {c['close']['margin']:.4f} < 1.96 × s.e. {c['close']['se']:.4f})"
+            for c in extended
+            if c["close"]["close"]
+        )
+        best = next(c["name"] for c in extended if not c["close"]["close"])
+        notes.append(f"- {choice['arm']}: {best} and the close {close} also ran seeds {seeds}")
+    return notes
+
+
 def _split_text(spec: dict[str, Any]) -> str:
     """Which split the tuning runs validated on: the sweep's one split-seed, or each arm's own when
     [grid] or [linked] varies it (a tuning run starts from its arm's first cell's run config)."""
@@ -142,7 +162,8 @@ def tuning_markdown(sweep_dir: Path) -> str:
             if (edges := edge_notes(cells, tune["space"]))
             else []
         ),
-        "### Validation scores (mean over tune seeds; the chosen one in bold)",
+        *_close_lines(cells, tune),
+        "### Validation scores (mean over the seeds each candidate ran; the chosen one in bold)",
         "",
         _markdown(scores_table(cells)),
         "",
@@ -150,6 +171,27 @@ def tuning_markdown(sweep_dir: Path) -> str:
     if baselines:
         lines += _baseline_lines(baselines, tune)
     return "\n".join(lines)
+
+
+def _close_lines(choices: list[dict[str, Any]], tune: dict[str, Any]) -> list[str]:
+    """Which arms got extra seeds because candidates were close (nothing when tune-seeds-close is off)."""
+    seeds = tune.get("close_seeds")
+    if not seeds:
+        return []
+    notes = close_notes(choices)
+    if not notes:
+        return [f"No arm had a candidate close to the best, so none ran the extra seeds ({_seeds(seeds)}).", ""]
+    return [
+        "Extra seeds for close candidates (the best's mean minus theirs below 1.96 × its s.e. on the tune "
+        "seeds; the choice is then on the mean over all seeds each ran):",
+        "",
+        *notes,
+        "",
+    ]
+
+
+def _seeds(seeds: list[int]) -> str:
+    return "tune-seeds-close " + ", ".join(map(str, seeds))
 
 
 def _baseline_lines(baselines: list[dict[str, Any]], tune: dict[str, Any]) -> list[str]:
@@ -167,6 +209,7 @@ def _baseline_lines(baselines: list[dict[str, Any]], tune: dict[str, Any]) -> li
         _markdown(chosen_table(baselines)),
         "",
         *(["At the edge of its candidates:", "", *edges, ""] if edges else []),
+        *_close_lines(baselines, tune),
         _markdown(scores_table(baselines)),
         "",
     ]

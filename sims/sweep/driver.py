@@ -279,17 +279,22 @@ def _run_tuning(
         progress.start(f"{what} {cell.name}", int(cell.run_config["num-server-rounds"]))
         record = run_cell(runner(), engine_name, cell, folder, progress)
         progress.end(counts_as_cell=False)
-        count["done"] += 1
         score, error = run_outcome(folder, plan.tune.select)
         result = f"validation accuracy {score:.4f}" if error is None else f"[red]failed[/red]: {error}"
-        progress.log(f"{what} run {count['done']}/{plan.runs} {label}: {result} ({record['wall_s']:.0f} s)")
+        if cell.params["seed"] in plan.tune.seeds:
+            count["done"] += 1
+            which = f"{count['done']}/{plan.runs}"
+        else:  # a tune-seeds-close seed: the candidate is close to the best
+            which = "(extra seed, close candidate)"
+        progress.log(f"{what} run {which} {label}: {result} ({record['wall_s']:.0f} s)")
         return record
 
     for arm in todo:
         record = tune_arm(arm, plan, root, run)
         chosen[arm.name] = record["chosen"]["values"] if record["chosen"] else None
+        extra = " over the extra seeds of close candidates" if record["extra_seeds"] else ""
         picked = (
-            f"{record['chosen']['name']} (validation score {record['chosen']['score']:.4f})"
+            f"{record['chosen']['name']} (validation score {record['chosen']['score']:.4f}{extra})"
             if record["chosen"]
             else "[red]nothing: every candidate failed[/red]"
         )

@@ -5,6 +5,9 @@
               and baseline-learning-rate = [candidates]: the non-private baseline's own η candidates
               (default: [tune]'s learning-rate list, which is sized for clipped, noisy steps)
     [sweep]   tune-seeds (the tuning runs' seeds, default [1000, 1001]: never a cell's seed),
+              tune-seeds-close (extra seeds for the best candidate and those close to it, default the
+              three seeds after the largest tune seed that no cell uses, [1002, 1003, 1004] with the
+              default seeds; [] adds none),
               tune-select ("final": the mean final validation accuracy; "best-round": the mean of
               each run's best round), tune-trials (0: every combination; n: n combinations drawn at
               random, the same n for the same scenario), split-seed (default 0: every run of the
@@ -25,9 +28,10 @@ from typing import Any
 from fedprivacy.errors import InputError, positive
 from fedprivacy.runconfig import DEFAULTS
 
-TUNE_OPTIONS = ("tune-seeds", "tune-select", "tune-trials", "split-seed")
+TUNE_OPTIONS = ("tune-seeds", "tune-seeds-close", "tune-select", "tune-trials", "split-seed")
 SELECTIONS = ("final", "best-round")
 DEFAULT_SEEDS = (1000, 1001)
+DEFAULT_CLOSE_COUNT = 3  # tune-seeds-close when not given: this many seeds after the largest tune seed
 # Keys that decide which rows or which randomness a run gets: the tuning sets them itself (the
 # tuning runs' seeds, evaluate-on = "validation", the sweep's split-seed), so they cannot be searched.
 NOT_TUNABLE = ("seed", "noise-seed", "split-seed", "evaluate-on", "validation-fraction", "test-fraction")
@@ -49,6 +53,7 @@ class TuneSpec:
     trials: int = 0  # 0: every combination of the space
     split_seed: int = 0
     baseline_learning_rates: tuple[float, ...] = ()  # empty: the baseline tunes over space["learning-rate"]
+    close_seeds: tuple[int, ...] = (1002, 1003, 1004)  # extra seeds for close candidates (sims.sweep.tuning)
 
     @property
     def combinations(self) -> int:
@@ -62,6 +67,7 @@ class TuneSpec:
             "trials": self.trials,
             "split_seed": self.split_seed,
             "baseline_learning_rate": list(self.baseline_learning_rates),
+            "close_seeds": list(self.close_seeds),
         }
 
 
@@ -125,26 +131,58 @@ def _baseline_rates(candidates: Any, sweep: Mapping[str, Any]) -> tuple[float, .
     return tuple(rates)
 
 
-def _seeds(sweep: Mapping[str, Any], placed: Placed) -> tuple[int, ...]:
-    seeds = sweep.get("tune-seeds", list(DEFAULT_SEEDS))
+def _seed_list(
+    sweep: Mapping[str, Any], key: str, seeds: Any, placed: Placed, example: str, empty: bool
+) -> tuple[int, ...]:
+    """A list of tuning seeds: integers >= 0, each once, none a cell's seed."""
+    name = f"sweep.{key}"
     if (
         not isinstance(seeds, list)
-        or not seeds
+        or (not seeds and not empty)
         or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds)
     ):
-        raise InputError("sweep.tune-seeds", seeds, "must be a non-empty list of integers >= 0, e.g. [1000, 1001]")
+        kind = "a list" if empty else "a non-empty list"
+        raise InputError(name, seeds, f"must be {kind} of integers >= 0, e.g. {example}")
     if len(set(seeds)) != len(seeds):
-        raise InputError("sweep.tune-seeds", seeds, "lists a seed twice: each tuning run needs its own")
+        raise InputError(name, seeds, "lists a seed twice: each tuning run needs its own")
     field_name, used = placed.get("seed", ("the default seed", (DEFAULTS["seed"],)))
     clash = next((s for s in seeds if s in used), None)
     if clash is not None:
         raise InputError(
-            "sweep.tune-seeds",
+            name,
             seeds,
             f"{clash} is also a cell's seed ({field_name} = {list(used)}): the chosen setting is tested on "
             "fresh seeds, so the tuning runs need seeds no cell uses",
         )
     return tuple(seeds)
+
+
+def _seeds(sweep: Mapping[str, Any], placed: Placed) -> tuple[int, ...]:
+    return _seed_list(sweep, "tune-seeds", sweep.get("tune-seeds", list(DEFAULT_SEEDS)), placed, "[1000, 1001]", False)
+
+
+def _close_seeds(sweep: Mapping[str, Any], placed: Placed, seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """[sweep] tune-seeds-close: the extra seeds of close candidates ([] for none). Not given: the
+    DEFAULT_CLOSE_COUNT smallest seeds above the largest tune seed that no cell uses."""
+    if "tune-seeds-close" not in sweep:
+        used = set(placed.get("seed", ("", (DEFAULTS["seed"],)))[1])
+        found: list[int] = []
+        seed = max(seeds)
+        while len(found) < DEFAULT_CLOSE_COUNT:
+            seed += 1
+            if seed not in used:
+                found.append(seed)
+        return tuple(found)
+    close = _seed_list(sweep, "tune-seeds-close", sweep["tune-seeds-close"], placed, "[1002, 1003, 1004]", True)
+    clash = next((s for s in close if s in seeds), None)
+    if clash is not None:
+        raise InputError(
+            "sweep.tune-seeds-close",
+            list(close),
+            f"{clash} is also in sweep.tune-seeds = {list(seeds)}: the extra seeds must be other seeds than the "
+            "tune seeds, e.g. [1002, 1003, 1004]",
+        )
+    return close
 
 
 def _integer(sweep: Mapping[str, Any], key: str, default: int, low: int, high: int | None, allowed: str) -> int:
@@ -221,4 +259,7 @@ def read_tune(
         f"must be an integer in [0, {combinations}]: 0 tries all {combinations} combinations of [tune], "
         "n > 0 draws n of them at random",
     )
-    return TuneSpec(space, _seeds(sweep, placed), select, trials, _split_seed(sweep, placed), baseline_rates)
+    seeds = _seeds(sweep, placed)
+    return TuneSpec(
+        space, seeds, select, trials, _split_seed(sweep, placed), baseline_rates, _close_seeds(sweep, placed, seeds)
+    )

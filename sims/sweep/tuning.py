@@ -6,19 +6,34 @@ run config (that of its first cell) with the candidate's values, `seed` (and a s
 the tune seed, and `evaluate-on = "validation"`, so it trains on fit rows cut from the clients'
 training rows and is scored on the rest; no test row is read. The sweep's `split-seed` is in
 every run config, so these are the same training rows the arm's cells train on. The tuning costs
-arms × candidates × tune seeds runs on the sweep's engine.
+arms × candidates × tune seeds runs on the sweep's engine, and up to arms × candidates ×
+tune-seeds-close more when candidates are close.
 
-A tuning run is written like a cell (`<out>/tuning/<arm>/<candidate>_seed=<s>/`, cell.json last)
-and resumes like one: a rerun skips the completed ones and redoes the others. When an arm's runs
-are done, the candidate with the highest score (the mean over tune seeds of the final validation
-accuracy, or of each run's best round) wins, ties to the first in declared order; a candidate with
-a failed run cannot win. choice.json records every candidate's scores and the choice, and once it
-holds a choice a rerun with the same inputs reads it rather than choosing again, so finished cells
-keep the setting they ran with.
+A candidate's score is the mean over the seeds it ran of the final validation accuracy (or of each
+run's best round). When an arm's tune-seed runs are done, the candidate with the highest score is
+the best so far; another candidate is close when the best's score minus its score is below
+CLOSE_Z × the standard error of that difference, taken from the binomial error of one run's
+validation accuracy, sqrt(p(1 − p)/m) with p the best's score and m the runs' validation rows
+(summary.json's `evaluation_rows`), over the seeds each ran: sqrt(se²/n_best + se²/n_candidate).
+If any is close, the best and every close candidate also run the tune-seeds-close seeds, and the
+choice is made on each candidate's mean over all the seeds it ran (without a close candidate, or
+with tune-seeds-close = [], on the tune seeds alone). A candidate with a failed run is never
+close and cannot win; a run without `evaluation_rows` (federated evaluation) gives no s.e., so
+nothing is close. Ties go to the first candidate in declared order.
+
+A tuning run is written like a cell (`<out>/tuning/<arm>/<candidate>_seed=<s>/`, cell.json last),
+the extra seeds' runs too, and resumes like one: a rerun skips the completed ones and redoes the
+others; the closeness is decided again from the same tune-seed runs, so the same extra runs are
+asked for and those done are not run again. choice.json records every candidate's scores, the
+seeds it ran, its margin and s.e. and the extra seeds it got, and the choice; once it holds a
+choice a rerun with the same inputs reads it rather than choosing again (a choice.json written
+before tune-seeds-close existed is read the same way), so finished cells keep the setting they
+ran with.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Callable, Iterable
@@ -48,6 +63,12 @@ RULES = {
     "final": "the mean over tune seeds of the final validation accuracy",
     "best-round": "the mean over tune seeds of each run's best-round validation accuracy",
 }
+CLOSE_Z = 1.96  # a candidate within this many standard errors of the best gets the extra seeds
+CLOSE_RULE = (
+    "a candidate is close when the best's mean score minus its own is below 1.96 × the s.e. of that difference, "
+    "sqrt(p(1 − p)/m) per run (p the best's mean, m the validation rows) over the seeds each ran; the best and the "
+    "close candidates then also run the tune-seeds-close seeds and the choice is on the mean over all seeds each ran"
+)
 
 
 @dataclass(frozen=True)
@@ -120,10 +141,21 @@ class TuningPlan:
         return len(self.arms) * len(self.candidates) * len(self.tune.seeds)
 
     @property
+    def close_runs(self) -> int:
+        """The most extra runs close candidates can add: every candidate of every arm, every extra seed."""
+        return len(self.arms) * len(self.candidates) * len(self.tune.close_seeds)
+
+    @property
     def summary(self) -> str:
+        more = (
+            f", and up to {self.close_runs} more ({len(self.tune.close_seeds)} extra seeds) for candidates close "
+            "to the best"
+            if self.close_runs
+            else ""
+        )
         return (
             f"{len(self.arms)} arms × {len(self.candidates)} candidates × {len(self.tune.seeds)} tune seeds "
-            f"= {self.runs} tuning runs on validation rows"
+            f"= {self.runs} tuning runs on validation rows{more}"
         )
 
 
@@ -183,9 +215,8 @@ def check_resumable(out: Path, plan: TuningPlan) -> None:
     for folder in sorted(path for path in root.iterdir() if path.is_dir() and path.name != TUNING_BASELINE):
         if folder.name not in arms:
             _refuse_foreign(out, f"{TUNING}/{folder.name}", "another grid")
-        runs = {
-            run.name: run for run in (arms[folder.name].run(c, s) for c in plan.candidates for s in plan.tune.seeds)
-        }
+        seeds = (*plan.tune.seeds, *plan.tune.close_seeds)
+        runs = {run.name: run for run in (arms[folder.name].run(c, s) for c in plan.candidates for s in seeds)}
         for path in sorted(p for p in folder.iterdir() if p.is_dir()):
             if path.name not in runs:
                 _refuse_foreign(out, f"{TUNING}/{folder.name}/{path.name}", "other candidates or tune seeds")
@@ -210,33 +241,106 @@ def best(scores: list[float | None]) -> int | None:
     return -max(found)[1] if found else None
 
 
+Outcome = Callable[[Candidate, int], tuple[float | None, str | None]]
+
+
+def _entry(candidate: Candidate, seeds: tuple[int, ...], outcome: Outcome) -> dict[str, Any]:
+    runs = {seed: outcome(candidate, seed) for seed in seeds}
+    scores = [score for score, _ in runs.values()]
+    return {
+        "name": candidate.name,
+        "values": candidate.values,
+        "seeds": list(seeds),
+        "scores": {str(seed): score for seed, (score, _) in runs.items()},
+        "errors": {str(seed): error for seed, (_, error) in runs.items() if error is not None},
+        "score": statistics.fmean(scores) if None not in scores else None,
+    }
+
+
+def closeness(entries: list[dict[str, Any]], rows: Callable[[str, int], int | None]) -> list[dict[str, Any]]:
+    """Per entry (on the seeds each ran): `margin`, the best's score minus its own; `se`, the s.e. of
+    that difference, sqrt(p(1 − p)/m) per run combined as sqrt(se²/n_best + se²/n); `close`, whether
+    margin < CLOSE_Z × se. The best itself, a failed candidate, or one without `rows(name, seed)`
+    (a run's validation rows) is never close (its se, or margin, is None)."""
+    winner = best([entry["score"] for entry in entries])
+    if winner is None:
+        return [{"margin": None, "se": None, "close": False} for _ in entries]
+    top = entries[winner]
+    p = top["score"]
+    found = []
+    for index, entry in enumerate(entries):
+        if index == winner or entry["score"] is None:
+            margin = 0.0 if index == winner else None
+            found.append({"margin": margin, "se": None, "close": False})
+            continue
+        counted = [rows(e["name"], seed) for e in (top, entry) for seed in e["seeds"]]
+        known = [m for m in counted if m is not None and m > 0]
+        se = None
+        if known and len(known) == len(counted):
+            per_run = math.sqrt(p * (1 - p) / min(known))
+            se = math.sqrt(per_run**2 / len(top["seeds"]) + per_run**2 / len(entry["seeds"]))
+        margin = p - entry["score"]
+        found.append({"margin": margin, "se": se, "close": se is not None and margin < CLOSE_Z * se})
+    return found
+
+
+def _stage(
+    found: tuple[Candidate, ...],
+    seeds: tuple[int, ...],
+    close_seeds: tuple[int, ...],
+    outcome: Outcome,
+    rows: Callable[[str, int], int | None],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[bool]]:
+    """The entries on `seeds`, their closeness, and which candidates get `close_seeds` (the best and
+    the close ones, when any is close)."""
+    entries = [_entry(candidate, seeds, outcome) for candidate in found]
+    if not close_seeds:
+        return entries, [{"margin": None, "se": None, "close": False} for _ in entries], [False] * len(entries)
+    near = closeness(entries, rows)
+    winner = best([entry["score"] for entry in entries])
+    any_close = any(item["close"] for item in near)
+    return entries, near, [any_close and (item["close"] or i == winner) for i, item in enumerate(near)]
+
+
+def close_runs(
+    found: tuple[Candidate, ...],
+    seeds: tuple[int, ...],
+    close_seeds: tuple[int, ...],
+    outcome: Outcome,
+    rows: Callable[[str, int], int | None],
+) -> list[tuple[Candidate, int]]:
+    """The extra runs the tune-seed runs ask for: each close seed of the best and of every close candidate."""
+    _, _, extended = _stage(found, seeds, close_seeds, outcome, rows)
+    return [(candidate, seed) for candidate, extra in zip(found, extended) if extra for seed in close_seeds]
+
+
 def choice_record(
     inputs: dict[str, Any],
     found: tuple[Candidate, ...],
     seeds: tuple[int, ...],
     select: str,
-    outcome: Callable[[Candidate, int], tuple[float | None, str | None]],
+    outcome: Outcome,
+    close_seeds: tuple[int, ...] = (),
+    rows: Callable[[str, int], int | None] = lambda name, seed: None,
 ) -> dict[str, Any]:
     """choice.json: each candidate's score per seed and mean, the choice and the rule that made it.
-    `outcome(candidate, seed)` is a run's (score, error); a candidate with any missing score cannot win."""
-    entries = []
-    for candidate in found:
-        runs = {seed: outcome(candidate, seed) for seed in seeds}
-        scores = [score for score, _ in runs.values()]
-        entries.append(
-            {
-                "name": candidate.name,
-                "values": candidate.values,
-                "scores": {str(seed): score for seed, (score, _) in runs.items()},
-                "errors": {str(seed): error for seed, (_, error) in runs.items() if error is not None},
-                "score": statistics.fmean(scores) if None not in scores else None,
-            }
-        )
+    `outcome(candidate, seed)` is a run's (score, error); a candidate with any missing score cannot win.
+    With `close_seeds`, the best on `seeds` and the candidates close to it (`closeness`; `rows(name,
+    seed)` is a run's validation rows) are scored over `seeds` + `close_seeds` (`close_runs` lists
+    those runs, which must have run): each entry's `close` says its margin, s.e. and extra seeds."""
+    entries, near, extended = _stage(found, seeds, close_seeds, outcome, rows)
+    for candidate, entry, item, extra in zip(found, entries, near, extended):
+        entry["tune_seeds_score"] = entry["score"]
+        if extra:
+            entry.update(_entry(candidate, (*seeds, *close_seeds), outcome))
+        entry["close"] = {**item, "extra_seeds": list(close_seeds) if extra else []}
     winner = best([entry["score"] for entry in entries])
     chosen = None if winner is None else {key: entries[winner][key] for key in ("name", "values", "score")}
     return {
         **inputs,
-        "rule": RULES[select],
+        "rule": RULES[select] + (", and of the extra seeds for the close candidates" if any(extended) else ""),
+        "close_rule": CLOSE_RULE if close_seeds else "off (tune-seeds-close = [])",
+        "extra_seeds": any(extended),
         "candidates": entries,
         "chosen": chosen,
         "privacy": TUNING_PRIVACY_NOTE,
@@ -251,9 +355,13 @@ def choice_inputs(arm: Arm, plan: TuningPlan) -> dict[str, Any]:
         "cells": list(arm.cells),
         "select": plan.tune.select,
         "tune_seeds": list(plan.tune.seeds),
+        "tune_seeds_close": list(plan.tune.close_seeds),
         "candidate_names": [candidate.name for candidate in plan.candidates],
         "base_run_config": arm.base,
     }
+
+
+LATER_INPUTS = ("tune_seeds_close",)
 
 
 def frozen_choice(path: Path, inputs: dict[str, Any]) -> dict[str, Any] | None:
@@ -261,7 +369,8 @@ def frozen_choice(path: Path, inputs: dict[str, Any]) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     record = read_json(path)
-    same = all(record.get(key) == value for key, value in inputs.items())
+    # a choice.json written before a key was an input lacks it, and is read back as it was then
+    same = all(record.get(key, value if key in LATER_INPUTS else None) == value for key, value in inputs.items())
     return record["chosen"]["values"] if same and record.get("chosen") else None
 
 
@@ -282,12 +391,22 @@ def run_outcome(folder: Path, select: str) -> tuple[float | None, str | None]:
     return (score, None) if score is not None else (None, "no validation accuracy recorded")
 
 
+def run_rows(folder: Path) -> int | None:
+    """A completed tuning run's validation rows (summary.json's `evaluation_rows`; None: not recorded)."""
+    if not is_done(folder):
+        return None
+    summary = folder / read_json(folder / CELL_JSON)["run_folder"] / "summary.json"
+    rows = read_json(summary).get("evaluation_rows") if summary.is_file() else None
+    return int(rows) if rows is not None else None
+
+
 def is_done(folder: Path) -> bool:
     return (folder / CELL_JSON).is_file() and read_json(folder / CELL_JSON)["status"] == "completed"
 
 
 def runs_done(root: Path, plan: TuningPlan, chosen: Iterable[str]) -> int:
-    """Tuning runs that need no running: every run of the arms in `chosen`, the completed ones of the rest."""
+    """Tune-seed runs that need no running: every one of the arms in `chosen`, the completed ones of the
+    rest (the extra seeds of close candidates are not counted: whether they run is known only later)."""
     settled = set(chosen)
     return sum(
         arm.name in settled or is_done(root / arm.name / arm.run(candidate, seed).name)
@@ -304,20 +423,36 @@ def tune_arm(
     run: Callable[[Cell, Path], dict[str, Any]],
 ) -> dict[str, Any]:
     """Run the arm's unfinished tuning runs in `root/<arm>` (`run(cell, folder)` writes a cell
-    folder) and write its choice.json; returns the record (its `chosen` is None when every
-    candidate failed)."""
+    folder), then the extra seeds' runs of close candidates not yet done, and write its
+    choice.json; returns the record (its `chosen` is None when every candidate failed)."""
     folder = root / arm.name
+
+    def ensure(candidate: Candidate, seed: int) -> None:
+        cell = arm.run(candidate, seed)
+        if not is_done(folder / cell.name):
+            run(cell, folder / cell.name)
+
+    def outcome(candidate: Candidate, seed: int) -> tuple[float | None, str | None]:
+        return run_outcome(folder / arm.run(candidate, seed).name, plan.tune.select)
+
+    by_name = {candidate.name: candidate for candidate in plan.candidates}
+
+    def rows(name: str, seed: int) -> int | None:
+        return run_rows(folder / arm.run(by_name[name], seed).name)
+
     for candidate in plan.candidates:
         for seed in plan.tune.seeds:
-            cell = arm.run(candidate, seed)
-            if not is_done(folder / cell.name):
-                run(cell, folder / cell.name)
+            ensure(candidate, seed)
+    for candidate, seed in close_runs(plan.candidates, plan.tune.seeds, plan.tune.close_seeds, outcome, rows):
+        ensure(candidate, seed)
     record = choice_record(
         choice_inputs(arm, plan),
         plan.candidates,
         plan.tune.seeds,
         plan.tune.select,
-        lambda candidate, seed: run_outcome(folder / arm.run(candidate, seed).name, plan.tune.select),
+        outcome,
+        plan.tune.close_seeds,
+        rows,
     )
     write_json(folder / CHOICE_JSON, record)
     return record
