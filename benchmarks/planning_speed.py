@@ -39,7 +39,7 @@ def stock_pld_epsilon(events: tuple[accountants.NoiseEvent, ...], delta: float) 
     accountant = pld.PLDAccountant(
         accountants.ADJACENCY, value_discretization_interval=accountants.CERTIFICATE_DISCRETIZATION
     )
-    accountant.compose(accountants._dp_event(events))
+    accountant.compose(accountants.dp_event_of(events))
     return accountant.get_epsilon(delta)
 
 

@@ -38,11 +38,19 @@ REPORT = "report"
 TUNING = "tuning"
 TUNING_BASELINE = "baseline"  # under TUNING; a cell arm is never named so (its name holds "=" or is "default")
 CHOICE_JSON = "choice.json"
+TUNED_EPSILON = "epsilon_with_tuning_max"  # sweep.csv with private tuning: the arm's ε with it, largest over clients
 TUNED_PREFIX = "tuned."  # sweep.csv's column of a tuned key: tuned.learning-rate
 TUNING_PRIVACY_NOTE = (
     "The tuning ran on validation rows cut from the clients' own training rows, so its privacy cost is "
     "NOT in the reported ε: a tuned result is private only if the tuning is accounted separately "
     "(e.g. Papernot & Steinke 2022, 'Hyperparameter tuning with Renyi differential privacy', for random search)."
+)
+TUNING_PRIVATE_NOTE = (
+    "The tuning is private random search (Papernot & Steinke 2022, 'Hyperparameter tuning with Renyi "
+    "differential privacy'): a random number of trials, each a candidate drawn at random and scored with "
+    "Gaussian noise on validation rows. Each client's ε for the tuned result (the choice and one cell run with "
+    "it), against whoever sees only those, is in choice.json (private.epsilon), beside what every trial's "
+    "updates reveal together to a party that sees them all (the server)."
 )
 STAGING_PREFIX = "."
 

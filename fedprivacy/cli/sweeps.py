@@ -200,7 +200,17 @@ def _tuning_lines(spec: Any, cells: list[Any], plan: Any) -> list[str]:
         lines.append(
             f"non-private baseline: {baseline.runs} more tuning runs for its own learning rate{more} (fast engine)"
         )
-    lines.append("the tuning's privacy cost is not in the cells' ε (docs/simulator.md#tuning-per-cell)")
+    if plan.tune.private is None:
+        lines.append("the tuning's privacy cost is not in the cells' ε (docs/simulator.md#tuning-per-cell)")
+        return lines
+    from sims.sweep.tuning import private_cost
+
+    for arm in plan.arms:
+        cost = private_cost(arm, plan)
+        lines.append(
+            f"private tuning, arm {arm.name}: ε with the tuning (the choice and one cell run), largest over "
+            f"clients: {cost['tuned_max']:.3g} (one cell run alone, same RDP accountant: {cost['one_run_max']:.3g})"
+        )
     return lines
 
 

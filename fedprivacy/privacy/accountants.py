@@ -93,7 +93,8 @@ class NoiseEvent(NamedTuple):
     count: int
 
 
-def _dp_event(events: Sequence[NoiseEvent]) -> dp_event.DpEvent:
+def dp_event_of(events: Sequence[NoiseEvent]) -> dp_event.DpEvent:
+    """The events as dp-accounting's `DpEvent` (each a self-composed, Poisson-sampled Gaussian)."""
     parts: list[dp_event.DpEvent] = []
     for event in events:
         if event.count <= 0:
@@ -203,7 +204,7 @@ def _rdp_epsilon_cached(events: tuple[NoiseEvent, ...], delta: float) -> float:
     if not any(e.count > 0 for e in events):
         return 0.0
     accountant = rdp.RdpAccountant(neighboring_relation=ADJACENCY)
-    accountant.compose(_dp_event(events))
+    accountant.compose(dp_event_of(events))
     return float(accountant.get_epsilon(delta))
 
 
@@ -240,7 +241,7 @@ def _replace_one_pld_epsilon(events: tuple[NoiseEvent, ...], delta: float, discr
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
         value_discretization_interval=discretization,
     )
-    accountant.compose(_dp_event(active))
+    accountant.compose(dp_event_of(active))
     return float(accountant.get_epsilon(delta))
 
 
@@ -357,7 +358,7 @@ def rdp_epsilon_curve(events: Sequence[NoiseEvent], delta: float, checkpoints: S
     one_step = []
     for event in events:
         accountant = rdp.RdpAccountant(neighboring_relation=ADJACENCY)
-        accountant.compose(_dp_event([NoiseEvent(event.sigma, event.sampling_rate, 1)]))
+        accountant.compose(dp_event_of([NoiseEvent(event.sigma, event.sampling_rate, 1)]))
         one_step.append(np.asarray(accountant.rdp, dtype=float))
     curve = []
     for stop in checkpoints:

@@ -14,7 +14,15 @@ from typing import Any
 
 import pandas as pd
 
-from fedprivacy.sweepfiles import CHOICE_JSON, SWEEP_JSON, TUNING, TUNING_BASELINE, TUNING_PRIVACY_NOTE, read_json
+from fedprivacy.sweepfiles import (
+    CHOICE_JSON,
+    SWEEP_JSON,
+    TUNING,
+    TUNING_BASELINE,
+    TUNING_PRIVACY_NOTE,
+    TUNING_PRIVATE_NOTE,
+    read_json,
+)
 
 
 def _markdown(table: pd.DataFrame) -> str:
@@ -23,6 +31,8 @@ def _markdown(table: pd.DataFrame) -> str:
 
 
 def _score(candidate: dict[str, Any], chosen: dict[str, Any] | None) -> str:
+    if candidate.get("seeds") == []:
+        return "not drawn"  # private random search: no trial ran this candidate
     if candidate["score"] is None:
         return "failed"
     text = f"{candidate['score']:.4f}"
@@ -46,7 +56,7 @@ def chosen_table(choices: list[dict[str, Any]]) -> pd.DataFrame:
     rows = []
     for choice in choices:
         chosen = choice["chosen"]
-        failed = sum(candidate["score"] is None for candidate in choice["candidates"])
+        failed = sum(candidate["score"] is None and candidate.get("seeds") != [] for candidate in choice["candidates"])
         rows.append(
             {
                 "arm": choice["arm"],
@@ -136,6 +146,50 @@ def _intro(tune: dict[str, Any], cells: list[dict[str, Any]], split: str) -> str
     )
 
 
+def _private_intro(tune: dict[str, Any], split: str) -> str:
+    space = "; ".join(f"{key} ∈ {{{', '.join(map(value_text, values))}}}" for key, values in tune["space"].items())
+    search = tune["private"]
+    return (
+        f"Each arm (the cells that differ only in their seed) had its setting chosen by private random search "
+        f"over {space} (Papernot & Steinke 2022): a random number of trials (truncated negative binomial, mean "
+        f"{search['trials_mean']:g}, shape {search['trials_shape']:g}), each a candidate drawn at random, run "
+        f"once with its own seed on fit rows and scored by its count of correct validation rows plus Gaussian "
+        f"noise of std {search['score_noise']:g} records; the trial with the highest noisy score won. The "
+        f"validation rows are cut from the clients' own training rows with {split}; no tuning run read a test row."
+    )
+
+
+def cost_table(choices: list[dict[str, Any]]) -> pd.DataFrame:
+    """Private tuning's cost per arm: ε per client (largest, mean) with the tuning, one run alone."""
+    rows = []
+    for choice in choices:
+        cost = choice["private"]["epsilon"]
+        rows.append(
+            {
+                "arm": choice["arm"],
+                "trials": str(choice["private"]["count"]),
+                "ε one run (RDP)": f"{cost['one_run_max']:.3f}",
+                "ε with tuning, max": f"{cost['tuned_max']:.3f}",
+                "ε with tuning, mean": f"{cost['tuned_mean']:.3f}",
+                "ε all trials seen, max": f"{cost['all_trials_max']:.3f}",
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _privacy_lines(tune: dict[str, Any], cells: list[dict[str, Any]]) -> list[str]:
+    if not tune.get("private"):
+        return [f"**Privacy.** {TUNING_PRIVACY_NOTE}", ""]
+    private = [choice for choice in cells if choice.get("private")]
+    return [
+        f"**Privacy.** {TUNING_PRIVATE_NOTE} Per client at its own δ, under the RDP accountant (a cell's own "
+        "ε in sweep.csv is one run's, certified by the tighter PLD accountant):",
+        "",
+        _markdown(cost_table(private)),
+        "",
+    ]
+
+
 def tuning_markdown(sweep_dir: Path) -> str:
     """The Tuning section of report.md ('' for a sweep without [tune])."""
     spec = read_json(sweep_dir / SWEEP_JSON) if (sweep_dir / SWEEP_JSON).is_file() else {}
@@ -149,10 +203,9 @@ def tuning_markdown(sweep_dir: Path) -> str:
         "",
         "## Tuning",
         "",
-        _intro(tune, cells, _split_text(spec)),
+        _private_intro(tune, _split_text(spec)) if tune.get("private") else _intro(tune, cells, _split_text(spec)),
         "",
-        f"**Privacy.** {TUNING_PRIVACY_NOTE}",
-        "",
+        *_privacy_lines(tune, cells),
         "### Chosen per arm",
         "",
         _markdown(chosen_table(cells)),
@@ -163,7 +216,12 @@ def tuning_markdown(sweep_dir: Path) -> str:
             else []
         ),
         *_close_lines(cells, tune),
-        "### Validation scores (mean over the seeds each candidate ran; the chosen one in bold)",
+        "### Validation scores "
+        + (
+            "(the best noisy score of each candidate's trials; the chosen one in bold)"
+            if tune.get("private")
+            else "(mean over the seeds each candidate ran; the chosen one in bold)"
+        ),
         "",
         _markdown(scores_table(cells)),
         "",
@@ -176,8 +234,8 @@ def tuning_markdown(sweep_dir: Path) -> str:
 def _close_lines(choices: list[dict[str, Any]], tune: dict[str, Any]) -> list[str]:
     """Which arms got extra seeds because candidates were close (nothing when tune-seeds-close is off)."""
     seeds = tune.get("close_seeds")
-    if not seeds:
-        return []
+    if not seeds or (tune.get("private") and not any(choice.get("extra_seeds") for choice in choices)):
+        return []  # private tuning scores each trial once: the cells' arms have no close candidates
     notes = close_notes(choices)
     if not notes:
         return [f"No arm had a candidate close to the best, so none ran the extra seeds ({_seeds(seeds)}).", ""]

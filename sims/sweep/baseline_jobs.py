@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,7 @@ def baseline_tuning(jobs: list[BaselineJob], tune: TuneSpec) -> TuningPlan:
     for job in jobs:
         arms.setdefault(cell_name(arm_params(job.params)), []).append(job)
     return TuningPlan(
-        tune,
+        replace(tune, private=None),  # the baseline is not private: its η is tuned as without tune-private
         tuple(Candidate(cell_name({KEY: rate}), {KEY: rate}) for rate in rates),
         tuple(
             Arm(

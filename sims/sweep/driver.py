@@ -42,9 +42,11 @@ from fedprivacy.sweepfiles import (
     BASELINE_JSON,
     CELL_JSON,
     CELLS,
+    CHOICE_JSON,
     RESULT_COLUMNS,
     SWEEP_CSV,
     SWEEP_JSON,
+    TUNED_EPSILON,
     TUNED_PREFIX,
     TUNING,
     TUNING_BASELINE,
@@ -150,15 +152,31 @@ def sweep_row(out: Path, cell: Cell, tuned: Mapping[str, Any] | None = None) -> 
     return row
 
 
+def tuning_costs(root: Path) -> dict[str, float]:
+    """Each cell's ε with its arm's private tuning, the largest over clients (choice.json)."""
+    costs = {}
+    for path in root.glob(f"*/{CHOICE_JSON}"):
+        choice = read_json(path)
+        if choice.get("private"):
+            costs.update(dict.fromkeys(choice["cells"], choice["private"]["epsilon"]["tuned_max"]))
+    return costs
+
+
 def write_sweep_csv(
     out: Path, spec: SweepSpec, cells: list[Cell], tuned: Mapping[str, dict[str, Any]] | None = None
 ) -> list[dict[str, Any]]:
-    """sweep.csv from the cell folders; `tuned` (cell name -> values) fills the tuned.<key> columns."""
+    """sweep.csv from the cell folders; `tuned` (cell name -> values) fills the tuned.<key> columns;
+    with private tuning, `epsilon_with_tuning_max` is each cell's arm's cost (`tuning_costs`)."""
     keys = list(spec.tune.space) if spec.tune else []
     blank = dict.fromkeys(keys)
     rows = [sweep_row(out, cell, {**blank, **(tuned or {}).get(cell.name, {})} if keys else None) for cell in cells]
-    temporary = out / f"{SWEEP_CSV}.tmp"
     columns = [*spec.varied, *(f"{TUNED_PREFIX}{key}" for key in keys), *RESULT_COLUMNS]
+    if spec.tune is not None and spec.tune.private is not None:
+        costs = tuning_costs(out / TUNING)
+        for cell, row in zip(cells, rows, strict=True):
+            row[TUNED_EPSILON] = costs.get(cell.name)
+        columns.append(TUNED_EPSILON)
+    temporary = out / f"{SWEEP_CSV}.tmp"
     pd.DataFrame(rows, columns=columns).to_csv(temporary, index=False)
     os.replace(temporary, out / SWEEP_CSV)
     return rows
@@ -281,7 +299,10 @@ def _run_tuning(
         progress.end(counts_as_cell=False)
         score, error = run_outcome(folder, plan.tune.select)
         result = f"validation accuracy {score:.4f}" if error is None else f"[red]failed[/red]: {error}"
-        if cell.params["seed"] in plan.tune.seeds:
+        if plan.tune.private is not None:
+            count["done"] += 1
+            which = f"{count['done']} (private trial; about {plan.runs} in all)"
+        elif cell.params["seed"] in plan.tune.seeds:
             count["done"] += 1
             which = f"{count['done']}/{plan.runs}"
         else:  # a tune-seeds-close seed: the candidate is close to the best
@@ -298,6 +319,12 @@ def _run_tuning(
             if record["chosen"]
             else "[red]nothing: every candidate failed[/red]"
         )
+        if record.get("private") and record["chosen"]:
+            cost = record["private"]["epsilon"]
+            picked += (
+                f" after {record['private']['count']} private trials; ε with the tuning, largest over clients: "
+                f"{cost['tuned_max']:.3g} (one run alone, same accountant: {cost['one_run_max']:.3g})"
+            )
         progress.log(f"{what} {arm.name}: chose {picked}")
     return chosen
 

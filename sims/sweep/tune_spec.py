@@ -12,7 +12,11 @@
               each run's best round), tune-trials (0: every combination; n: n combinations drawn at
               random, the same n for the same scenario), split-seed (default 0: every run of the
               sweep cuts its clients' data the same way, so they share test rows and the tuning's
-              validation rows come from the cells' own training rows)
+              validation rows come from the cells' own training rows),
+              tune-private (true: private random search, Papernot & Steinke 2022: a random number
+              of trials, mean tune-trials-mean and shape tune-trials-shape, each a candidate drawn
+              at random, scored on validation rows with Gaussian noise of std tune-score-noise
+              records; its cost per client in choice.json; sims.sweep.private_tuning)
 
 This module only checks; the values are typed by sims.sweep.spec (`value`), so a candidate is
 typed and its path resolved like any other run-config value.
@@ -28,7 +32,16 @@ from typing import Any
 from fedprivacy.errors import InputError, positive
 from fedprivacy.runconfig import DEFAULTS
 
-TUNE_OPTIONS = ("tune-seeds", "tune-seeds-close", "tune-select", "tune-trials", "split-seed")
+PRIVATE_OPTIONS = ("tune-trials-mean", "tune-trials-shape", "tune-score-noise")
+TUNE_OPTIONS = (
+    "tune-seeds",
+    "tune-seeds-close",
+    "tune-select",
+    "tune-trials",
+    "split-seed",
+    "tune-private",
+    *PRIVATE_OPTIONS,
+)
 SELECTIONS = ("final", "best-round")
 DEFAULT_SEEDS = (1000, 1001)
 DEFAULT_CLOSE_COUNT = 3  # tune-seeds-close when not given: this many seeds after the largest tune seed
@@ -44,6 +57,27 @@ BASELINE_KEY = "baseline-learning-rate"
 
 
 @dataclass(frozen=True)
+class PrivateSearch:
+    """Private random search: K ~ a truncated negative binomial of mean `trials_mean` and shape
+    `trials_shape` (1: geometric), each trial's validation score a count of correct predictions
+    with Gaussian noise of std `score_noise` records; `seeded`: the draws come from the sweep's
+    name and the arm's (reproducible, for experiments), otherwise from a fresh OS key per arm."""
+
+    trials_mean: float = 10.0
+    trials_shape: float = 1.0
+    score_noise: float = 10.0
+    seeded: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trials_mean": self.trials_mean,
+            "trials_shape": self.trials_shape,
+            "score_noise": self.score_noise,
+            "seeded": self.seeded,
+        }
+
+
+@dataclass(frozen=True)
 class TuneSpec:
     """The search space (key -> candidate values, in declared order) and how the tuning runs."""
 
@@ -54,6 +88,7 @@ class TuneSpec:
     split_seed: int = 0
     baseline_learning_rates: tuple[float, ...] = ()  # empty: the baseline tunes over space["learning-rate"]
     close_seeds: tuple[int, ...] = (1002, 1003, 1004)  # extra seeds for close candidates (sims.sweep.tuning)
+    private: PrivateSearch | None = None  # tune-private = true: the cells' tuning is private random search
 
     @property
     def combinations(self) -> int:
@@ -68,6 +103,7 @@ class TuneSpec:
             "split_seed": self.split_seed,
             "baseline_learning_rate": list(self.baseline_learning_rates),
             "close_seeds": list(self.close_seeds),
+            "private": self.private.to_dict() if self.private else None,
         }
 
 
@@ -212,6 +248,64 @@ def _split_seed(sweep: Mapping[str, Any], placed: Placed) -> int:
     return split_seed
 
 
+def _number(sweep: Mapping[str, Any], key: str, default: float, low: float, strict: bool, allowed: str) -> float:
+    number = sweep.get(key, default)
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, int | float)
+        or not math.isfinite(number)
+        or number < low
+        or (strict and number == low)
+    ):
+        raise InputError(f"sweep.{key}", number, allowed)
+    return float(number)
+
+
+def _private(sweep: Mapping[str, Any], select: str, trials: int) -> PrivateSearch | None:
+    """[sweep] tune-private and its options (refused without it, and beside what they replace)."""
+    private = sweep.get("tune-private", False)
+    if not isinstance(private, bool):
+        raise InputError("sweep.tune-private", private, "must be true (private random search) or false")
+    if not private:
+        given = next((key for key in PRIVATE_OPTIONS if key in sweep), None)
+        if given is not None:
+            raise InputError(f"sweep.{given}", sweep[given], "sets the private tuning: it needs tune-private = true")
+        return None
+    if select != "final":
+        raise InputError(
+            "sweep.tune-select",
+            select,
+            "private tuning scores each trial once, on its final validation accuracy: use 'final' (a best round "
+            "would release every round's score)",
+        )
+    if "tune-trials" in sweep:
+        raise InputError(
+            "sweep.tune-trials",
+            trials,
+            "private tuning draws the number of trials at random (the cost depends on it): give tune-trials-mean",
+        )
+    return PrivateSearch(
+        _number(sweep, "tune-trials-mean", 10.0, 1.0, False, "must be a number >= 1: the mean number of trials"),
+        _number(
+            sweep,
+            "tune-trials-shape",
+            1.0,
+            0.0,
+            False,
+            "must be a number >= 0: the shape of the trial count's distribution (0 logarithmic, 1 geometric)",
+        ),
+        _number(
+            sweep,
+            "tune-score-noise",
+            10.0,
+            0.0,
+            True,
+            "must be a number > 0: the std of the Gaussian noise on each trial's count of correct validation rows",
+        ),
+        bool(sweep.get("seeded-noise", False)),
+    )
+
+
 def read_tune(
     raw: Mapping[str, Any], sweep: Mapping[str, Any], placed: Placed, value: Callable[[str, str, Any], Any]
 ) -> TuneSpec | None:
@@ -261,5 +355,12 @@ def read_tune(
     )
     seeds = _seeds(sweep, placed)
     return TuneSpec(
-        space, seeds, select, trials, _split_seed(sweep, placed), baseline_rates, _close_seeds(sweep, placed, seeds)
+        space,
+        seeds,
+        select,
+        trials,
+        _split_seed(sweep, placed),
+        baseline_rates,
+        _close_seeds(sweep, placed, seeds),
+        _private(sweep, select, trials),
     )

@@ -54,6 +54,7 @@ from fedprivacy.sweepfiles import (
     write_json,
 )
 from sims.sweep.grid import PLACEHOLDER_RESULTS_DIR, Cell, cell_name
+from sims.sweep.private_tuning import TRIALS_JSON, arm_costs, read_trials, tune_arm_private
 from sims.sweep.spec import SweepSpec
 from sims.sweep.tune_spec import TuneSpec
 
@@ -135,9 +136,13 @@ class TuningPlan:
     tune: TuneSpec
     candidates: tuple[Candidate, ...]
     arms: tuple[Arm, ...]
+    cell_seeds: frozenset[int] = frozenset()  # the seeds private trials skip
 
     @property
     def runs(self) -> int:
+        """The tune-seed runs; with private tuning, the expected number of trials over the arms."""
+        if self.tune.private is not None:
+            return round(len(self.arms) * self.tune.private.trials_mean)
         return len(self.arms) * len(self.candidates) * len(self.tune.seeds)
 
     @property
@@ -147,6 +152,13 @@ class TuningPlan:
 
     @property
     def summary(self) -> str:
+        if self.tune.private is not None:
+            search = self.tune.private
+            return (
+                f"{len(self.arms)} arms × a random number of trials (mean {search.trials_mean:g}, shape "
+                f"{search.trials_shape:g}), each one of {len(self.candidates)} candidates drawn at random: about "
+                f"{self.runs} private tuning runs on validation rows"
+            )
         more = (
             f", and up to {self.close_runs} more ({len(self.tune.close_seeds)} extra seeds) for candidates close "
             "to the best"
@@ -194,7 +206,8 @@ def plan_tuning(spec: SweepSpec, cells: list[Cell]) -> TuningPlan | None:
         for candidate in found:
             _check(arm.run(candidate, spec.tune.seeds[0]).run_config, candidate, arm.name)
             _check({**arm.base, **candidate.values}, candidate, arm.name)  # what the arm's cells would run
-    return TuningPlan(spec.tune, found, arms)
+    seeds = frozenset(int(cell.run_config.get("seed", DEFAULTS["seed"])) for cell in cells)
+    return TuningPlan(spec.tune, found, arms, seeds)
 
 
 def _refuse_foreign(out: Path, where: str, what: str) -> NoReturn:
@@ -215,8 +228,7 @@ def check_resumable(out: Path, plan: TuningPlan) -> None:
     for folder in sorted(path for path in root.iterdir() if path.is_dir() and path.name != TUNING_BASELINE):
         if folder.name not in arms:
             _refuse_foreign(out, f"{TUNING}/{folder.name}", "another grid")
-        seeds = (*plan.tune.seeds, *plan.tune.close_seeds)
-        runs = {run.name: run for run in (arms[folder.name].run(c, s) for c in plan.candidates for s in seeds)}
+        runs = _allowed_runs(folder, arms[folder.name], plan)
         for path in sorted(p for p in folder.iterdir() if p.is_dir()):
             if path.name not in runs:
                 _refuse_foreign(out, f"{TUNING}/{folder.name}/{path.name}", "other candidates or tune seeds")
@@ -233,6 +245,22 @@ def check_resumable(out: Path, plan: TuningPlan) -> None:
                     f"scenario has {expected.get(key, DEFAULTS.get(key))!r}: "
                     "resume with the same scenario or use another --out",
                 )
+
+
+def _allowed_runs(folder: Path, arm: Arm, plan: TuningPlan) -> dict[str, Cell]:
+    """The tuning runs an arm's folder may hold: every candidate with every tune (and close) seed, or
+    with private tuning the trials its trials.json drew."""
+    if plan.tune.private is not None:
+        drawn = read_trials(folder)
+        by_name = {candidate.name: candidate for candidate in plan.candidates}
+        trials = [] if drawn is None else drawn["trials"]
+        if any(trial["candidate"] not in by_name for trial in trials):
+            _refuse_foreign(folder.parent.parent, f"{TUNING}/{folder.name}/{TRIALS_JSON}", "other candidates")
+        found = (arm.run(by_name[trial["candidate"]], trial["seed"]) for trial in trials)
+    else:
+        seeds = (*plan.tune.seeds, *plan.tune.close_seeds)
+        found = (arm.run(candidate, seed) for candidate in plan.candidates for seed in seeds)
+    return {run.name: run for run in found}
 
 
 def best(scores: list[float | None]) -> int | None:
@@ -349,7 +377,9 @@ def choice_record(
 
 def choice_inputs(arm: Arm, plan: TuningPlan) -> dict[str, Any]:
     """What a choice depends on: a choice.json with other inputs is made again."""
+    private = {"private": plan.tune.private.to_dict()} if plan.tune.private is not None else {}
     return {
+        **private,
         "arm": arm.name,
         "params": arm.params,
         "cells": list(arm.cells),
@@ -408,6 +438,13 @@ def runs_done(root: Path, plan: TuningPlan, chosen: Iterable[str]) -> int:
     """Tune-seed runs that need no running: every one of the arms in `chosen`, the completed ones of the
     rest (the extra seeds of close candidates are not counted: whether they run is known only later)."""
     settled = set(chosen)
+    if plan.tune.private is not None:
+        return sum(
+            is_done(root / arm.name / f"{trial['candidate']}_seed={trial['seed']}")
+            for arm in plan.arms
+            if arm.name not in settled
+            for trial in (read_trials(root / arm.name) or {"trials": []})["trials"]
+        )
     return sum(
         arm.name in settled or is_done(root / arm.name / arm.run(candidate, seed).name)
         for arm in plan.arms
@@ -440,6 +477,9 @@ def tune_arm(
     def rows(name: str, seed: int) -> int | None:
         return run_rows(folder / arm.run(by_name[name], seed).name)
 
+    if plan.tune.private is not None:
+        return _tune_privately(arm, plan, folder, run, rows)
+
     for candidate in plan.candidates:
         for seed in plan.tune.seeds:
             ensure(candidate, seed)
@@ -456,3 +496,51 @@ def tune_arm(
     )
     write_json(folder / CHOICE_JSON, record)
     return record
+
+
+def private_cost(arm: Arm, plan: TuningPlan, ran: list[int] = (), chosen: int | None = None) -> dict[str, Any]:
+    """Each client's cost of the arm's private tuning (`arm_costs`): known before any trial runs,
+    and with the trials that ran (`ran`, candidate indices) and the choice, what they all reveal."""
+    assert plan.tune.private is not None
+    return arm_costs(
+        [arm.run(candidate, plan.tune.seeds[0]).run_config for candidate in plan.candidates],
+        [{**arm.base, **candidate.values} for candidate in plan.candidates],
+        arm.num_clients,
+        plan.tune.private,
+        list(ran),
+        chosen,
+    )
+
+
+def _tune_privately(
+    arm: Arm,
+    plan: TuningPlan,
+    folder: Path,
+    run: Callable[[Cell, Path], dict[str, Any]],
+    rows: Callable[[str, int], int | None],
+) -> dict[str, Any]:
+    """`tune_arm` for private random search (sims.sweep.private_tuning)."""
+    search = plan.tune.private
+    assert search is not None
+    by_name = {candidate.name: candidate for candidate in plan.candidates}
+
+    def ensure(name: str, seed: int) -> None:
+        cell = arm.run(by_name[name], seed)
+        if not is_done(folder / cell.name):
+            run(cell, folder / cell.name)
+
+    def outcome(name: str, seed: int) -> tuple[float | None, int | None, str | None]:
+        score, error = run_outcome(folder / arm.run(by_name[name], seed).name, "final")
+        return score, rows(name, seed) if error is None else None, error
+
+    return tune_arm_private(
+        folder,
+        choice_inputs(arm, plan),
+        [(candidate.name, candidate.values) for candidate in plan.candidates],
+        search,
+        ensure,
+        outcome,
+        lambda ran, chosen: private_cost(arm, plan, ran, chosen),
+        plan.tune.seeds[0],
+        set(plan.cell_seeds),
+    )
