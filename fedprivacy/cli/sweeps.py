@@ -190,8 +190,10 @@ def _tuning_lines(spec: Any, cells: list[Any], plan: Any) -> list[str]:
 
     if plan is None:
         return []
+    varied = "split-seed" in spec.varied
+    split = "each arm's own split-seed" if varied else f"split-seed {plan.tune.split_seed}"
     lines = [
-        f"tuning: {plan.summary} ({plan.tune.select} score; split-seed {plan.tune.split_seed})",
+        f"tuning: {plan.summary} ({plan.tune.select} score; {split})",
         f"candidates: {'; '.join(candidate.name for candidate in plan.candidates)}",
     ]
     if spec.baseline and tunes_baseline(spec.tune, spec.baseline_learning_rate):
