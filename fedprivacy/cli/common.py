@@ -38,6 +38,7 @@ Rule = choices("Rule", RULE_NAMES)
 LrSchedule = choices("LrSchedule", LR_SCHEDULES)
 AlphaSchedule = choices("AlphaSchedule", ALPHA_SCHEDULES)
 Adjacency = choices("Adjacency", tuple(NEIGHBOUR_RELATIONS))
+Level = choices("Level", ("record", "federation"))
 RULE_HELP = (
     "proactive: σ of the proactive rule; calibrated: the smallest σ PLD certifies; "
     "calibrated-rdp: the smallest σ RDP certifies; adp: ADP-SGD's schedule"

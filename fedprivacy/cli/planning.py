@@ -20,6 +20,7 @@ from fedprivacy.cli.common import (
     ClipNormOption,
     DeltaOption,
     EpsilonOption,
+    Level,
     LrSchedule,
     RoundsOption,
     Rule,
@@ -44,17 +45,35 @@ def _write_sheets(plans: list[Any], out: Path, **options: Any) -> list[Path]:
         raise InputError("out", str(out), f"cannot write the sheets there: {error.strerror or error}") from None
 
 
-def _plan_table(plan: Any, spent: dict[str, float]) -> Table:
-    """The plan, with `spent`: its PLD ε under each neighbour relation (the one it was planned for marked)."""
+RECORD_LABELS = {
+    "size": "N, ε, δ",
+    "rate": "q (Poisson rate) / expected batch",
+    "steps": "T steps / epochs k",
+    "noise": "noise std on averaged gradient",
+}
+FEDERATION_LABELS = {
+    "size": "members M, ε, δ",
+    "rate": "p (Poisson participation rate) / expected cohort pM",
+    "steps": "rounds / participations per member k = pR",
+    "noise": "noise std on the averaged update, σS/(pM)",
+}
+
+
+def _plan_table(plan: Any, spent: dict[str, float], federation: bool = False) -> Table:
+    """The plan, with `spent`: its PLD ε under each neighbour relation (the one it was planned for
+    marked); `federation`: in the federation's words (members, rounds, cohort)."""
+    from fedprivacy.privacy.federation import RELEASED_AGGREGATE
+
+    label = FEDERATION_LABELS if federation else RECORD_LABELS
     table = Table(title=f"{plan.rule.capitalize()} plan for {plan.client_id}", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")
     rows = [
-        ("N, ε, δ", f"{plan.n}, {plan.epsilon:g}, {plan.delta:.3g}"),
-        ("neighbours", plan.neighbours),
+        (label["size"], f"{plan.n}, {plan.epsilon:g}, {plan.delta:.3g}"),
+        ("neighbours", "add/remove one member; M public" if federation else plan.neighbours),
         ("σ (noise multiplier)", f"{plan.sigma:.4f}"),
-        ("q (Poisson rate) / expected batch", f"{plan.sampling_rate:.4g} / {plan.expected_batch_size:.1f}"),
-        ("T steps / epochs k", f"{plan.steps} / {plan.epochs:.3g}"),
+        (label["rate"], f"{plan.sampling_rate:.4g} / {plan.expected_batch_size:.1f}"),
+        (label["steps"], f"{plan.steps} / {plan.epochs:.3g}"),
         (
             "certified ε: PLD / RDP",
             f"{plan.epsilon_pld:.4f} / " + ("n/a" if plan.epsilon_rdp is None else f"{plan.epsilon_rdp:.4f}"),
@@ -67,8 +86,8 @@ def _plan_table(plan: Any, spent: dict[str, float]) -> Table:
             )
             for relation, epsilon in spent.items()
         ),
-        ("noise std on averaged gradient", f"{plan.noise_std_on_mean:.4g}"),
-        ("released mechanism", RELEASED_MECHANISM),
+        (label["noise"], f"{plan.noise_std_on_mean:.4g}"),
+        ("released mechanism", RELEASED_AGGREGATE if federation else RELEASED_MECHANISM),
     ]
     rows += [(f"σ {name}", "n/a" if v is None else f"{v:.4g}") for name, v in plan.sigma_by_rule.items()]
     rows += [
@@ -114,17 +133,44 @@ def plan(
         float, typer.Option("--alpha-power", help="p in [0, 1] of the power schedule α_t² ∝ t^p")
     ] = 0.5,
     adjacency: AdjacencyOption = Adjacency("add-remove"),
+    level: Annotated[
+        Level,
+        typer.Option(
+            "--level",
+            help="record: a client's DP-SGD over its N records; federation: client-level DP-FedAvg over N "
+            "members, one noisy aggregation per round (--rounds), --batch-size the expected cohort, --epochs "
+            "the participations per member, --clip-norm the update clip S",
+        ),
+    ] = Level("record"),
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object and nothing else")] = False,
     out: Annotated[
         Path | None,
         typer.Option("--out", help="also write the planning sheet (md, html, png, json) into this folder"),
     ] = None,
 ) -> None:
-    """Plan, certify and explain one client's DP-SGD parameters, and the ε the plan spends under each
-    neighbour relation (add/remove and replace-one) without recalibrating it."""
+    """Plan, certify and explain one client's DP-SGD parameters (or, with --level federation, the
+    federation's client-level plan), and the ε the plan spends under each neighbour relation
+    (add/remove and replace-one) without recalibrating it."""
     from fedprivacy.privacy import limits
     from fedprivacy.privacy.planner import plan_client
     from fedprivacy.privacy.relations import epsilon_by_neighbours
+
+    if value(level) == "federation":
+        _plan_federation(
+            n,
+            epsilon,
+            delta,
+            value(rule),
+            clip_norm,
+            epochs,
+            sampling_rate,
+            batch_size,
+            rounds,
+            {"steps": steps, "lr-schedule": lr_schedule, "alpha-schedule": alpha_schedule, "out": out},
+            value(adjacency),
+            as_json,
+        )
+        return
 
     the_plan = guarded(
         lambda: plan_client(
@@ -155,6 +201,61 @@ def plan(
     console.print(_plan_table(the_plan, spent))
     if written:
         console.print(f"planning sheet: {out / (written[0].stem + '.html')}")
+
+
+RECORD_ONLY = {  # options of a client's plan that a federation's has no use for, and why
+    "steps": "a federation runs one noisy aggregation per round: give --rounds",
+    "lr-schedule": "a federation's plan has no local step size",
+    "alpha-schedule": "a federation's plan has no local step size",
+    "out": "the planning sheet is a client's; print the federation's plan with --json",
+}
+
+
+def _plan_federation(
+    members: int,
+    epsilon: float,
+    delta: float,
+    rule: str,
+    update_clip: float,
+    participations: float | None,
+    participation_rate: float | None,
+    cohort: float | None,
+    rounds: int,
+    record_only: dict[str, Any],
+    adjacency: str,
+    as_json: bool,
+) -> None:
+    """`fedprivacy plan --level federation`: the federation's plan, printed or as JSON."""
+    from fedprivacy.privacy import limits
+    from fedprivacy.privacy.federation import plan_federation
+
+    def build() -> Any:
+        given = next((key for key, option in record_only.items() if option is not None), None)
+        if given is not None:
+            raise InputError(
+                given,
+                str(getattr(record_only[given], "value", record_only[given])),
+                RECORD_ONLY[given],
+            )
+        if adjacency != "add-remove":
+            raise InputError("adjacency", adjacency, "a federation plans add/remove of one member (M public)")
+        return plan_federation(
+            members,
+            epsilon,
+            delta,
+            rounds,
+            rule=rule,
+            update_clip=limits.clip_norm("clip-norm", update_clip),
+            participations=participations,
+            participation_rate=participation_rate,
+            expected_cohort=cohort,
+        )
+
+    the_plan = guarded(build)
+    if as_json:
+        sys.stdout.write(json.dumps({**the_plan.to_dict(), "level": "federation"}, allow_nan=False) + "\n")
+        return
+    Console().print(_plan_table(the_plan, {"add-remove": the_plan.epsilon_pld}, federation=True))
 
 
 @app.command()
