@@ -73,8 +73,9 @@ def test_the_selection_bound_is_dp_accountings_repeat_and_select(shape, events):
 
 def test_a_clients_cost_is_dp_accountings_for_its_events_and_the_largest_candidate_decides():
     """One candidate: the selection of (run ∘ noisy score) composed with one run, and every trial that
-    ran composed with the choice's run, both through dp-accounting's own events. Two candidates: the
-    costlier one's curve (here it dominates at every order)."""
+    ran composed with one run, both through dp-accounting's own events. Two candidates: the costlier
+    one's curve (here it dominates at every order) for the selection and for the run after it, which
+    the data chose."""
     cheap, costly = (NoiseEvent(2.0, 0.05, 100),), (NoiseEvent(1.2, 0.05, 300),)
     score_noise, delta, count = 8.0, 1e-5, TrialCount(6.0, 1.0)
 
@@ -84,7 +85,7 @@ def test_a_clients_cost_is_dp_accountings_for_its_events_and_the_largest_candida
     selection = dp_event.RepeatAndSelectDpEvent(trial(costly), count.mean, count.shape)
     expected = _accountant_epsilon(dp_event.ComposedDpEvent([selection, dp_event_of(costly)]), delta)
     seen = _accountant_epsilon(
-        dp_event.ComposedDpEvent([trial(costly), trial(cheap), trial(costly), dp_event_of(cheap)]), delta
+        dp_event.ComposedDpEvent([trial(costly), trial(cheap), trial(costly), dp_event_of(costly)]), delta
     )
     one = tuning_cost([run_curve(costly)], [run_curve(costly)], score_noise, count, delta)
     assert one.tuned == pytest.approx(expected, rel=1e-9)
@@ -96,7 +97,6 @@ def test_a_clients_cost_is_dp_accountings_for_its_events_and_the_largest_candida
         count,
         delta,
         ran=[1, 0, 1],
-        chosen=0,
     )
     assert both.tuned == pytest.approx(expected, rel=1e-9)
     assert both.all_trials == pytest.approx(seen, rel=1e-9)
@@ -115,17 +115,33 @@ def test_the_noisy_count_is_gaussian_on_its_grid_and_the_same_for_the_same_key_a
 
 
 def test_trials_are_drawn_from_the_key_and_skip_the_cells_seeds():
-    assert trial_seeds(1000, 4, {1001, 1003}) == [1000, 1002, 1004, 1005]
+    key = bytes(range(32))
+    seeds = trial_seeds(key, 50, {0, 1})
+    assert len(set(seeds)) == 50 and not {0, 1} & set(seeds) and seeds == trial_seeds(key, 50, {0, 1})
+    assert trial_seeds(bytes(32), 50, set()) != seeds and all(0 <= seed < 2**31 for seed in seeds)
     search = PrivateSearch(trials_mean=4.0, seeded=True)
     names = ["a", "b", "c"]
-    drawn = draw_trials(names, search, ARM, 1000, {1001})
-    assert drawn == draw_trials(names, search, ARM, 1000, {1001})  # seeded: the same draws for the same arm
-    assert draw_trials(names, PrivateSearch(trials_mean=4.0), ARM, 1000, set())["key"] != drawn["key"]
+    drawn = draw_trials(names, search, ARM, {1001})
+    assert drawn == draw_trials(names, search, ARM, {1001})  # seeded: the same draws for the same arm
+    assert draw_trials(names, PrivateSearch(trials_mean=4.0), ARM, set())["key"] != drawn["key"]
     assert drawn["count"] == len(drawn["trials"]) >= 1
-    assert [t["seed"] for t in drawn["trials"]] == trial_seeds(1000, drawn["count"], {1001})
-    picked = [t["candidate"] for arm in range(300) for t in draw_trials(names, search, str(arm), 0, set())["trials"]]
+    assert drawn["options"] == search.to_dict() and drawn["candidates"] == names
+    assert [t["seed"] for t in drawn["trials"]] == trial_seeds(bytes.fromhex(drawn["key"]), drawn["count"], {1001})
+    picked = [t["candidate"] for arm in range(300) for t in draw_trials(names, search, str(arm), set())["trials"]]
     shares = np.array([picked.count(name) for name in names]) / len(picked)
     assert np.all(np.abs(shares - 1 / 3) < 4 * math.sqrt(2 / 9 / len(picked)))
+
+
+def test_gamma_never_exceeds_its_true_value_and_a_uniform_outside_0_1_is_refused():
+    from fedprivacy.privacy.random_search import _mean
+
+    for shape in SHAPES:
+        for mean in (2.0, 7.3, 40.0):
+            count = TrialCount(mean, shape)
+            assert _mean(count.gamma, shape) >= mean  # E[K] falls as γ grows: γ is on the costly side
+    with pytest.raises(ValueError, match="must be in"):
+        TrialCount(4.0).draw(1.0)
+    assert TrialCount(4.0).draw(1.0 - 2.0**-53) > 100  # the top of a 53-bit uniform: far in the tail, no cap
 
 
 def scenario(**sweep: Any) -> dict[str, Any]:
@@ -271,6 +287,7 @@ def test_the_report_gives_each_arms_cost_and_the_dry_run_plans_it(private_sweep,
     section = markdown[markdown.index("## Tuning") :]
     choice = json.loads((private_sweep / "tuning" / ARM / "choice.json").read_text())
     assert TUNING_PRIVATE_NOTE in section and "not in the reported ε" not in section
+    assert "### Validation scores" not in section  # the other trials' scores are not released
     row = next(line for line in section.splitlines() if line.startswith(f"| {ARM}") and "|" in line[2:])
     cells_of_row = [cell.strip() for cell in row.strip("|").split("|")]
     cost = choice["private"]["epsilon"]
@@ -302,7 +319,7 @@ def test_each_clients_curve_is_that_of_the_plan_its_engine_would_make(tmp_path):
     from fedprivacy.identity import simulation_client
     from fedprivacy.plans import plan_from_settings
     from fedprivacy.runconfig import parse_run_config
-    from sims.sweep.private_tuning import client_curves
+    from sims.sweep.tuning_privacy import client_curves
 
     config = {
         "dataset": "digits",
@@ -329,3 +346,40 @@ def test_each_clients_curve_is_that_of_the_plan_its_engine_would_make(tmp_path):
         assert delta == client.delta and np.allclose(curve, accountant.rdp, rtol=1e-12)
         sizes.add(client.planning_size)
     assert len(sizes) == 3  # the partition is size-skewed: the clients really differ
+
+
+def test_a_rerun_with_other_private_options_is_refused_and_a_failed_trial_is_never_run_again(private_sweep, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(private_sweep, copy)
+    with pytest.raises(InputError) as caught:
+        _sweep(copy, scenario(**{"tune-trials-mean": 5, "baseline": False}))
+    assert caught.value.field == "out" and "other private tuning options" in str(caught.value)
+    folder = copy / "tuning" / ARM
+    first = json.loads((folder / "trials.json").read_text())["trials"][0]
+    record_path = folder / f"{first['candidate']}_seed={first['seed']}" / "cell.json"
+    record = json.loads(record_path.read_text())
+    record.update(status="failed", error="diverged")  # as a trial that failed would have left it
+    record_path.write_text(json.dumps(record))
+    (folder / "choice.json").unlink()
+    for seed in (0, 1):
+        shutil.rmtree(copy / "cells" / f"{ARM}_seed={seed}")
+    CountingRunner.ran = []
+    _sweep(copy, scenario(**{"tune-trials-mean": 4, "baseline": False}))
+    assert [run for run in CountingRunner.ran if run.startswith(f"{ARM}/")] == []  # the failed trial stays failed
+    trials = json.loads((folder / "choice.json").read_text())["private"]["trials"]
+    assert (trials[0]["error"], trials[0]["noisy_score"]) == ("diverged", None)
+
+
+@pytest.mark.parametrize(
+    ("tuned", "field"),
+    [({"delta": [1e-5, 1e-6]}, "tune.delta"), ({"partitioning": ["iid", "size"]}, "tune.partitioning")],
+)
+def test_a_tuned_key_that_changes_a_clients_rows_or_delta_is_refused(tuned, field, tmp_path):
+    from sims.sweep.tuning import plan_tuning
+
+    raw = scenario()
+    raw["tune"] = {"learning-rate": [1.0, 0.5], **tuned}
+    spec = validate(raw, base_dir=tmp_path, default_name="private")
+    with pytest.raises(InputError) as caught:
+        plan_tuning(spec, cells(spec))
+    assert caught.value.field == field and "private tuning cannot bound" in str(caught.value)

@@ -31,8 +31,6 @@ def _markdown(table: pd.DataFrame) -> str:
 
 
 def _score(candidate: dict[str, Any], chosen: dict[str, Any] | None) -> str:
-    if candidate.get("seeds") == []:
-        return "not drawn"  # private random search: no trial ran this candidate
     if candidate["score"] is None:
         return "failed"
     text = f"{candidate['score']:.4f}"
@@ -216,19 +214,29 @@ def tuning_markdown(sweep_dir: Path) -> str:
             else []
         ),
         *_close_lines(cells, tune),
-        "### Validation scores "
-        + (
-            "(the best noisy score of each candidate's trials; the chosen one in bold)"
-            if tune.get("private")
-            else "(mean over the seeds each candidate ran; the chosen one in bold)"
-        ),
-        "",
-        _markdown(scores_table(cells)),
-        "",
+        *(_private_scores_line() if tune.get("private") else _scores_lines(cells)),
     ]
     if baselines:
         lines += _baseline_lines(baselines, tune)
     return "\n".join(lines)
+
+
+def _scores_lines(choices: list[dict[str, Any]]) -> list[str]:
+    return [
+        "### Validation scores (mean over the seeds each candidate ran; the chosen one in bold)",
+        "",
+        _markdown(scores_table(choices)),
+        "",
+    ]
+
+
+def _private_scores_line() -> list[str]:
+    """Private tuning releases the choice and its noisy score only: the other trials' scores stay out."""
+    return [
+        "The other trials' noisy scores are in each arm's choice.json (`private.trials`), which is the "
+        "analyst's: the ε with tuning covers the choice and its noisy score, not every trial's score.",
+        "",
+    ]
 
 
 def _close_lines(choices: list[dict[str, Any]], tune: dict[str, Any]) -> list[str]:

@@ -239,9 +239,11 @@ def _cell_line(record: dict[str, Any], row: dict[str, Any]) -> str:
     if record["status"] != "completed":
         return f"[red]{record['name']}: failed[/red] ({record['wall_s']:.0f} s): {record['error']}"
     flat = " [yellow]no better than the largest class[/yellow]" if row.get("beats_largest_class") is False else ""
+    tuning = row.get(TUNED_EPSILON)
+    counted = f", with its private tuning {tuning:.3g}" if tuning is not None else ""
     return (
         f"{record['name']}: final accuracy {row['final_accuracy']:.4f}{flat}, "
-        f"max ε spent {row['epsilon_spent_max']:.4f} ({record['wall_s']:.0f} s)"
+        f"max ε spent {row['epsilon_spent_max']:.4f}{counted} ({record['wall_s']:.0f} s)"
     )
 
 

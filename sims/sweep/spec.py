@@ -393,7 +393,9 @@ def validate(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Sw
             "sets every cell's noise-seed to its seed: drop noise-seed from [run], [grid] and [linked]",
         )
     placed = {**{key: (f"run.{key}", (value,)) for key, value in run.items()}, **axes}
-    tune = read_tune(raw, sweep, placed, lambda field_name, key, value: _run_value(field_name, key, value, base_dir))
+    tune = read_tune(
+        raw, sweep, placed, lambda field_name, key, value: _run_value(field_name, key, value, base_dir), seeded_noise
+    )
     if tune is not None and "split-seed" not in placed:  # every cell cuts its data as the tuning runs do
         run = {**run, "split-seed": tune.split_seed}
     return SweepSpec(

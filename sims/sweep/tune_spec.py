@@ -60,8 +60,8 @@ BASELINE_KEY = "baseline-learning-rate"
 class PrivateSearch:
     """Private random search: K ~ a truncated negative binomial of mean `trials_mean` and shape
     `trials_shape` (1: geometric), each trial's validation score a count of correct predictions
-    with Gaussian noise of std `score_noise` records; `seeded`: the draws come from the sweep's
-    name and the arm's (reproducible, for experiments), otherwise from a fresh OS key per arm."""
+    with Gaussian noise of std `score_noise` records; `seeded`: the draws come from the arm's
+    name (reproducible, for experiments), otherwise from a fresh OS key per arm."""
 
     trials_mean: float = 10.0
     trials_shape: float = 1.0
@@ -261,7 +261,7 @@ def _number(sweep: Mapping[str, Any], key: str, default: float, low: float, stri
     return float(number)
 
 
-def _private(sweep: Mapping[str, Any], select: str, trials: int) -> PrivateSearch | None:
+def _private(sweep: Mapping[str, Any], select: str, trials: int, seeded: bool) -> PrivateSearch | None:
     """[sweep] tune-private and its options (refused without it, and beside what they replace)."""
     private = sweep.get("tune-private", False)
     if not isinstance(private, bool):
@@ -302,17 +302,21 @@ def _private(sweep: Mapping[str, Any], select: str, trials: int) -> PrivateSearc
             True,
             "must be a number > 0: the std of the Gaussian noise on each trial's count of correct validation rows",
         ),
-        bool(sweep.get("seeded-noise", False)),
+        seeded,
     )
 
 
 def read_tune(
-    raw: Mapping[str, Any], sweep: Mapping[str, Any], placed: Placed, value: Callable[[str, str, Any], Any]
+    raw: Mapping[str, Any],
+    sweep: Mapping[str, Any],
+    placed: Placed,
+    value: Callable[[str, str, Any], Any],
+    seeded: bool = False,
 ) -> TuneSpec | None:
     """The scenario's tuning, or None without a [tune] table (then the tune-* options are refused).
 
     `placed` maps each key of [run], [grid] and [linked] to its field and values; `value(field,
-    key, v)` types a run-config value as sims.sweep.spec does."""
+    key, v)` types a run-config value as sims.sweep.spec does; `seeded`: the sweep's seeded-noise."""
     table = raw.get("tune")
     if table is None:
         given = next((key for key in TUNE_OPTIONS if key in sweep), None)
@@ -362,5 +366,5 @@ def read_tune(
         _split_seed(sweep, placed),
         baseline_rates,
         _close_seeds(sweep, placed, seeds),
-        _private(sweep, select, trials),
+        _private(sweep, select, trials, seeded),
     )

@@ -33,15 +33,17 @@ ran with.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from fedprivacy.errors import InputError
+from fedprivacy.recipe import partition_kwargs
 from fedprivacy.runconfig import DEFAULTS, first_difference, parse_run_config
 from fedprivacy.sweepfiles import (
     CELL_JSON,
@@ -54,9 +56,10 @@ from fedprivacy.sweepfiles import (
     write_json,
 )
 from sims.sweep.grid import PLACEHOLDER_RESULTS_DIR, Cell, cell_name
-from sims.sweep.private_tuning import TRIALS_JSON, arm_costs, read_trials, tune_arm_private
+from sims.sweep.private_tuning import TRIALS_JSON, other_draws, read_trials, tune_arm_private
 from sims.sweep.spec import SweepSpec
 from sims.sweep.tune_spec import TuneSpec
+from sims.sweep.tuning_privacy import arm_costs
 
 TRIALS_SEED = 0  # random search draws its candidates with this seed: the same scenario, the same draw
 SCORES = {"final": "final_accuracy", "best-round": "best_accuracy"}
@@ -206,8 +209,35 @@ def plan_tuning(spec: SweepSpec, cells: list[Cell]) -> TuningPlan | None:
         for candidate in found:
             _check(arm.run(candidate, spec.tune.seeds[0]).run_config, candidate, arm.name)
             _check({**arm.base, **candidate.values}, candidate, arm.name)  # what the arm's cells would run
+    if spec.tune.private is not None:
+        for arm in arms:
+            _same_rows_and_deltas(arm, found)
     seeds = frozenset(int(cell.run_config.get("seed", DEFAULTS["seed"])) for cell in cells)
     return TuningPlan(spec.tune, found, arms, seeds)
+
+
+def _same_rows_and_deltas(arm: Arm, found: tuple[Candidate, ...]) -> None:
+    """Private tuning bounds each client's records over the candidates' plans: every candidate must
+    cut the same rows for each client and give it the same δ (a tuned key that changes either is refused)."""
+
+    def signature(config: dict[str, Any]) -> str:
+        settings = parse_run_config({**config, "results-dir": PLACEHOLDER_RESULTS_DIR})
+        deltas = [settings.client_delta(index, arm.num_clients) for index in range(arm.num_clients)]
+        return json.dumps([partition_kwargs(settings, arm.num_clients), deltas], sort_keys=True, default=str)
+
+    first = found[0]
+    base = arm.run(first, 0).run_config
+    expected = signature(base)
+    for candidate in found[1:]:
+        if signature(arm.run(candidate, 0).run_config) != expected:
+            differing = [k for k in candidate.values if candidate.values[k] != first.values[k]]
+            key = next((k for k in differing if signature({**base, k: candidate.values[k]}) != expected), differing[0])
+            raise InputError(
+                f"tune.{key}",
+                candidate.values[key],
+                "changes which rows a client holds or its δ, which private tuning cannot bound over candidates: "
+                "fix it in [run] or vary it in [grid]",
+            )
 
 
 def _refuse_foreign(out: Path, where: str, what: str) -> NoReturn:
@@ -253,9 +283,10 @@ def _allowed_runs(folder: Path, arm: Arm, plan: TuningPlan) -> dict[str, Cell]:
     if plan.tune.private is not None:
         drawn = read_trials(folder)
         by_name = {candidate.name: candidate for candidate in plan.candidates}
+        difference = None if drawn is None else other_draws(drawn, plan.tune.private, list(by_name))
+        if difference is not None:
+            _refuse_foreign(folder.parent.parent, f"{TUNING}/{folder.name}/{TRIALS_JSON}", difference)
         trials = [] if drawn is None else drawn["trials"]
-        if any(trial["candidate"] not in by_name for trial in trials):
-            _refuse_foreign(folder.parent.parent, f"{TUNING}/{folder.name}/{TRIALS_JSON}", "other candidates")
         found = (arm.run(by_name[trial["candidate"]], trial["seed"]) for trial in trials)
     else:
         seeds = (*plan.tune.seeds, *plan.tune.close_seeds)
@@ -439,8 +470,9 @@ def runs_done(root: Path, plan: TuningPlan, chosen: Iterable[str]) -> int:
     rest (the extra seeds of close candidates are not counted: whether they run is known only later)."""
     settled = set(chosen)
     if plan.tune.private is not None:
+        by_name = {candidate.name: candidate for candidate in plan.candidates}
         return sum(
-            is_done(root / arm.name / f"{trial['candidate']}_seed={trial['seed']}")
+            (root / arm.name / arm.run(by_name[trial["candidate"]], trial["seed"]).name / CELL_JSON).is_file()
             for arm in plan.arms
             if arm.name not in settled
             for trial in (read_trials(root / arm.name) or {"trials": []})["trials"]
@@ -498,17 +530,16 @@ def tune_arm(
     return record
 
 
-def private_cost(arm: Arm, plan: TuningPlan, ran: list[int] = (), chosen: int | None = None) -> dict[str, Any]:
+def private_cost(arm: Arm, plan: TuningPlan, ran: Sequence[int] = ()) -> dict[str, Any]:
     """Each client's cost of the arm's private tuning (`arm_costs`): known before any trial runs,
-    and with the trials that ran (`ran`, candidate indices) and the choice, what they all reveal."""
+    and with the trials that ran (`ran`, candidate indices), what they all reveal."""
     assert plan.tune.private is not None
     return arm_costs(
         [arm.run(candidate, plan.tune.seeds[0]).run_config for candidate in plan.candidates],
         [{**arm.base, **candidate.values} for candidate in plan.candidates],
         arm.num_clients,
         plan.tune.private,
-        list(ran),
-        chosen,
+        ran,
     )
 
 
@@ -519,14 +550,15 @@ def _tune_privately(
     run: Callable[[Cell, Path], dict[str, Any]],
     rows: Callable[[str, int], int | None],
 ) -> dict[str, Any]:
-    """`tune_arm` for private random search (sims.sweep.private_tuning)."""
+    """`tune_arm` for private random search (sims.sweep.private_tuning): a trial with a cell.json,
+    failed or not, is never run again."""
     search = plan.tune.private
     assert search is not None
     by_name = {candidate.name: candidate for candidate in plan.candidates}
 
     def ensure(name: str, seed: int) -> None:
         cell = arm.run(by_name[name], seed)
-        if not is_done(folder / cell.name):
+        if not (folder / cell.name / CELL_JSON).is_file():
             run(cell, folder / cell.name)
 
     def outcome(name: str, seed: int) -> tuple[float | None, int | None, str | None]:
@@ -540,7 +572,6 @@ def _tune_privately(
         search,
         ensure,
         outcome,
-        lambda ran, chosen: private_cost(arm, plan, ran, chosen),
-        plan.tune.seeds[0],
+        lambda ran: private_cost(arm, plan, ran),
         set(plan.cell_seeds),
     )
