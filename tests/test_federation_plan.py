@@ -98,6 +98,8 @@ def test_the_plan_command_plans_the_federation(monkeypatch, capsys):
     printed = json.loads(out)
     expected = plan_federation(MEMBERS, EPSILON, DELTA, ROUNDS, expected_cohort=COHORT, compare=False)
     assert code == 0 and printed["level"] == "federation" and printed["client_id"] == FEDERATION_ID
+    assert "McMahan et al. 2018" in printed["released_mechanism"] and printed["enforced"] is False
+    assert "learning_rate" not in printed and "adp" not in printed["sigma_by_rule"]
     assert (printed["sigma"], printed["steps"], printed["epsilon_pld"]) == (
         expected.sigma,
         ROUNDS,
@@ -106,6 +108,7 @@ def test_the_plan_command_plans_the_federation(monkeypatch, capsys):
     code, out, _ = _plan_cli(monkeypatch, capsys, "--level", "federation", "--rounds", "100", "--batch-size", "100")
     text = " ".join(out.split())
     assert code == 0 and "members M, ε, δ" in text and "expected cohort pM" in text and "McMahan et al. 2018" in text
+    assert "not yet: this is the plan only" in text and "σ adp" not in text
 
 
 @pytest.mark.parametrize(
@@ -115,8 +118,19 @@ def test_the_plan_command_plans_the_federation(monkeypatch, capsys):
         (("--out", "sheets"), "print the federation's plan with --json"),
         (("--rule", "adp"), "rule='adp': ADP-SGD's noise schedule follows a local step size"),
         (("--adjacency", "replace-one"), "add/remove of one member"),
+        (("--learning-rate", "5"), "learning-rate='5.0': a federation's plan has no local step size"),
+        (("--client-id", "x"), "client-id='x': the federation's plan is named 'federation'"),
+        (("--batch-size", "2000"), "batch-size=2000.0: the expected cohort pM must be in [1, M] = [1, 1000]"),
+        (("--delta", "0.002"), "must be in (0, 1/M) = (0, 0.001) for M = 1000 members"),
+        (("--epochs", "500"), "participations per member k = pR must be in (0, R] = (0, 100]"),
+        (("--batch-size", "1000"), "the federation's plan: rule proactive with σ=3.676, q=1, rounds=100 certifies"),
     ],
 )
 def test_the_federation_plan_refuses_record_level_options(monkeypatch, capsys, args, words):
     code, _, err = _plan_cli(monkeypatch, capsys, "--level", "federation", "--rounds", "100", *args)
     assert code == 2 and words in err and err.startswith("error: ")
+
+
+def test_the_federation_plan_needs_its_rounds(monkeypatch, capsys):
+    code, _, err = _plan_cli(monkeypatch, capsys, "--level", "federation", "--batch-size", "100")
+    assert code == 2 and "rounds='missing': give the federation's rounds" in err

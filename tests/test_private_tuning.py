@@ -156,7 +156,12 @@ def scenario(**sweep: Any) -> dict[str, Any]:
 
 BAD = {
     "tune-private not a boolean": (scenario(**{"tune-private": "yes"}), "sweep.tune-private", "must be true"),
-    "a mean below one trial": (scenario(**{"tune-trials-mean": 0.5}), "sweep.tune-trials-mean", "number >= 1"),
+    "a mean below one trial": (scenario(**{"tune-trials-mean": 0.5}), "sweep.tune-trials-mean", "number in [1, 1000]"),
+    "a mean of a billion trials": (
+        scenario(**{"tune-trials-mean": 1e9}),
+        "sweep.tune-trials-mean",
+        "number in [1, 1000]",
+    ),
     "a negative shape": (scenario(**{"tune-trials-shape": -1}), "sweep.tune-trials-shape", "number >= 0"),
     "no score noise": (scenario(**{"tune-score-noise": 0}), "sweep.tune-score-noise", "number > 0"),
     "an infinite score noise": (scenario(**{"tune-score-noise": math.inf}), "sweep.tune-score-noise", "number > 0"),
@@ -353,7 +358,7 @@ def test_a_rerun_with_other_private_options_is_refused_and_a_failed_trial_is_nev
     shutil.copytree(private_sweep, copy)
     with pytest.raises(InputError) as caught:
         _sweep(copy, scenario(**{"tune-trials-mean": 5, "baseline": False}))
-    assert caught.value.field == "out" and "other private tuning options" in str(caught.value)
+    assert caught.value.field == "out" and "tune-trials-mean 4.0 there, 5.0 now" in str(caught.value)
     folder = copy / "tuning" / ARM
     first = json.loads((folder / "trials.json").read_text())["trials"][0]
     record_path = folder / f"{first['candidate']}_seed={first['seed']}" / "cell.json"
@@ -383,3 +388,22 @@ def test_a_tuned_key_that_changes_a_clients_rows_or_delta_is_refused(tuned, fiel
     with pytest.raises(InputError) as caught:
         plan_tuning(spec, cells(spec))
     assert caught.value.field == field and "private tuning cannot bound" in str(caught.value)
+
+
+def test_a_dry_run_refuses_an_out_folder_whose_trials_were_drawn_for_other_options(
+    private_sweep, tmp_path, capsys, monkeypatch
+):
+    copy = tmp_path / "copy"
+    shutil.copytree(private_sweep, copy)
+    path = tmp_path / "private.toml"
+    path.write_text(
+        '[sweep]\nclients = 2\nengine = "fast"\nseeded-noise = true\ntune-private = true\ntune-trials-mean = 5\n'
+        'baseline = false\n[run]\ndataset = "digits"\nnum-server-rounds = 1\nepochs = 1.0\n'
+        "[grid]\nepsilon = [1.0]\nseed = [0, 1]\n[tune]\nlearning-rate = [1e-6, 1.0]\n"
+    )
+    monkeypatch.setattr(sys, "argv", ["fedprivacy", "sweep", str(path), "--out", str(copy), "--dry-run"])
+    monkeypatch.setenv("COLUMNS", "240")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    printed = " ".join(capsys.readouterr().err.split())
+    assert exit_info.value.code == 2 and "tune-trials-mean 4.0 there, 5.0 now" in printed

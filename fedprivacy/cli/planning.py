@@ -88,8 +88,13 @@ def _plan_table(plan: Any, spent: dict[str, float], federation: bool = False) ->
         ),
         (label["noise"], f"{plan.noise_std_on_mean:.4g}"),
         ("released mechanism", RELEASED_AGGREGATE if federation else RELEASED_MECHANISM),
+        *((("enforced by runs", "not yet: this is the plan only"),) if federation else ()),
     ]
-    rows += [(f"σ {name}", "n/a" if v is None else f"{v:.4g}") for name, v in plan.sigma_by_rule.items()]
+    rows += [
+        (f"σ {name}", "n/a" if v is None else f"{v:.4g}")
+        for name, v in plan.sigma_by_rule.items()
+        if not (federation and name == "adp")  # ADP-SGD follows a local step size: no rule for a federation
+    ]
     rows += [
         (
             f"condition {c.name}",
@@ -120,7 +125,12 @@ def plan(
         float | None, typer.Option("--batch-size", help="expected batch size qN (instead of --sampling-rate)")
     ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="total local steps T")] = None,
-    rounds: RoundsOption = 1,
+    rounds: Annotated[
+        int | None,
+        typer.Option(
+            "--rounds", help="federated rounds the steps are split over (default 1); with --level federation, required"
+        ),
+    ] = None,
     client_id: Annotated[str, typer.Option("--client-id", help="the name on the plan and its sheet")] = "client",
     learning_rate: Annotated[float, typer.Option("--learning-rate", help="the step size η")] = 0.1,
     lr_schedule: Annotated[
@@ -166,7 +176,15 @@ def plan(
             sampling_rate,
             batch_size,
             rounds,
-            {"steps": steps, "lr-schedule": lr_schedule, "alpha-schedule": alpha_schedule, "out": out},
+            {
+                "steps": steps,
+                "lr-schedule": lr_schedule,
+                "alpha-schedule": alpha_schedule,
+                "out": out,
+                "learning-rate": None if learning_rate == RECORD_DEFAULTS["learning-rate"] else learning_rate,
+                "alpha-power": None if alpha_power == RECORD_DEFAULTS["alpha-power"] else alpha_power,
+                "client-id": None if client_id == RECORD_DEFAULTS["client-id"] else client_id,
+            },
             value(adjacency),
             as_json,
         )
@@ -183,7 +201,7 @@ def plan(
             sampling_rate=sampling_rate,
             expected_batch_size=batch_size,
             steps=steps,
-            rounds=rounds,
+            rounds=1 if rounds is None else rounds,
             client_id=client_id,
             learning_rate=learning_rate,
             lr_schedule=value(lr_schedule),
@@ -207,8 +225,13 @@ RECORD_ONLY = {  # options of a client's plan that a federation's has no use for
     "steps": "a federation runs one noisy aggregation per round: give --rounds",
     "lr-schedule": "a federation's plan has no local step size",
     "alpha-schedule": "a federation's plan has no local step size",
+    "learning-rate": "a federation's plan has no local step size",
+    "alpha-power": "a federation's plan has no local step size",
+    "client-id": "the federation's plan is named 'federation'",
     "out": "the planning sheet is a client's; print the federation's plan with --json",
 }
+RECORD_DEFAULTS = {"learning-rate": 0.1, "alpha-power": 0.5, "client-id": "client"}  # plan's defaults, as declared
+CLIENT_FIELDS = ("learning_rate", "lr_schedule", "lr_params", "alpha_schedule", "alpha_params")  # not a federation's
 
 
 def _plan_federation(
@@ -220,14 +243,14 @@ def _plan_federation(
     participations: float | None,
     participation_rate: float | None,
     cohort: float | None,
-    rounds: int,
+    rounds: int | None,
     record_only: dict[str, Any],
     adjacency: str,
     as_json: bool,
 ) -> None:
     """`fedprivacy plan --level federation`: the federation's plan, printed or as JSON."""
     from fedprivacy.privacy import limits
-    from fedprivacy.privacy.federation import plan_federation
+    from fedprivacy.privacy.federation import RELEASED_AGGREGATE, plan_federation
 
     def build() -> Any:
         given = next((key for key, option in record_only.items() if option is not None), None)
@@ -239,6 +262,8 @@ def _plan_federation(
             )
         if adjacency != "add-remove":
             raise InputError("adjacency", adjacency, "a federation plans add/remove of one member (M public)")
+        if rounds is None:
+            raise InputError("rounds", "missing", "give the federation's rounds, an integer >= 1 (--rounds R)")
         return plan_federation(
             members,
             epsilon,
@@ -253,7 +278,10 @@ def _plan_federation(
 
     the_plan = guarded(build)
     if as_json:
-        sys.stdout.write(json.dumps({**the_plan.to_dict(), "level": "federation"}, allow_nan=False) + "\n")
+        fields = {key: v for key, v in the_plan.to_dict().items() if key not in CLIENT_FIELDS}
+        fields["sigma_by_rule"] = {rule: v for rule, v in fields["sigma_by_rule"].items() if rule != "adp"}
+        printed = {**fields, "released_mechanism": RELEASED_AGGREGATE, "level": "federation", "enforced": False}
+        sys.stdout.write(json.dumps(printed, allow_nan=False) + "\n")
         return
     Console().print(_plan_table(the_plan, {"add-remove": the_plan.epsilon_pld}, federation=True))
 

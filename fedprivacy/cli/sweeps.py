@@ -138,6 +138,7 @@ def sweep(
     """
     from sims.sweep.grid import cells as grid_cells
     from sims.sweep.grid import schedule_note
+    from sims.sweep.tuning import check_resumable as check_tuning_resumable
     from sims.sweep.tuning import plan_tuning
 
     run_flags = {
@@ -168,6 +169,8 @@ def sweep(
     with console.status("validating every cell"):
         cells = guarded(lambda: grid_cells(spec))
         plan = guarded(lambda: plan_tuning(spec, cells))  # every tuning run's config validated too
+        if plan is not None and out is not None:  # a folder the run would refuse, refused now
+            guarded(lambda: check_tuning_resumable(out, plan))
     if dry_run:
         tuning = f" after {plan.runs} tuning runs" if plan is not None else ""
         table = Table(title=f"{spec.name}: {len(cells)} cells{tuning}, engine {spec.engine}")

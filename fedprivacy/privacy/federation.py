@@ -14,7 +14,9 @@ by the member's own record-level plan).
 
 from __future__ import annotations
 
-from fedprivacy.errors import InputError
+from fedprivacy import errors
+from fedprivacy.errors import InputError, PlanRefused
+from fedprivacy.privacy import limits
 from fedprivacy.privacy.accountants import ADD_REMOVE
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client
@@ -56,18 +58,47 @@ def plan_federation(
             f"give one of epochs (participations per member), sampling-rate or batch-size (expected cohort), "
             f"not also {given[0][0]}",
         )
-    return plan_client(
-        members,
-        epsilon,
-        delta,
-        rule=rule,
-        clip_norm=update_clip,
-        epochs=participations,
-        sampling_rate=participation_rate,
-        expected_batch_size=expected_cohort,
-        steps=rounds,
-        rounds=rounds,
-        client_id=FEDERATION_ID,
-        compare=compare,
-        neighbours=ADD_REMOVE,
-    )
+    members = limits.records("n", members)
+    rounds = errors.integer_at_least("rounds", rounds, 1)
+    if not 0 < delta < 1 / members:
+        raise InputError(
+            "delta",
+            delta,
+            f"must be in (0, 1/M) = (0, {1 / members:.3g}) for M = {members} members: a δ ≥ 1/M allows "
+            "releasing one member's update outright",
+        )
+    if expected_cohort is not None and not 1 <= expected_cohort <= members:
+        raise InputError(
+            "batch-size",
+            expected_cohort,
+            f"the expected cohort pM must be in [1, M] = [1, {members}] members per round",
+        )
+    if participations is not None and not 0 < participations <= rounds:
+        raise InputError(
+            "epochs",
+            participations,
+            f"participations per member k = pR must be in (0, R] = (0, {rounds}]: a member takes part at most "
+            "once a round",
+        )
+    try:
+        return plan_client(
+            members,
+            epsilon,
+            delta,
+            rule=rule,
+            clip_norm=update_clip,
+            epochs=participations,
+            sampling_rate=participation_rate,
+            expected_batch_size=expected_cohort,
+            steps=rounds,
+            rounds=rounds,
+            client_id=FEDERATION_ID,
+            compare=compare,
+            neighbours=ADD_REMOVE,
+        )
+    except PlanRefused as refused:
+        raise PlanRefused(
+            f"the federation's plan: {str(refused).removeprefix(f'client {FEDERATION_ID}: ')}".replace(
+                "T=", "rounds="
+            ).replace("change the epochs", "choose a smaller cohort or fewer rounds")
+        ) from None

@@ -40,7 +40,10 @@ CLIP_NORM_MIN, CLIP_NORM_MAX = 1e-6, 1e6
 
 def epsilon(field: str, value: Any) -> float:
     """A privacy budget ε in [EPSILON_MIN, EPSILON_MAX]."""
-    number = errors.positive(field, value)
+    try:
+        number = errors.positive(field, value)
+    except InputError:
+        number = math.nan
     if not EPSILON_MIN <= number <= EPSILON_MAX:
         raise InputError(
             field,

@@ -49,6 +49,17 @@ def _choices(folder: Path, order: list[str]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda choice: min((rank.get(c, len(rank)) for c in choice.get("cells", [])), default=0))
 
 
+def _scored(choice: dict[str, Any]) -> dict[str, str]:
+    """The chosen score and the candidates tried: private tuning's score is noisy, and its trials
+    draw candidates at random, so some may not have run."""
+    chosen, candidates = choice["chosen"], choice["candidates"]
+    score = f"{chosen['score']:.4f}" if chosen else "—"
+    if not choice.get("private"):
+        return {"validation_score": score, "candidates": str(len(candidates))}
+    tried = sum(bool(candidate.get("seeds")) for candidate in candidates)
+    return {"noisy_validation_score": score, "candidates_tried": f"{tried} of {len(candidates)}"}
+
+
 def chosen_table(choices: list[dict[str, Any]]) -> pd.DataFrame:
     """One row per arm: its grid values, the chosen values and their validation score."""
     rows = []
@@ -63,8 +74,7 @@ def chosen_table(choices: list[dict[str, Any]]) -> pd.DataFrame:
                     if chosen
                     else {"chosen": "none"}
                 ),
-                "validation_score": f"{chosen['score']:.4f}" if chosen else "—",
-                "candidates": str(len(choice["candidates"])),
+                **_scored(choice),
                 "failed": str(failed),
             }
         )
@@ -180,8 +190,10 @@ def _privacy_lines(tune: dict[str, Any], cells: list[dict[str, Any]]) -> list[st
         return [f"**Privacy.** {TUNING_PRIVACY_NOTE}", ""]
     private = [choice for choice in cells if choice.get("private")]
     return [
-        f"**Privacy.** {TUNING_PRIVATE_NOTE} Per client at its own δ, under the RDP accountant (a cell's own "
-        "ε in sweep.csv is one run's, certified by the tighter PLD accountant):",
+        f"**Privacy.** {TUNING_PRIVATE_NOTE} Per client at its own δ, under the RDP accountant, which is "
+        "looser than the PLD accountant that certifies a cell's own ε in sweep.csv (so one run's RDP ε may "
+        "exceed its budget). 'ε all trials seen' composes the trials actually drawn and can be below 'ε with "
+        "tuning', which holds whatever the number of trials turns out to be:",
         "",
         _markdown(cost_table(private)),
         "",
@@ -210,7 +222,7 @@ def tuning_markdown(sweep_dir: Path) -> str:
         "",
         *(
             ["At the edge of the search space (the best setting may lie beyond it):", "", *edges, ""]
-            if (edges := edge_notes(cells, tune["space"]))
+            if not tune.get("private") and (edges := edge_notes(cells, tune["space"]))
             else []
         ),
         *_close_lines(cells, tune),

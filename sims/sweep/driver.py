@@ -317,7 +317,8 @@ def _run_tuning(
         chosen[arm.name] = record["chosen"]["values"] if record["chosen"] else None
         extra = " over the extra seeds of close candidates" if record["extra_seeds"] else ""
         picked = (
-            f"{record['chosen']['name']} (validation score {record['chosen']['score']:.4f}{extra})"
+            f"{record['chosen']['name']} ({'noisy ' if record.get('private') else ''}validation score "
+            f"{record['chosen']['score']:.4f}{extra})"
             if record["chosen"]
             else "[red]nothing: every candidate failed[/red]"
         )

@@ -97,10 +97,24 @@ def draw_trials(names: list[str], search: PrivateSearch, arm: str, used: set[int
     }
 
 
+OPTION_NAMES = {  # trials.json's options, as the scenario names them
+    "trials_mean": "tune-trials-mean",
+    "trials_shape": "tune-trials-shape",
+    "score_noise": "tune-score-noise",
+    "seeded": "seeded-noise",
+}
+
+
 def other_draws(drawn: dict[str, Any], search: PrivateSearch, names: list[str]) -> str | None:
     """What differs between the draws in a trials.json and this scenario's (None: nothing)."""
-    if drawn.get("options") != search.to_dict():
-        return f"other private tuning options ({drawn.get('options')})"
+    before, now = drawn.get("options", {}), search.to_dict()
+    changed = [
+        f"{OPTION_NAMES[key]} {before.get(key)!r} there, {value!r} now"
+        for key, value in now.items()
+        if before.get(key) != value
+    ]
+    if changed:
+        return "other private tuning options: " + "; ".join(changed)
     if drawn.get("candidates") != names:
         return "other candidates"
     return None

@@ -43,6 +43,7 @@ TUNE_OPTIONS = (
     *PRIVATE_OPTIONS,
 )
 SELECTIONS = ("final", "best-round")
+MAX_TRIALS_MEAN = 1000  # a mean number of private trials beyond it is a typo, not a search
 DEFAULT_SEEDS = (1000, 1001)
 DEFAULT_CLOSE_COUNT = 3  # tune-seeds-close when not given: this many seeds after the largest tune seed
 # Keys that decide which rows or which randomness a run gets: the tuning sets them itself (the
@@ -284,8 +285,20 @@ def _private(sweep: Mapping[str, Any], select: str, trials: int, seeded: bool) -
             trials,
             "private tuning draws the number of trials at random (the cost depends on it): give tune-trials-mean",
         )
+    mean = _number(
+        sweep,
+        "tune-trials-mean",
+        10.0,
+        1.0,
+        False,
+        f"must be a number in [1, {MAX_TRIALS_MEAN}]: the mean number of trials",
+    )
+    if mean > MAX_TRIALS_MEAN:
+        raise InputError(
+            "sweep.tune-trials-mean", mean, f"must be a number in [1, {MAX_TRIALS_MEAN}]: the mean number of trials"
+        )
     return PrivateSearch(
-        _number(sweep, "tune-trials-mean", 10.0, 1.0, False, "must be a number >= 1: the mean number of trials"),
+        mean,
         _number(
             sweep,
             "tune-trials-shape",

@@ -408,18 +408,17 @@ def choice_record(
 
 def choice_inputs(arm: Arm, plan: TuningPlan) -> dict[str, Any]:
     """What a choice depends on: a choice.json with other inputs is made again."""
-    private = {"private": plan.tune.private.to_dict()} if plan.tune.private is not None else {}
-    return {
-        **private,
+    inputs = {
         "arm": arm.name,
         "params": arm.params,
         "cells": list(arm.cells),
         "select": plan.tune.select,
-        "tune_seeds": list(plan.tune.seeds),
-        "tune_seeds_close": list(plan.tune.close_seeds),
         "candidate_names": [candidate.name for candidate in plan.candidates],
         "base_run_config": arm.base,
     }
+    if plan.tune.private is not None:  # its trials draw their own seeds (trials.json)
+        return {"private": plan.tune.private.to_dict(), **inputs}
+    return {**inputs, "tune_seeds": list(plan.tune.seeds), "tune_seeds_close": list(plan.tune.close_seeds)}
 
 
 LATER_INPUTS = ("tune_seeds_close",)
