@@ -65,7 +65,7 @@ def test_set_budget_asks_and_changes_only_what_the_operator_confirms(ledger):
         ),
         (
             ["set-budget", "{ledger}", "data:aaa", "--epsilon", "-2", "--delta", "1e-5", "--yes"],
-            "epsilon=-2.0: must be a finite number > 0",
+            "epsilon=-2.0: must be a finite number in [0.01, 100]",
         ),
         (
             ["set-budget", "{ledger}", "data:aaa", "--epsilon", "2", "--delta", "1.5", "--yes"],

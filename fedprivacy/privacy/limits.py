@@ -43,7 +43,7 @@ def epsilon(field: str, value: Any) -> float:
     try:
         number = errors.positive(field, value)
     except InputError:
-        number = math.nan
+        raise InputError(field, value, f"must be a finite number in [{EPSILON_MIN:g}, {EPSILON_MAX:g}]") from None
     if not EPSILON_MIN <= number <= EPSILON_MAX:
         raise InputError(
             field,
