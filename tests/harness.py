@@ -4,6 +4,7 @@
 - `RecordingGrid`: `sims.inprocess.InProcessGrid` that also records whom it sent what, and can
   restart a node;
 - `load_scenario`: a scenario file validated as `fedprivacy sweep FILE` does with no flags;
+- `CountingRunner`: the fast engine's cell runner, recording which tuning runs and cells it ran;
 - `PUMS_DIR`, `PUMS`, `PUMS_SAMPLE` and `pums_file`: the PUMS extract beside the repository.
 
 Import it by name (`from harness import ...`), as faultkit or independent: pytest puts tests/ on
@@ -21,6 +22,7 @@ import pytest
 from flwr.app import Message, RecordDict
 
 from sims.inprocess import InProcessGrid
+from sims.sweep.engines.fast import FastCellRunner
 from sims.sweep.spec import SweepSpec, read_scenario, validate
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -64,3 +66,14 @@ class RecordingGrid(InProcessGrid):
 def load_scenario(path: Path) -> SweepSpec:
     """Read and validate a scenario file; its name defaults to the file's stem."""
     return validate(read_scenario(path), base_dir=path.resolve().parent, default_name=path.stem)
+
+
+class CountingRunner(FastCellRunner):
+    """The fast engine's cell runner, counting what it runs (tuning runs and cells, as
+    `<parent folder>/<folder>`); tests reset `ran` before a sweep."""
+
+    ran: list[str] = []
+
+    def run_cell(self, cell: Any, results_dir: Path, on_round: Any) -> None:
+        CountingRunner.ran.append(f"{results_dir.parent.name}/{results_dir.name}")
+        super().run_cell(cell, results_dir, on_round)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
 from dp_accounting import dp_event, pld, rdp
@@ -19,7 +18,6 @@ from flwr.supercore.privacy_accounting import (
 )
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant as FlowerRdpAccountant
 
-from fedprivacy import cli
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.federation import FEDERATION_ID, plan_federation
 
@@ -82,19 +80,12 @@ def test_two_ways_of_giving_the_cohort_are_refused_naming_the_second(options, fi
     assert caught.value.field == field
 
 
-def _plan_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["fedprivacy", "plan", "--n", str(MEMBERS), "--epsilon", "2", *args])
+PLAN = ("plan", "--n", str(MEMBERS), "--epsilon", "2")
+
+
+def test_the_plan_command_plans_the_federation(fedprivacy_cli, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    printed = capsys.readouterr()
-    return exit_info.value.code or 0, printed.out, printed.err
-
-
-def test_the_plan_command_plans_the_federation(monkeypatch, capsys):
-    code, out, _ = _plan_cli(
-        monkeypatch, capsys, "--level", "federation", "--rounds", "100", "--batch-size", "100", "--json"
-    )
+    code, out, _ = fedprivacy_cli(*PLAN, "--level", "federation", "--rounds", "100", "--batch-size", "100", "--json")
     printed = json.loads(out)
     expected = plan_federation(MEMBERS, EPSILON, DELTA, ROUNDS, expected_cohort=COHORT, compare=False)
     assert code == 0 and printed["level"] == "federation" and printed["client_id"] == FEDERATION_ID
@@ -105,10 +96,10 @@ def test_the_plan_command_plans_the_federation(monkeypatch, capsys):
         ROUNDS,
         expected.epsilon_pld,
     )
-    code, out, _ = _plan_cli(monkeypatch, capsys, "--level", "federation", "--rounds", "100", "--batch-size", "100")
+    code, out, _ = fedprivacy_cli(*PLAN, "--level", "federation", "--rounds", "100", "--batch-size", "100")
     text = " ".join(out.split())
     assert code == 0 and "members M, ε, δ" in text and "expected cohort pM" in text and "McMahan et al. 2018" in text
-    assert "not yet: this is the plan only" in text and "σ adp" not in text
+    assert "no: this is the plan only" in text and "σ adp" not in text
 
 
 @pytest.mark.parametrize(
@@ -126,11 +117,11 @@ def test_the_plan_command_plans_the_federation(monkeypatch, capsys):
         (("--batch-size", "1000"), "the federation's plan: rule proactive with σ=3.676, q=1, rounds=100 certifies"),
     ],
 )
-def test_the_federation_plan_refuses_record_level_options(monkeypatch, capsys, args, words):
-    code, _, err = _plan_cli(monkeypatch, capsys, "--level", "federation", "--rounds", "100", *args)
+def test_the_federation_plan_refuses_record_level_options(fedprivacy_cli, args, words):
+    code, _, err = fedprivacy_cli(*PLAN, "--level", "federation", "--rounds", "100", *args)
     assert code == 2 and words in err and err.startswith("error: ")
 
 
-def test_the_federation_plan_needs_its_rounds(monkeypatch, capsys):
-    code, _, err = _plan_cli(monkeypatch, capsys, "--level", "federation", "--batch-size", "100")
+def test_the_federation_plan_needs_its_rounds(fedprivacy_cli):
+    code, _, err = fedprivacy_cli(*PLAN, "--level", "federation", "--batch-size", "100")
     assert code == 2 and "rounds='missing': give the federation's rounds" in err

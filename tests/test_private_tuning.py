@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,14 @@ import pandas as pd
 import pytest
 from dp_accounting import dp_event, rdp
 from dp_accounting.rdp import rdp_privacy_accountant
+from harness import CountingRunner
 
-from fedprivacy import cli
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.accountants import NoiseEvent, dp_event_of
 from fedprivacy.privacy.random_search import ORDERS, TrialCount, repeat_and_select, run_curve, tuning_cost
 from fedprivacy.reports.sweep_report import write_report
 from fedprivacy.sweepfiles import TUNING_PRIVATE_NOTE
 from sims.sweep.driver import run_sweep
-from sims.sweep.engines.fast import FastCellRunner
 from sims.sweep.grid import cells
 from sims.sweep.private_tuning import draw_trials, noisy_count, trial_seeds
 from sims.sweep.spec import validate
@@ -183,16 +181,6 @@ def test_the_scenario_refuses_a_bad_private_tuning_naming_the_field(case, tmp_pa
     assert caught.value.field == field and words in str(caught.value)
 
 
-class CountingRunner(FastCellRunner):
-    """The fast engine's cell runner, counting what it runs (tuning runs and cells by folder)."""
-
-    ran: list[str] = []
-
-    def run_cell(self, cell, results_dir, on_round):
-        CountingRunner.ran.append(f"{results_dir.parent.name}/{results_dir.name}")
-        super().run_cell(cell, results_dir, on_round)
-
-
 def _sweep(out: Path, raw: dict[str, Any]) -> None:
     spec = validate(raw, base_dir=out.parent, default_name="private")
     with pytest.MonkeyPatch.context() as patch:
@@ -287,7 +275,7 @@ def test_a_rerun_runs_the_same_trials_and_makes_the_same_choice(private_sweep, t
     assert after["chosen"] == before["chosen"] and after["private"]["epsilon"] == before["private"]["epsilon"]
 
 
-def test_the_report_gives_each_arms_cost_and_the_dry_run_plans_it(private_sweep, tmp_path, capsys, monkeypatch):
+def test_the_report_gives_each_arms_cost_and_the_dry_run_plans_it(private_sweep, tmp_path, fedprivacy_cli, monkeypatch):
     markdown = write_report(private_sweep, tmp_path / "report")[-1].read_text()
     section = markdown[markdown.index("## Tuning") :]
     choice = json.loads((private_sweep / "tuning" / ARM / "choice.json").read_text())
@@ -308,12 +296,10 @@ def test_the_report_gives_each_arms_cost_and_the_dry_run_plans_it(private_sweep,
         '[run]\ndataset = "digits"\nnum-server-rounds = 1\nepochs = 1.0\n'
         "[grid]\nepsilon = [1.0]\nseed = [0, 1]\n[tune]\nlearning-rate = [1e-6, 1.0]\n"
     )
-    monkeypatch.setattr(sys, "argv", ["fedprivacy", "sweep", str(path), "--out", str(tmp_path / "o"), "--dry-run"])
     monkeypatch.setenv("COLUMNS", "240")
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    printed = " ".join(capsys.readouterr().out.split())
-    assert exit_info.value.code == 0 and not (tmp_path / "o").exists()
+    code, out, _ = fedprivacy_cli("sweep", str(path), "--out", str(tmp_path / "o"), "--dry-run")
+    printed = " ".join(out.split())
+    assert code == 0 and not (tmp_path / "o").exists()
     assert "a random number of trials (mean 4, shape 1), each one of 2 candidates drawn at random" in printed
     assert f"largest over clients: {cost['tuned_max']:.3g}" in printed  # planned before any trial: the same cost
 
@@ -391,7 +377,7 @@ def test_a_tuned_key_that_changes_a_clients_rows_or_delta_is_refused(tuned, fiel
 
 
 def test_a_dry_run_refuses_an_out_folder_whose_trials_were_drawn_for_other_options(
-    private_sweep, tmp_path, capsys, monkeypatch
+    private_sweep, tmp_path, fedprivacy_cli, monkeypatch
 ):
     copy = tmp_path / "copy"
     shutil.copytree(private_sweep, copy)
@@ -401,9 +387,6 @@ def test_a_dry_run_refuses_an_out_folder_whose_trials_were_drawn_for_other_optio
         'baseline = false\n[run]\ndataset = "digits"\nnum-server-rounds = 1\nepochs = 1.0\n'
         "[grid]\nepsilon = [1.0]\nseed = [0, 1]\n[tune]\nlearning-rate = [1e-6, 1.0]\n"
     )
-    monkeypatch.setattr(sys, "argv", ["fedprivacy", "sweep", str(path), "--out", str(copy), "--dry-run"])
     monkeypatch.setenv("COLUMNS", "240")
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    printed = " ".join(capsys.readouterr().err.split())
-    assert exit_info.value.code == 2 and "tune-trials-mean 4.0 there, 5.0 now" in printed
+    code, _, err = fedprivacy_cli("sweep", str(path), "--out", str(copy), "--dry-run")
+    assert code == 2 and "tune-trials-mean 4.0 there, 5.0 now" in " ".join(err.split())

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+from harness import CountingRunner
 
 from fedprivacy import cli
 from fedprivacy.errors import InputError
@@ -21,7 +22,6 @@ from fedprivacy.reports.sweep_report import write_report
 from fedprivacy.sweepfiles import TUNING_PRIVACY_NOTE, cell_results
 from sims.sweep.baseline_jobs import baseline_jobs, baseline_tuning, tunes_baseline
 from sims.sweep.driver import run_sweep
-from sims.sweep.engines.fast import FastCellRunner
 from sims.sweep.grid import cells
 from sims.sweep.spec import validate
 from sims.sweep.tuning import candidates, plan_tuning
@@ -247,16 +247,6 @@ def test_random_search_draws_the_same_combinations_for_the_same_scenario(tmp_pat
     assert len(every) == 24 and [c for c in every if c in first] == first  # a subset, in declared order
     assert every[0].values == {"learning-rate": 0.1, "clip-norm": 0.1, "lr-schedule": "constant"}
     assert every[1].values == {"learning-rate": 0.1, "clip-norm": 0.1, "lr-schedule": "inverse_sqrt"}
-
-
-class CountingRunner(FastCellRunner):
-    """The fast engine's cell runner, counting what it runs (tuning runs and cells by folder)."""
-
-    ran: list[str] = []
-
-    def run_cell(self, cell, results_dir, on_round):
-        CountingRunner.ran.append(f"{results_dir.parent.name}/{results_dir.name}")
-        super().run_cell(cell, results_dir, on_round)
 
 
 class Spy:

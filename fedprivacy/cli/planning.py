@@ -88,7 +88,7 @@ def _plan_table(plan: Any, spent: dict[str, float], federation: bool = False) ->
         ),
         (label["noise"], f"{plan.noise_std_on_mean:.4g}"),
         ("released mechanism", RELEASED_AGGREGATE if federation else RELEASED_MECHANISM),
-        *((("enforced by runs", "not yet: this is the plan only"),) if federation else ()),
+        *((("enforced by runs", "no: this is the plan only"),) if federation else ()),
     ]
     rows += [
         (f"σ {name}", "n/a" if v is None else f"{v:.4g}")
