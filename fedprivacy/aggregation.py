@@ -1,7 +1,9 @@
 """How the server turns the clients' updates into the next global model, one function for the
 ServerApp's strategy and the fast engine (`aggregate`): each update weighed by its client's
 examples (FedAvg) or by the inverse of the noise variance it carries, averaged, checked finite,
-stepped by the server's optimiser if the run has one, and merged into the current model.
+stepped by the server's optimiser if the run has one, and merged into the current model. With
+client-level DP (`aggregate_client_level`) the average is instead the federation's noisy mean of
+the clipped updates (`fedprivacy.client_level`), stepped and merged the same way.
 
 Clients with different budgets release updates with very different noise. The variance of the
 noise in a client's round update follows from its plan alone (σ_t, C, q, N and η_t of the round's
@@ -19,6 +21,8 @@ from fedprivacy.privacy.plan import Plan
 
 if TYPE_CHECKING:  # the run config's checks read AGGREGATIONS, and `fedprivacy --help` loads no torch
     from torch import Tensor
+
+    from fedprivacy.client_level import ClientLevel
 
 AGGREGATIONS = ("examples", "inverse-noise")
 
@@ -75,6 +79,30 @@ def aggregate(
     total = sum(weights)
     factors = torch.tensor([w / total for w in weights], dtype=torch.float32)
     average = {key: torch.tensordot(factors, stacked, dims=1) for key, stacked in updates.items()}
+    return _stepped(current, average, server_step)
+
+
+def aggregate_client_level(
+    current: Mapping[str, Tensor],
+    updates: Mapping[str, Tensor],
+    trained: int,
+    client_level: ClientLevel,
+    server_round: int,
+    server_step: ServerStep | None = None,
+) -> dict[str, Tensor] | None:
+    """`aggregate` under client-level DP: the average is the federation's release for the round
+    (`ClientLevel.release`, which records its spend first) from the `trained` members' updates
+    ([K, *shape] per released entry; K may be 0: the noise is released all the same)."""
+    released = {key: current[key] for key in updates}
+    return _stepped(current, client_level.release(server_round, released, updates, trained), server_step)
+
+
+def _stepped(
+    current: Mapping[str, Tensor], average: dict[str, Tensor], server_step: ServerStep | None
+) -> dict[str, Tensor] | None:
+    """The average checked finite (None if not), stepped by the server's optimiser, merged."""
+    import torch
+
     if not all(bool(torch.isfinite(v).all()) for v in average.values()):
         return None
     if server_step is not None:  # steps the released entries only; the others are never sent

@@ -12,6 +12,8 @@ The rules:
   One dropped round alone is retried; a reply that passes the server's checks resets the count;
 - of those, a seeded fraction is asked (`sample_clients`); one `random.Random(seed)` draws every
   round's train sample and then its evaluation sample, so the draws stay in step across engines;
+  with client-level DP (`fedprivacy.client_level`) every client is instead Poisson-sampled at the
+  federation plan's rate, and those of the sampled that may still train are asked;
 - every client may be asked to evaluate, out-of-budget ones included, except the excluded, those
   whose reply was dropped in this round, and those that release no evaluation (deployed clients);
 - a round waits for `min_clients` connected clients.
@@ -26,10 +28,13 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Collection, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.results import RunRecorder
+
+if TYPE_CHECKING:  # torch is loaded by the engines that pass one
+    from fedprivacy.client_level import ClientLevel
 
 MAX_CONSECUTIVE_FAILURES = 3  # rounds in a row with a dropped reply before a client is not asked again
 
@@ -55,6 +60,7 @@ class Participation:
         fraction_evaluate: float,
         min_clients: int = 1,
         logger: logging.Logger | None = None,
+        client_level: ClientLevel | None = None,
     ) -> None:
         self.recorder = recorder
         self.rng = random.Random(seed)
@@ -62,6 +68,7 @@ class Participation:
         self.fraction_evaluate = fraction_evaluate
         self.min_clients = min_clients
         self.logger = logger
+        self.client_level = client_level
         self.exhausted: set[int] = set()  # said they cannot afford a round: never asked to train again
         self.excluded: set[int] = set()  # not asked again in this run
         self.failures: dict[int, int] = {}  # consecutive rounds with a dropped reply
@@ -85,7 +92,12 @@ class Participation:
             self._log(
                 logging.WARNING, "round %d: no client can still train (budgets spent or clients failed)", server_round
             )
-        chosen = sample_clients(self.rng, eligible, self.fraction_train)
+        if self.client_level is None:
+            chosen = sample_clients(self.rng, eligible, self.fraction_train)
+        else:  # every client is drawn, so a member's chance does not depend on the others
+            drawn = self.client_level.sampled(server_round, len(clients))
+            can = set(eligible)
+            chosen = [client for client, kept in zip(clients, drawn, strict=True) if kept and client in can]
         self._log(
             logging.INFO, "configure_train: sampled %d of %d clients that can still train", len(chosen), len(eligible)
         )

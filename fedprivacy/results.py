@@ -4,7 +4,8 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
 
     config.json       the resolved run config (and where the data and ledger were)
     rounds.csv        one row per round: accuracy, loss, ε spent (max/mean), clients sampled,
-                      trained and dropped this round, clients out of budget / failed so far…
+                      trained and dropped this round, clients out of budget / failed so far, and
+                      with client-level DP the federation's ε spent…
     clients.csv       one row per client: budget, ε spent (all runs), σ, steps (this run, all
                       runs, planned), rounds trained and dropped, exhausted round, its last
                       federated evaluation (accuracy and loss on its own test rows), status
@@ -55,6 +56,7 @@ ROUND_COLUMNS = (
     "clients_failed",
     "epsilon_spent_max",
     "epsilon_spent_mean",
+    "federation_epsilon_spent",
     "train_loss",
     "clip_fraction",
     "elapsed_s",
@@ -110,9 +112,15 @@ def progress_line(row: dict[str, Any], rounds: int) -> str:
     label = "accuracy" if row["accuracy"] is not None else "federated accuracy"
     return (
         f"round {row['round']}/{rounds}: {label} {_fmt(accuracy)} | ε spent max {row['epsilon_spent_max']:.4f}"
-        f" mean {row['epsilon_spent_mean']:.4f} | {row['clients_trained']} trained, "
+        f" mean {row['epsilon_spent_mean']:.4f}{_federation_part(row)} | {row['clients_trained']} trained, "
         f"{row['clients_exhausted']} out of budget, {row['clients_failed']} failed"
     )
+
+
+def _federation_part(values: dict[str, Any]) -> str:
+    """The federation's client-level ε spent, when the run has client-level DP."""
+    spent = values.get("federation_epsilon_spent")
+    return "" if spent is None else f", federation ε spent {spent:.4f}"
 
 
 def largest_class_share(labels: Any) -> float:
@@ -145,7 +153,8 @@ def no_better_line(summary: dict[str, Any]) -> str | None:
 def done_line(summary: dict[str, Any]) -> str:
     return (
         f"done: final accuracy {_fmt(summary['final_accuracy'] or summary['final_federated_accuracy'])}, "
-        f"max ε spent {summary['epsilon_spent_max']:.4f}, all within budget: {summary['all_within_budget']}"
+        f"max ε spent {summary['epsilon_spent_max']:.4f}{_federation_part(summary)}, "
+        f"all within budget: {summary['all_within_budget']}"
     )
 
 
@@ -313,6 +322,10 @@ class RunRecorder:
     def _reply(self, server_round: int, client_id: str, outcome: str, reason: str) -> None:
         self.replies.append({"round": server_round, "client_id": client_id, "outcome": outcome, "reason": reason})
 
+    def federation_spent(self, epsilon: float) -> None:
+        """The federation's client-level ε spent once this round's aggregate was released."""
+        self._round["federation_epsilon_spent"] = float(epsilon)
+
     def evaluated(self, key: str, accuracy: float, loss: float) -> None:
         """Round metrics from central ('') or federated ('federated_') evaluation."""
         self._round[f"{key}accuracy"] = float(accuracy)
@@ -335,6 +348,7 @@ class RunRecorder:
             "clients_failed": sum(1 for c in self.clients.values() if c.status.startswith("failed")),
             "epsilon_spent_max": max(spent, default=0.0),
             "epsilon_spent_mean": sum(spent) / len(spent) if spent else 0.0,
+            "federation_epsilon_spent": self._round.get("federation_epsilon_spent"),
             "train_loss": _weighted([(n, loss) for n, loss, _ in trained]),
             "clip_fraction": _weighted([(n, clip) for n, _, clip in trained]),
             "elapsed_s": round(time.monotonic() - self.started, 3),
@@ -400,6 +414,8 @@ class RunRecorder:
             "clients_exhausted": sorted(c.client_id for c in self.clients.values() if c.exhausted_round),
             "clients_failed": sorted(c.client_id for c in self.clients.values() if c.status.startswith("failed")),
             "epsilon_spent_max": max((c.epsilon_spent for c in self.clients.values()), default=0.0),
+            "epsilon_spent_mean": last.get("epsilon_spent_mean"),
+            "federation_epsilon_spent": last.get("federation_epsilon_spent"),
             "all_within_budget": all(
                 c.epsilon_spent <= c.epsilon_budget for c in self.clients.values() if not math.isnan(c.epsilon_budget)
             )

@@ -87,6 +87,12 @@ class RunSettings:
     delta: float
     deltas: tuple[float, ...]
     rule: str
+    # federation (client-level DP)
+    federation_epsilon: float  # 0: off
+    federation_delta: float  # 0: 1/M^1.1
+    federation_cohort: float | None  # None: the planner chooses
+    update_clip: float
+    federation_rule: str
     # rounds and aggregation
     num_server_rounds: int
     fraction_train: float
@@ -106,6 +112,11 @@ class RunSettings:
     results_dir: Path
     ledger_path: Path | None
     diagnostics: bool
+
+    @property
+    def client_level(self) -> bool:
+        """Whether the run adds client-level DP on the server (`federation-epsilon` > 0)."""
+        return self.federation_epsilon > 0
 
     @property
     def data_seed(self) -> int:
@@ -198,10 +209,45 @@ def _check_across_keys(settings: RunSettings) -> None:
             settings.validation_fraction,
             f"sizes only evaluate-on='validation'; this run's evaluate-on is {settings.evaluate_on!r}",
         )
+    _check_federation_keys(settings)
     schedule = settings.lr_schedule or find_rule(settings.rule).default_schedules(None)[0]
     for key, value in (("lr-offset", settings.lr_offset), ("lr-decay", settings.lr_decay)):
         if schedule != "inverse_sqrt" and value != DEFAULTS[key]:
             raise InputError(key, value, f"shapes only lr-schedule='inverse_sqrt'; this run's schedule is {schedule!r}")
+
+
+FEDERATION_KEYS = ("federation-delta", "federation-cohort", "update-clip", "federation-rule")
+
+
+def _check_federation_keys(settings: RunSettings) -> None:
+    """Without client-level DP the federation's other keys would be ignored: refused unless at
+    their default. With it, the server's Poisson sampling at the plan's rate takes the place of
+    `fraction-train`, and the noisy sum divided by the expected cohort that of the weighted mean,
+    so a `fraction-train` or an `aggregation` other than the default is refused."""
+    if not settings.client_level:
+        for key in (k for k in RUN_KEYS if k.name in FEDERATION_KEYS):
+            value = getattr(settings, key.field)
+            if value != key.parse(key.name, key.default):
+                raise InputError(
+                    key.name,
+                    value,
+                    "shapes client-level DP only: set federation-epsilon > 0, or leave it at its default",
+                )
+        return
+    if settings.fraction_train != DEFAULTS["fraction-train"]:
+        raise InputError(
+            "fraction-train",
+            settings.fraction_train,
+            "with federation-epsilon the server samples each member at the federation plan's rate "
+            "(federation-cohort sets the expected cohort): leave fraction-train at 1",
+        )
+    if settings.aggregation != DEFAULTS["aggregation"]:
+        raise InputError(
+            "aggregation",
+            settings.aggregation,
+            "with federation-epsilon the clipped updates are summed, noised and divided by the expected "
+            "cohort: no other weighting keeps the federation's sensitivity; leave aggregation at 'examples'",
+        )
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ key, the value and what is allowed.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from fedprivacy.privacy.plan import LR_SCHEDULES
 PARTITIONINGS = ("auto", *SCHEMES)  # auto: natural when partition-by names a column, else iid
 SERVER_OPTIMIZERS = ("none", "fedavgm", "fedadam")
 EVALUATION_SETS = ("test", "validation")  # validation: rows cut from each client's training rows, for tuning
-GROUPS = ("data", "model and training", "privacy", "rounds and aggregation", "randomness", "output")
+GROUPS = ("data", "model and training", "privacy", "federation", "rounds and aggregation", "randomness", "output")
 
 PATH_RULE = (
     "must be an absolute path (~ and $VARS are expanded): Flower runs the apps from its own "
@@ -134,6 +135,34 @@ def _validation_fraction(field: str, value: Any) -> float:
             field, value, "must be a number in (0, 1): the share of each client's training rows held out for validation"
         )
     return float(value)
+
+
+def _epsilon_or_off(field: str, value: Any) -> float:
+    """A federation's ε (`limits.epsilon`), or 0: no client-level DP."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    try:
+        return limits.epsilon(field, value)
+    except InputError as refused:
+        raise InputError(
+            field, value, f"must be 0 (no client-level DP) or {refused.allowed.removeprefix('must be ')}"
+        ) from None
+
+
+def _delta_or_default(field: str, value: Any) -> float:
+    """A federation's δ in (0, 1), or 0: 1/M^1.1 for M members (checked against 1/M when planned)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+        return 0.0
+    return open_unit(field, value)
+
+
+def _cohort_or_planner(field: str, value: Any) -> float | None:
+    """An expected cohort pM ≥ 1 (checked against M when planned), or 0: the planner chooses."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (value == 0 or 1 <= value < math.inf):
+        raise InputError(
+            field, value, "must be 0 (the planner chooses the rate) or an expected cohort of at least 1 member"
+        )
+    return None if value == 0 else float(value)
 
 
 def _fraction_or_off(field: str, value: Any) -> float:
@@ -403,6 +432,43 @@ RUN_KEYS = (
         _one_of(RULE_NAMES),
         "`proactive`, `calibrated` (σ by PLD), `calibrated-rdp` (σ by RDP) or `adp` ([privacy.md](privacy.md#rules))",
         "privacy",
+    ),
+    # federation
+    RunKey(
+        "federation-epsilon",
+        0.0,
+        _epsilon_or_off,
+        "0: no client-level DP; > 0: the federation's ε, DP-FedAvg planned before the first round "
+        "([privacy.md](privacy.md#two-levels-in-one-run))",
+        "federation",
+    ),
+    RunKey(
+        "federation-delta",
+        0.0,
+        _delta_or_default,
+        "the federation's δ, below 1/M for M members; 0: 1/M^1.1 (McMahan et al. 2018)",
+        "federation",
+    ),
+    RunKey(
+        "federation-cohort",
+        0.0,
+        _cohort_or_planner,
+        "the expected members per round pM (each member Poisson-sampled at rate p); 0: the planner chooses",
+        "federation",
+    ),
+    RunKey(
+        "update-clip",
+        1.0,
+        limits.clip_norm,
+        "S: each member's update (its model change) is clipped to this L2 norm",
+        "federation",
+    ),
+    RunKey(
+        "federation-rule",
+        "proactive",
+        _one_of(tuple(r for r in RULE_NAMES if r != "adp")),
+        "`proactive`, `calibrated` or `calibrated-rdp`: how the federation's σ is chosen",
+        "federation",
     ),
     # rounds and aggregation
     RunKey("num-server-rounds", 3, limits.rounds, "federated rounds", "rounds and aggregation"),

@@ -60,6 +60,7 @@ RESULT_COLUMNS = (
     "best_accuracy",
     "epsilon_spent_max",
     "epsilon_spent_mean",
+    "federation_epsilon_spent",
     "all_within_budget",
     "beats_largest_class",
     "wall_s",
@@ -86,6 +87,11 @@ BASELINE_IGNORED_KEYS = frozenset(
         "server-learning-rate",
         "server-momentum",
         "server-tau",
+        "federation-epsilon",
+        "federation-delta",
+        "federation-cohort",
+        "update-clip",
+        "federation-rule",
     }
 )
 
@@ -124,6 +130,7 @@ def cell_results(folder: Path) -> dict[str, Any]:
         "best_accuracy": _number(accuracy.max()) if len(accuracy) else None,
         "epsilon_spent_max": _number(spent.max()) if len(spent) else None,
         "epsilon_spent_mean": _number(spent.mean()) if len(spent) else None,
+        "federation_epsilon_spent": _number(summary.get("federation_epsilon_spent")),
         "all_within_budget": summary.get("all_within_budget"),
         "beats_largest_class": summary.get("beats_largest_class"),  # fedprivacy.results.beats_largest_class
     }

@@ -19,6 +19,7 @@ import flwr
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fedprivacy.client_level import ClientLevel
 from fedprivacy.errors import error_summary
 from fedprivacy.models import evaluate_model
 from fedprivacy.protocol import RELEASED_KEY
@@ -107,6 +108,28 @@ def _federate(
         optimizer=ServerOptimizer.from_settings(settings),
     )
     nodes = strategy.connected_nodes(grid)
+    client_level = ClientLevel.start(settings, len(nodes), recorder.folder, str(context.run_id))
+    try:
+        if client_level is not None:
+            strategy.protect_members(client_level)
+            extra["federation"] = client_level.describe()
+            logger.info(client_level.headline())
+        _rounds(grid, context, settings, recorder, strategy, nodes, extra)
+    finally:
+        if client_level is not None:
+            client_level.close()
+
+
+def _rounds(
+    grid: Grid,
+    context: Context,
+    settings: RunSettings,
+    recorder: RunRecorder,
+    strategy: PrivacyFedAvg,
+    nodes: list[int],
+    extra: dict[str, Any],
+) -> None:
+    """From the server's test set and the initial model to the last round's model."""
     test = server_test_set(settings, len(nodes))
     if test is not None:
         recorder.evaluation_rows, recorder.largest_class_share = len(test.labels), largest_class_share(test.labels)
@@ -131,6 +154,7 @@ def _federate(
                 "evaluation": evaluation,
                 "engine": "flower",
                 "flwr_version": flwr.__version__,
+                **({"federation": extra["federation"]} if "federation" in extra else {}),
             },
         )
     )

@@ -17,7 +17,10 @@ What it adds to FedAvg:
   again in this run (`fedprivacy.participation` says when);
 - clients that said they cannot afford a round are not sampled for training again, and their
   zero-weight replies never reach aggregation (no division by zero);
-- an aggregate that is not finite is discarded (the global model stays as it was).
+- an aggregate that is not finite is discarded (the global model stays as it was);
+- with client-level DP (`fedprivacy.client_level`, set by `protect_members`) the members are
+  Poisson-sampled at the federation plan's rate and the new model is the federation's noisy mean
+  of the clipped updates, released every round, with or without a trained member.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedprivacy.aggregation import aggregate, aggregation_weight
+from fedprivacy.aggregation import aggregate, aggregate_client_level, aggregation_weight
+from fedprivacy.client_level import ClientLevel
 from fedprivacy.errors import error_summary
 from fedprivacy.participation import DropKind, Participation
 from fedprivacy.privacy.plan import Plan
@@ -128,6 +132,12 @@ class PrivacyFedAvg(FedAvg):
         self.aggregation = aggregation
         self.optimizer = optimizer
         self.current: ArrayRecord | None = None  # the global model this round's clients started from
+        self.client_level: ClientLevel | None = None
+
+    def protect_members(self, client_level: ClientLevel) -> None:
+        """Client-level DP from now on: the federation's sampling and noisy aggregate."""
+        self.client_level = client_level
+        self.participation.client_level = client_level
 
     def connected_nodes(self, grid: Grid) -> list[int]:
         """Node ids once enough are connected (`min-clients`; sorted, so seeded sampling repeats)."""
@@ -227,16 +237,21 @@ class PrivacyFedAvg(FedAvg):
                 updates.append(checked.arrays)
         for node in sorted(outbox.nodes - answered):
             self._drop(server_round, node, "no reply", NO_REPLY)
-        if not trained:
-            return None, None
-        metrics = aggregate_train_metrics(trained, self.weighted_by_key)
+        metrics = aggregate_train_metrics(trained, self.weighted_by_key) if trained else None
         assert self.current is not None  # configure_train set it
-        new = aggregate(  # over the checked replies only, weighed by examples or by inverse noise variance
-            self.current.to_torch_state_dict(),
-            {key: torch.from_numpy(np.stack([u[key] for u in updates])) for key in self.released},
-            [float(r["metrics"][WEIGHT_KEY]) for r in trained],
-            None if self.optimizer is None else self.optimizer.for_round(server_round),
-        )
+        current = self.current.to_torch_state_dict()
+        stacked = {
+            key: torch.from_numpy(np.stack([u[key] for u in updates])) if updates else current[key][None][:0]
+            for key in self.released
+        }
+        step = None if self.optimizer is None else self.optimizer.for_round(server_round)
+        if self.client_level is not None:  # the federation's noise is released even when nobody trained
+            new = aggregate_client_level(current, stacked, len(updates), self.client_level, server_round, step)
+            self.recorder.federation_spent(self.client_level.epsilon_spent())
+        elif not trained:
+            return None, None
+        else:  # over the checked replies only, weighed by examples or by inverse noise variance
+            new = aggregate(current, stacked, [float(r["metrics"][WEIGHT_KEY]) for r in trained], step)
         if new is None:
             logger.warning("round %d: the aggregate is not finite; the global model stays as it was", server_round)
             return None, metrics

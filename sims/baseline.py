@@ -6,10 +6,12 @@ and their partitions, the model and its initial weights, client sampling, each c
 Poisson rate q, steps T and their split over rounds, made as the ClientApp makes it; the plan's
 noise is never used), the step sizes (AdaGrad-norm reads the released, here noiseless and
 unclipped, gradient), the division of each step's gradient sum by q·N, the server's test set and
-the device. Three keys are pinned, those a sweep shares one baseline across
+the device. The keys a sweep shares one baseline across are pinned
 (`fedprivacy.sweepfiles.BASELINE_IGNORED_KEYS`): the average is FedAvg by examples (inverse-noise
-weights mean nothing without noise), there is no server optimiser, and the Poisson samples come
-from the run's `seed` (the noise seed's stream keyed by it), so a baseline is reproducible.
+weights mean nothing without noise), there is no server optimiser, no client-level DP (the
+baseline of a two-level run trains every member every round, FedAvg without either level), and the
+Poisson samples come from the run's `seed` (the noise seed's stream keyed by it), so a baseline is
+reproducible.
 
 `private=False` is a Python argument, never a run-config key, so no run config can turn privacy
 off. The run's results folder (and its ledger, which holds only this run's would-be spends) lives
@@ -25,7 +27,7 @@ import time
 import warnings
 from typing import Any
 
-from fedprivacy.runconfig import DEFAULTS, parse_run_config
+from fedprivacy.runconfig import DEFAULTS, FEDERATION_KEYS, parse_run_config
 from fedprivacy.training.rng import SeededRunWarning
 from sims.fast.engine import run_fast
 from sims.runner import RunResult, natural_client_count, read_results
@@ -45,16 +47,19 @@ DROPPED_FIELDS = frozenset(
         "epsilon_spent",
         "delta",
         "sigma",
+        "federation",
+        "federation_epsilon_spent",
     }
 )
 
 
 def baseline_run_config(run_config: dict[str, Any]) -> dict[str, Any]:
     """`run_config` with the keys a baseline pins (the module's docstring): FedAvg by examples, no
-    server optimiser, Poisson samples from the run's seed."""
+    server optimiser, no client-level DP, Poisson samples from the run's seed."""
     config = {**DEFAULTS, **run_config}
     return {
         **config,
+        **{key: DEFAULTS[key] for key in ("federation-epsilon", *FEDERATION_KEYS)},
         "aggregation": "examples",
         "server-optimizer": "none",
         "noise-seed": parse_run_config(config).seed,

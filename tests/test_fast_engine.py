@@ -86,6 +86,8 @@ def csv(folder: Path, name: str) -> pd.DataFrame:
             {"rule": "calibrated", "lr-schedule": "inverse_sqrt", "lr-offset": 1.0, "lr-decay": 0.5},
         ),  # η_t = η/sqrt(1 + t/2)
         ("cnn", {"rule": "calibrated"}),  # not a Linear stack: trained client by client
+        # client-level DP: Poisson-sampled members, clipped updates, the federation's noise and ledger
+        ("logreg", {"federation-epsilon": 8.0, "federation-cohort": 2, "federation-rule": "calibrated"}),
     ],
 )
 def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkeypatch, model, overrides):
@@ -136,8 +138,11 @@ def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkey
         "clients_failed",
         "epsilon_spent_max",
         "epsilon_spent_mean",
+        "federation_epsilon_spent",
     ):
-        assert list(rounds_fast[column]) == list(rounds_apps[column])
+        assert rounds_fast[column].equals(rounds_apps[column]), column
+    if "federation-epsilon" in overrides:  # the federation's ledger spent in every round, in both
+        assert rounds_fast["federation_epsilon_spent"].notna().all()
     for name in (
         "summary.json",
         "config.json",

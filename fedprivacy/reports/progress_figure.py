@@ -13,7 +13,8 @@ from matplotlib.ticker import MaxNLocator
 
 
 def draw_progress(rounds: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Accuracy (central, else federated) on the left axis, max ε spent on the right, per round."""
+    """Accuracy (central, else federated) on the left axis, max ε spent on the right, per round;
+    with client-level DP, the federation's ε spent on the right too."""
     numbers = [r["round"] for r in rounds]
     key = "accuracy" if any(r["accuracy"] is not None for r in rounds) else "federated_accuracy"
     fig = Figure(figsize=(6, 3.5), layout="tight")
@@ -24,8 +25,13 @@ def draw_progress(rounds: Sequence[dict[str, Any]], path: Path) -> Path:
     left.set_ylabel(key.replace("_", " "), color="C0")
     left.set_ylim(0.0, 1.0)
     right = left.twinx()
-    right.plot(numbers, [r["epsilon_spent_max"] for r in rounds], "s--", color="C3")
+    right.plot(numbers, [r["epsilon_spent_max"] for r in rounds], "s--", color="C3", label="record level (max)")
     right.set_ylabel("max ε spent", color="C3")
+    federation = [r.get("federation_epsilon_spent") for r in rounds]
+    if any(spent is not None for spent in federation):
+        right.plot(numbers, [math.nan if e is None else e for e in federation], "^:", color="C2", label="federation")
+        right.set_ylabel("ε spent", color="C3")
+        right.legend(loc="best", fontsize="small")
     right.set_ylim(bottom=0.0)
     fig.savefig(path, dpi=120)
     return path

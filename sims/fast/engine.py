@@ -37,7 +37,8 @@ from typing import Any, TypeVar
 import torch
 
 from fedprivacy.admission import client_noise_seed, open_accounts
-from fedprivacy.aggregation import aggregate, aggregation_weight
+from fedprivacy.aggregation import aggregate, aggregate_client_level, aggregation_weight
+from fedprivacy.client_level import ClientLevel
 from fedprivacy.cohort import Member, cohort_round
 from fedprivacy.errors import error_summary
 from fedprivacy.identity import LocalClient, simulation_client
@@ -143,7 +144,11 @@ def run_fast(
         require_data_file(settings)
         if unused := unused_data_keys(settings):
             say(unused)
-        with _fewer_collections(), Ledger(ledger_path) as ledger:
+        client_level = ClientLevel.start(settings, num_clients, run.folder, str(run_id))
+        if client_level is not None:
+            run.extra["federation"] = client_level.describe()
+            say(client_level.headline())
+        with _fewer_collections(), Ledger(ledger_path) as ledger, _closing(client_level):
             _run_rounds(
                 settings,
                 {**DEFAULTS, **run_config},
@@ -155,6 +160,7 @@ def run_fast(
                 timings,
                 on_round,
                 say,
+                client_level,
             )
         run.extra["accounting_s"] = round(timings.accounting_s, 3)
     return run.folder, timings
@@ -164,6 +170,16 @@ def _marked(private: bool) -> dict[str, bool]:
     """What config.json and summary.json add: `"private": false` for a run with the mechanism off;
     nothing for a private run, whose folder is then the apps' own format."""
     return {} if private else {"private": False}
+
+
+@contextmanager
+def _closing(client_level: ClientLevel | None) -> Iterator[None]:
+    """The federation's ledger closed when the rounds end, however they end."""
+    try:
+        yield
+    finally:
+        if client_level is not None:
+            client_level.close()
 
 
 @contextmanager
@@ -199,6 +215,7 @@ def _run_rounds(
     timings: Timings,
     on_round: RoundCallback | None,
     say: Callable[[str], None],
+    client_level: ClientLevel | None,
 ) -> None:
     random.seed(settings.seed)
     test = server_test_set(settings, num_clients)
@@ -219,6 +236,7 @@ def _run_rounds(
                 "engine": "fast",
                 "workers": spec.workers,
                 "device": spec.device,
+                **({} if client_level is None else {"federation": client_level.describe()}),
             },
         )
     )
@@ -251,6 +269,7 @@ def _run_rounds(
         seed=settings.seed,
         fraction_train=settings.fraction_train,
         fraction_evaluate=settings.fraction_evaluate,
+        client_level=client_level,
     )  # every client is there from the start: `run_fast` refused fewer than min-clients
     indices = [c.index for c in clients]
     optimizer = ServerOptimizer.from_settings(settings)
@@ -258,7 +277,7 @@ def _run_rounds(
         for server_round in range(1, settings.num_server_rounds + 1):
             sampled = [clients[i] for i in participation.trainers(server_round, indices)]
             aggregate_and_evaluate = partial(
-                _aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test
+                _aggregate_and_evaluate, global_state, server_round, settings, optimizer, model, test, client_level
             )
             replies, (global_state, (loss, accuracy)) = _train_round(
                 sampled,
@@ -273,6 +292,8 @@ def _run_rounds(
                 aggregate_and_evaluate,
                 say,
             )
+            if client_level is not None:
+                recorder.federation_spent(client_level.epsilon_spent())
             for client in sampled:
                 if client.index in replies:
                     participation.replied(server_round, client.index, client.name, replies[client.index], client.plan)
@@ -422,11 +443,14 @@ def _aggregate_and_evaluate(
     optimizer: ServerOptimizer | None,
     model: torch.nn.Module,
     test: Any,
+    client_level: ClientLevel | None,
     trained: list[tuple[Client, int]],
     results: WorkerRoundResult,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
     """The round's new global model and its central (loss, accuracy)."""
-    new_state = _aggregate(global_state, trained, results, server_round, settings, optimizer, trained_names(model))
+    new_state = _aggregate(
+        global_state, trained, results, server_round, settings, optimizer, trained_names(model), client_level
+    )
     return new_state, _central_metrics(model, new_state, test)
 
 
@@ -438,11 +462,20 @@ def _aggregate(
     settings: RunSettings,
     optimizer: ServerOptimizer | None,
     released: list[str],
+    client_level: ClientLevel | None,
 ) -> dict[str, torch.Tensor]:
     """As the strategy: each update (the `released` entries, the trained parameters) weighted by its
     client's examples or inverse noise variance (weight factors w/Σw in float32, as Flower's
     aggregation), then the server optimiser's step; the previous model if nobody trained or the
-    average is not finite."""
+    average is not finite. With client-level DP, the federation's noisy mean instead, released
+    whether anybody trained or not."""
+    step = None if optimizer is None else optimizer.for_round(server_round)
+    if client_level is not None:
+        rows = torch.tensor([k for _, k in trained], dtype=torch.long)
+        parts = results.weights or [None] * len(released)  # no request, no rows
+        stacked = {key: _rows_of(global_state[key], part, rows) for key, part in zip(released, parts, strict=True)}
+        new = aggregate_client_level(global_state, stacked, len(trained), client_level, server_round, step)
+        return global_state if new is None else new
     if not trained:
         return global_state
     rows = torch.tensor([k for _, k in trained])
@@ -453,9 +486,14 @@ def _aggregate(
         global_state,
         {key: stacked[rows] for key, stacked in zip(released, results.weights, strict=True)},
         weights,
-        None if optimizer is None else optimizer.for_round(server_round),
+        step,
     )
     return global_state if new is None else new  # as the strategy: a mean that is not finite keeps the model
+
+
+def _rows_of(current: torch.Tensor, stacked: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """The trained members' rows of a released entry ([0, *shape] when nobody trained)."""
+    return current[None][:0] if stacked is None or len(rows) == 0 else stacked[rows]
 
 
 def _evaluate_federated(

@@ -76,6 +76,29 @@ def test_flwr_run_simulation_completes_and_refuses_a_relative_results_dir(flower
 
 
 @pytest.mark.timeout(300)
+def test_flwr_run_simulation_with_both_levels_of_privacy(flower, tmp_path):
+    """Client-level DP on the server beside each client's record-level plan, through `flwr run`."""
+    start_simulation_superlink(flower)
+    results = tmp_path / "results"
+    config = (
+        f"results-dir='{results}' num-server-rounds=3 federation-epsilon=8.0 federation-cohort=2.0 "
+        "federation-rule='calibrated'"
+    )
+    run_id = flower.submit("e2e", config, "num-supernodes=4 client-resources-num-cpus=1")
+    run = flower.wait_finished(run_id, timeout=200)
+    log = flower.run_log(run_id)
+    assert run["status"] == "finished:completed", log
+    assert "client-level DP: 4 members" in log and "federation ε spent" in log
+    folder = only_folder(results)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["federation"]["members"] == 4 and summary["federation"]["expected_cohort"] == 2.0
+    spent = pd.read_csv(folder / "rounds.csv")["federation_epsilon_spent"].tolist()
+    assert len(spent) == 3 and spent == sorted(spent) and spent[0] > 0 and spent[-1] <= 8.0
+    assert summary["federation_epsilon_spent"] == spent[-1] and summary["all_within_budget"] is True
+    assert (folder / "federation-ledger.sqlite").is_file()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_flwr_run_simulation_shares_a_gpu_between_clients(flower, tmp_path):
     """`client-resources-num-gpus=0.25`: Ray gives every client actor the GPU, four at a time."""

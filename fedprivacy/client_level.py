@@ -1,0 +1,174 @@
+"""Client-level DP on the server: DP-FedAvg (McMahan et al. 2018, "Learning differentially private
+recurrent language models"), one for the ServerApp's strategy and the fast engine.
+
+With `federation-epsilon` > 0 the server, before the first round, plans the federation's noise
+(`fedprivacy.privacy.federation.plan_federation`: members M, rounds R, the expected cohort pM and
+the update clip S, certified by the same accountant as a client's plan) and opens its own ledger
+account for (ε_fed, δ_fed). Then every round:
+
+1. each member is sampled with probability p (`sampled`: a Poisson draw per member from ChaCha20,
+   as a client samples its records); the sampled members that can still train are asked;
+2. the round's spend is recorded in the federation's ledger before anything is released: a round
+   the federation's budget cannot afford is refused and the run stops;
+3. each trained member's update Δᵢ (its released parameters less the round's global model) is
+   clipped to S, the clipped updates are summed exactly, Gaussian noise of standard deviation σS is
+   added and the result divided by pM (`release`). A sampled member that did not train contributes
+   nothing, and a round without any trained member still releases noise.
+
+What the sum holds is exact: each clipped Δᵢ is cut towards zero onto a grid of g = 2⁻³⁰·2^⌊log₂S⌋
+(a coordinate's magnitude never grows, so neither does the norm) and summed as integers, so the sum
+moves by at most S when one member is added or removed; the noise is the project's exactly rounded
+Gaussian (`fedprivacy.training.noise.rounded_gaussian`, Haney et al. 2022). The norm is taken in
+float64 and the clip aims at S·(1 − 2⁻³⁰ − P·2⁻⁵²), which covers its rounding for P parameters.
+
+The guarantee is central DP: it holds against whoever sees the aggregated models (other members,
+the public), not against the server, which sees the updates; a member's records stay protected
+from the server by the member's own record-level plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedprivacy.ledger import Ledger, round_events
+from fedprivacy.privacy.federation import FEDERATION_ID, plan_federation
+from fedprivacy.privacy.plan import Plan
+from fedprivacy.runconfig import RunSettings
+from fedprivacy.training.noise import rounded_gaussian
+from fedprivacy.training.rng import StepRandomness
+from fedprivacy.training.stack import noise_scale
+
+LEDGER_NAME = "federation-ledger.sqlite"
+GRID_BITS = 30  # the clipped updates' grid g = 2^(⌊log₂S⌋ − GRID_BITS)
+MAX_COHORT = 1 << 22  # integer sums stay exact in float64: K·2^(GRID_BITS+1) ≤ 2⁵³
+
+
+def federation_delta(settings: RunSettings, members: int) -> float:
+    """The federation's δ: `federation-delta`, or 1/M^1.1 (McMahan et al. 2018) when it is 0."""
+    return settings.federation_delta or members**-1.1
+
+
+@dataclass
+class ClientLevel:
+    """A run's client-level DP: its plan, its ledger account and its randomness."""
+
+    plan: Plan
+    members: int
+    ledger: Ledger
+    run_id: str
+    sampling: StepRandomness
+    noise: StepRandomness
+
+    @classmethod
+    def start(cls, settings: RunSettings, members: int, folder: Path, run_id: str) -> ClientLevel | None:
+        """Plan the federation for `members` members before the first round and open its ledger
+        account in `folder`; None when the run has no client-level DP. A plan the budget cannot
+        certify is refused here (`PlanRefused`), before any member trains."""
+        if not settings.client_level:
+            return None
+        delta = federation_delta(settings, members)
+        plan = plan_federation(
+            members,
+            settings.federation_epsilon,
+            delta,
+            settings.num_server_rounds,
+            rule=settings.federation_rule,
+            update_clip=settings.update_clip,
+            expected_cohort=settings.federation_cohort,
+            compare=False,
+        )
+        ledger = Ledger(folder / LEDGER_NAME)
+        ledger.open_account(FEDERATION_ID, settings.federation_epsilon, delta)
+        seeded = settings.noise_seed >= 0
+        return cls(
+            plan,
+            members,
+            ledger,
+            str(run_id),
+            StepRandomness(f"{settings.noise_seed}:federation-sampling" if seeded else None),
+            StepRandomness(f"{settings.noise_seed}:federation-noise" if seeded else None),
+        )
+
+    def sampled(self, server_round: int, count: int) -> list[bool]:
+        """Round `server_round`'s Poisson draw over `count` members (in the caller's order): each
+        kept with probability p, from the round's own stream."""
+        draws = self.sampling.draws(server_round - 1, 1, count, self.plan.sampling_rate, 0)
+        return draws.keep[0, :count].tolist()
+
+    def release(
+        self, server_round: int, current: Mapping[str, Tensor], updates: Mapping[str, Tensor], trained: int
+    ) -> dict[str, Tensor]:
+        """The new values of the released entries: the current ones plus the noisy mean of the
+        `trained` members' clipped updates (`updates`: entry → [K, *shape], K = `trained`), after
+        the round's spend is recorded (`BudgetExceeded` when the budget cannot afford it)."""
+        self.ledger.record(FEDERATION_ID, self.run_id, server_round, round_events(self.plan, server_round))
+        keys = list(updates)
+        base = torch.cat([current[k].detach().to(torch.float64).flatten() for k in keys])
+        total = clipped_sum(base, [updates[k] for k in keys], trained, self.plan.clip_norm)
+        step = self.plan.first_step_of_round(server_round)
+        noise_std = noise_scale(self.plan.noise_multiplier(step), self.plan.clip_norm).reshape(1)
+        draws = self.noise.draws(step, 1, 0, 0.0, base.numel())
+        noisy = rounded_gaussian(total[None], draws.noise, noise_std, [self.noise.refiner(step)])[0]
+        flat = (base + noisy / self.plan.expected_batch_size).to(torch.float32)
+        pieces = flat.split([current[k].numel() for k in keys])
+        return {k: piece.reshape(current[k].shape) for k, piece in zip(keys, pieces, strict=True)}
+
+    def epsilon_spent(self) -> float:
+        """The federation's ε spent so far (its ledger, PLD at δ_fed)."""
+        return self.ledger.epsilon_spent(FEDERATION_ID)
+
+    def describe(self) -> dict[str, Any]:
+        """What config.json and summary.json say of the federation's plan."""
+        plan = self.plan
+        return {
+            "members": self.members,
+            "epsilon": plan.epsilon,
+            "delta": plan.delta,
+            "rule": plan.rule,
+            "sigma": plan.sigma,
+            "update_clip": plan.clip_norm,
+            "sampling_rate": plan.sampling_rate,
+            "expected_cohort": plan.expected_batch_size,
+            "rounds": plan.rounds,
+            "epsilon_certified": plan.epsilon_pld,
+            "ledger": str(self.ledger.path),
+        }
+
+    def headline(self) -> str:
+        """The plan in one line, for the run's console."""
+        plan = self.plan
+        return (
+            f"client-level DP: {self.members} members, each sampled with p = {plan.sampling_rate:.4g} "
+            f"(expected cohort {plan.expected_batch_size:.4g}), updates clipped to S = {plan.clip_norm:g}, "
+            f"noise σ = {plan.sigma:.4g} ({plan.rule}); certified ε_fed = {plan.epsilon_pld:.3f} ≤ {plan.epsilon:g} "
+            f"at δ_fed = {plan.delta:.3g} over {plan.rounds} rounds"
+        )
+
+    def close(self) -> None:
+        self.ledger.close()
+
+
+def clipped_sum(base: Tensor, updates: Sequence[Tensor], trained: int, clip: float) -> Tensor:
+    """Σᵢ clip_S(uᵢ − base), exact, in float64 (see the module docstring): `updates` per entry
+    [K, *shape], `base` the current values flattened in the same order. An update that is not
+    finite counts as a member that did not train."""
+    if trained == 0:
+        return torch.zeros_like(base)
+    if trained > MAX_COHORT:
+        raise ValueError(f"{trained} trained members in one round: at most {MAX_COHORT} sum exactly")
+    deltas = torch.cat([u.detach().to(torch.float64).reshape(trained, -1) for u in updates], dim=1) - base
+    finite = torch.isfinite(deltas).all(dim=1)
+    deltas = torch.where(finite[:, None], deltas, 0.0)
+    margin = 2.0**-30 + deltas.shape[1] * 2.0**-52
+    norms = torch.linalg.vector_norm(deltas, dim=1)
+    factors = torch.clamp(clip * (1.0 - margin) / norms, max=1.0)  # a zero norm gives inf: factor 1
+    grid = 2.0 ** (math.floor(math.log2(clip)) - GRID_BITS)
+    units = torch.trunc(deltas * factors[:, None] / grid).to(torch.int64)  # towards zero: |·| never grows
+    return units.sum(dim=0).to(torch.float64) * grid

@@ -1,0 +1,191 @@
+"""Client-level DP enforced on the server (DP-FedAvg): the clipped sum's sensitivity, the noise's
+distribution and scale, the members' Poisson sampling, the federation's ledger against
+dp-accounting, the run config's refusals, and a two-level run of the fast engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from flwr.supercore.differential_privacy import compute_stdv
+from independent import pld_epsilon
+from scipy import stats
+
+from fedprivacy.client_level import ClientLevel, clipped_sum, federation_delta
+from fedprivacy.errors import InputError
+from fedprivacy.ledger import BudgetExceeded
+from fedprivacy.runconfig import parse_run_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def client_level(tmp_path: Path, members: int = 1000, **config) -> ClientLevel:
+    settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50, "num-server-rounds": 10, **config})
+    level = ClientLevel.start(settings, members, tmp_path, "1")
+    assert level is not None
+    return level
+
+
+def test_one_member_moves_the_clipped_sum_by_at_most_the_clip():
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(5000, generator=generator, dtype=torch.float64)
+    clip = 0.37
+    for scale in (1e-9, 1e-3, 1.0, 1e6):  # far inside the clip, around it, far outside
+        updates = base + scale * torch.randn(20, 5000, generator=generator, dtype=torch.float64)
+        whole = clipped_sum(base, [updates.float()], 20, clip)
+        for member in range(20):
+            others = torch.cat([updates[:member], updates[member + 1 :]]).float()
+            without = clipped_sum(base, [others], 19, clip)
+            assert float(torch.linalg.vector_norm(whole - without)) <= clip
+
+
+def test_an_update_inside_the_clip_is_summed_as_it_is_and_a_non_finite_one_not_at_all():
+    base = torch.zeros(100, dtype=torch.float64)
+    small = torch.full((1, 100), 0.001)
+    assert torch.allclose(clipped_sum(base, [small], 1, 1.0), small[0].double(), rtol=1e-6, atol=0)
+    bad = torch.cat([small, torch.full((1, 100), math.nan)])
+    assert torch.equal(clipped_sum(base, [bad], 2, 1.0), clipped_sum(base, [small], 1, 1.0))
+    assert torch.equal(clipped_sum(base, [torch.zeros(0, 100)], 0, 1.0), base)
+
+
+def test_the_released_noise_is_gaussian_with_sigma_times_the_clip_on_the_sum(tmp_path):
+    """A round in which nobody trained releases the noise alone: σS on the sum, divided by pM, the
+    standard deviation Flower's fixed-clipping wrapper adds for a cohort of pM members."""
+    level = client_level(tmp_path, **{"federation-rule": "calibrated", "update-clip": 0.5})
+    plan = level.plan
+    current = {"w": torch.zeros(40_000)}
+    new = level.release(1, current, {"w": torch.zeros(0, 40_000)}, 0)["w"].double()
+    z = new * plan.expected_batch_size / (plan.sigma * plan.clip_norm)
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-3
+    assert float(z.std()) == pytest.approx(1.0, abs=0.02)
+    flowers = compute_stdv(plan.sigma, plan.clip_norm, round(plan.expected_batch_size))
+    assert float(new.std()) == pytest.approx(flowers, rel=0.02)
+
+
+def test_members_are_poisson_sampled_at_the_plans_rate_and_a_seed_replays_them(tmp_path):
+    level = client_level(tmp_path / "a", **{"noise-seed": 5})
+    draws = np.array([level.sampled(r, 1000) for r in range(1, 41)])
+    rate = level.plan.sampling_rate
+    assert rate == pytest.approx(0.05)
+    assert abs(draws.mean() - rate) < 4 * math.sqrt(rate * (1 - rate) / draws.size)
+    again = client_level(tmp_path / "b", **{"noise-seed": 5})
+    assert draws[0].tolist() == again.sampled(1, 1000)
+    fresh = client_level(tmp_path / "c")  # OS entropy: another draw
+    assert fresh.sampled(1, 1000) != draws[0].tolist()
+
+
+def test_the_federations_ledger_spends_dp_accountings_epsilon_and_refuses_a_round_more(tmp_path):
+    level = client_level(tmp_path, **{"federation-rule": "calibrated"})
+    plan = level.plan
+    current = {"w": torch.zeros(10)}
+    for server_round in range(1, plan.rounds + 1):
+        level.release(server_round, current, {"w": torch.zeros(0, 10)}, 0)
+    reference = pld_epsilon([(plan.sigma, plan.sampling_rate, plan.rounds)], plan.delta)
+    assert level.epsilon_spent() == pytest.approx(reference, rel=1e-3)
+    assert reference <= plan.epsilon * (1 + 1e-3)
+    with pytest.raises(BudgetExceeded):  # the calibrated plan leaves no room for an eleventh round
+        level.ledger.record("federation", "2", 1, level.ledger.events("federation")[:1])
+
+
+def test_the_federations_default_delta_is_below_one_over_the_members():
+    settings = parse_run_config({"federation-epsilon": 1.0})
+    assert federation_delta(settings, 1000) == pytest.approx(1000**-1.1)
+    assert federation_delta(settings, 1000) < 1 / 1000
+
+
+@pytest.mark.parametrize(
+    ("config", "key", "message"),
+    [
+        ({"update-clip": 0.5}, "update-clip", "federation-epsilon > 0"),
+        ({"federation-cohort": 20}, "federation-cohort", "federation-epsilon > 0"),
+        ({"federation-epsilon": -1}, "federation-epsilon", "must be 0 (no client-level DP) or a finite number"),
+        ({"federation-epsilon": 2, "fraction-train": 0.5}, "fraction-train", "federation plan's rate"),
+        ({"federation-epsilon": 2, "aggregation": "inverse-noise"}, "aggregation", "sensitivity"),
+        ({"federation-epsilon": 2, "federation-rule": "adp"}, "federation-rule", "proactive, calibrated"),
+        ({"federation-epsilon": 2, "federation-cohort": 0.5}, "federation-cohort", "at least 1 member"),
+    ],
+)
+def test_the_run_config_refuses_federation_keys_that_would_be_ignored_or_break_the_plan(config, key, message):
+    with pytest.raises(InputError) as refused:
+        parse_run_config(config)
+    assert refused.value.field == key and message in str(refused.value)
+
+
+def test_a_cohort_larger_than_the_members_is_refused_before_any_round(tmp_path):
+    settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50})
+    with pytest.raises(InputError, match="expected cohort"):
+        ClientLevel.start(settings, 20, tmp_path, "1")
+
+
+def test_a_two_level_run_reports_both_levels(tmp_path):
+    from sims.fast.engine import run_fast
+
+    config = {
+        "dataset": "synthetic",
+        "num-server-rounds": 4,
+        "federation-epsilon": 4.0,
+        "federation-cohort": 10,
+        "federation-rule": "calibrated",
+        "fraction-evaluate": 0.0,
+        "results-dir": str(tmp_path),
+    }
+    lines: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        folder, _ = run_fast(config, 100, say=lines.append)
+    rounds = pd.read_csv(folder / "rounds.csv")
+    spent = rounds["federation_epsilon_spent"].tolist()
+    assert spent == sorted(spent) and spent[0] > 0 and spent[-1] <= 4.0
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["federation_epsilon_spent"] == spent[-1]
+    assert summary["federation"]["members"] == 100 and summary["federation"]["expected_cohort"] == 10
+    assert summary["epsilon_spent_max"] >= summary["epsilon_spent_mean"] > 0
+    assert any(line.startswith("client-level DP: 100 members") for line in lines)
+    assert any(line.startswith("done:") and "federation ε spent" in line for line in lines)
+    # the members sampled each round: Poisson, so not always the same count
+    assert rounds["clients_sampled"].nunique() > 1
+
+
+SWEEP = """
+[sweep]
+engine = "fast"
+clients = 20
+seeded-noise = true
+baseline = false
+
+[run]
+dataset = "synthetic"
+synthetic-examples = 2000
+num-server-rounds = 2
+fraction-evaluate = 0.0
+
+[grid]
+seed = [0]
+
+[linked.federation]      # client-level DP off, then at ε_fed = 4
+federation-epsilon = [0, 4]
+federation-cohort = [0, 5]
+federation-rule = ["proactive", "calibrated"]
+"""
+
+
+def test_a_sweep_grids_over_the_federations_epsilon_and_reports_it(fedprivacy_cli, tmp_path):
+    scenario = tmp_path / "two_levels.toml"
+    scenario.write_text(SWEEP)
+    code, out, err = fedprivacy_cli("sweep", str(scenario), "--out", str(tmp_path / "sweep"))
+    assert code == 0, out + err
+    table = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
+    assert list(table["federation-epsilon"]) == [0, 4] and set(table["status"]) == {"completed"}
+    off, on = table["federation_epsilon_spent"]
+    assert math.isnan(off) and 0 < on <= 4
+    assert (table["epsilon_spent_max"] > 0).all()  # the record level, in both cells
+    code, _, err = fedprivacy_cli("report", str(tmp_path / "sweep"))
+    assert code == 0, err
+    report = (tmp_path / "sweep" / "report" / "report.md").read_text()
+    assert "federation_epsilon_spent" in report and f"{on:.4f}" in report
