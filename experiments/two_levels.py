@@ -8,10 +8,11 @@ drawn without replacement); ε per record = ∞ runs the clients with clipping a
 (`run_fast(private=False)`, the non-private baseline's mechanism), the server's level unchanged.
 The seeds are the runs' `seed` and `noise-seed`, so every number is reproducible.
 
-Writes `two_levels.json` (every run's numbers and each cell's mean and standard deviation over the
-seeds) and `two_levels.png` (accuracy against ε_fed, one line per record-level ε) into `--out`.
+Writes `<name>.json` (every run's numbers and each cell's mean and standard deviation over the
+seeds) and `<name>.png` (accuracy against ε_fed, one line per record-level ε) into `--out`.
 
-Usage: python experiments/two_levels.py --out docs/figures [--members 1000] [--seeds 3]
+Usage: python experiments/two_levels.py --out docs/figures [--data-path PUMS_FILE] [--members 1000]
+       [--seeds 3] [--update-clip-quantile 0.5 --name two_levels_adaptive]
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def run_config(args: argparse.Namespace, federation_epsilon: float, record_epsil
                 "federation-epsilon": federation_epsilon,
                 "federation-cohort": float(args.cohort),
                 "update-clip": args.update_clip,
+                "update-clip-quantile": args.update_clip_quantile,
                 "federation-rule": "calibrated",
             }
         )
@@ -149,7 +151,7 @@ def _strict(value: Any) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for two_levels.json and two_levels.png")
+    parser.add_argument("--out", type=Path, required=True, help="folder for <name>.json and <name>.png")
     parser.add_argument("--runs", type=Path, default=Path("runs/two_levels").absolute(), help="the runs' folders")
     parser.add_argument("--members", type=int, default=1000)
     parser.add_argument(
@@ -159,7 +161,11 @@ def main() -> None:
     parser.add_argument("--model", default="logreg")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--cohort", type=int, default=100, help="expected members per round pM")
-    parser.add_argument("--update-clip", type=float, default=1.0)
+    parser.add_argument("--update-clip", type=float, default=1.0, help="S (adaptive clipping: its first value)")
+    parser.add_argument(
+        "--update-clip-quantile", type=float, default=0.0, help="0: a fixed S; in (0, 1): adaptive clipping"
+    )
+    parser.add_argument("--name", default="two_levels", help="the output files' stem")
     parser.add_argument("--learning-rate", type=float, default=1.0)
     parser.add_argument("--clip-norm", type=float, default=1.0)
     parser.add_argument("--epochs", type=float, default=8.0, help="each client's planned epochs k over the run")
@@ -181,10 +187,10 @@ def main() -> None:
         )
     table = cells(runs)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    (args.out / "two_levels.json").write_text(
+    (args.out / f"{args.name}.json").write_text(
         json.dumps(_strict({"settings": settings, "cells": table, "runs": runs}), indent=2) + "\n"
     )
-    draw(table, args.out / "two_levels.png")
+    draw(table, args.out / f"{args.name}.png")
     for cell in table:
         print(
             f"ε_fed {cell['federation_epsilon']:g}  ε per record {cell['record_epsilon']:g}: "

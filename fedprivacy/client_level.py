@@ -15,6 +15,13 @@ account for (ε_fed, δ_fed). Then every round:
    added and the result divided by pM (`release`). A sampled member that did not train contributes
    nothing, and a round without any trained member still releases noise.
 
+With `update-clip-quantile` γ > 0 the clip adapts (Andrew et al. 2021, "Differentially private
+learning with adaptive clipping"): each round also releases Σᵢ(bᵢ − ½) + N(0, σ_b²), bᵢ = 1 when
+member i's update norm is at most this round's S, and S moves by exp(−η·(share − γ)) towards the
+γ-quantile. Released together with the update sum noised at σ_Δ·S, σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2),
+the pair is one Gaussian mechanism of noise multiplier σ (their Theorem 1), so the plan's σ and
+certificate hold unchanged; σ_b must exceed σ/2.
+
 What the sum holds is exact: each clipped Δᵢ is cut towards zero onto a grid of g = 2⁻³⁰·2^⌊log₂S⌋
 (a coordinate's magnitude never grows, so neither does the norm) and summed as integers, so the sum
 moves by at most S when one member is added or removed; the noise is the project's exactly rounded
@@ -37,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fedprivacy.errors import InputError
 from fedprivacy.ledger import Ledger, round_events
 from fedprivacy.privacy.federation import FEDERATION_ID, plan_federation
 from fedprivacy.privacy.plan import Plan
@@ -56,8 +64,31 @@ def federation_delta(settings: RunSettings, members: int) -> float:
 
 
 @dataclass
+class AdaptiveClip:
+    """Adaptive clipping's settings and its count's noise stream (see the module docstring)."""
+
+    quantile: float
+    rate: float
+    count_noise: float  # σ_b
+    stream: StepRandomness
+
+    def update_multiplier(self, sigma: float) -> float:
+        """σ_Δ: the update sum's noise multiplier that leaves the pair's at σ."""
+        return (sigma**-2 - (2 * self.count_noise) ** -2) ** -0.5
+
+    def next_clip(self, clip: float, centred_count: float, expected_cohort: float, step: int) -> float:
+        """The next round's S from this round's Σ(bᵢ − ½), released with noise σ_b."""
+        noise_std = noise_scale(self.count_noise, 1.0).reshape(1)
+        draws = self.stream.draws(step, 1, 0, 0.0, 1)
+        count = torch.tensor([[centred_count]], dtype=torch.float64)
+        noisy = float(rounded_gaussian(count, draws.noise, noise_std, [self.stream.refiner(step)])[0, 0])
+        share = noisy / expected_cohort + 0.5
+        return clip * math.exp(-self.rate * (share - self.quantile))
+
+
+@dataclass
 class ClientLevel:
-    """A run's client-level DP: its plan, its ledger account and its randomness."""
+    """A run's client-level DP: its plan, its ledger account, its randomness and its current clip."""
 
     plan: Plan
     members: int
@@ -65,6 +96,9 @@ class ClientLevel:
     run_id: str
     sampling: StepRandomness
     noise: StepRandomness
+    adaptive: AdaptiveClip | None = None
+    clip: float = 0.0  # this round's S: the plan's, or where adaptive clipping has moved it
+    last_clip: float | None = None  # the S of the last round released
 
     @classmethod
     def start(cls, settings: RunSettings, members: int, folder: Path, run_id: str) -> ClientLevel | None:
@@ -84,17 +118,28 @@ class ClientLevel:
             expected_cohort=settings.federation_cohort,
             compare=False,
         )
+        seeded = settings.noise_seed >= 0
+
+        def stream(name: str) -> StepRandomness:
+            return StepRandomness(f"{settings.noise_seed}:federation-{name}" if seeded else None)
+
+        adaptive = None
+        if settings.update_clip_quantile:
+            count_noise = settings.clip_count_noise or plan.expected_batch_size / 20
+            largest = max(sigma for sigma, _ in plan.noise_segments)
+            if not count_noise > largest / 2:
+                raise InputError(
+                    "clip-count-noise",
+                    count_noise,
+                    f"must exceed σ/2 = {largest / 2:.4g}: the count's noise is part of the plan's σ "
+                    "(Andrew et al. 2021), so it cannot be smaller; raise it or the federation's cohort",
+                )
+            adaptive = AdaptiveClip(
+                settings.update_clip_quantile, settings.update_clip_rate, count_noise, stream("count")
+            )
         ledger = Ledger(folder / LEDGER_NAME)
         ledger.open_account(FEDERATION_ID, settings.federation_epsilon, delta)
-        seeded = settings.noise_seed >= 0
-        return cls(
-            plan,
-            members,
-            ledger,
-            str(run_id),
-            StepRandomness(f"{settings.noise_seed}:federation-sampling" if seeded else None),
-            StepRandomness(f"{settings.noise_seed}:federation-noise" if seeded else None),
-        )
+        return cls(plan, members, ledger, str(run_id), stream("sampling"), stream("noise"), adaptive, plan.clip_norm)
 
     def sampled(self, server_round: int, count: int) -> list[bool]:
         """Round `server_round`'s Poisson draw over `count` members (in the caller's order): each
@@ -111,12 +156,19 @@ class ClientLevel:
         self.ledger.record(FEDERATION_ID, self.run_id, server_round, round_events(self.plan, server_round))
         keys = list(updates)
         base = torch.cat([current[k].detach().to(torch.float64).flatten() for k in keys])
-        total = clipped_sum(base, [updates[k] for k in keys], trained, self.plan.clip_norm)
+        clip = self.clip
+        total, centred_count = clipped_sum(base, [updates[k] for k in keys], trained, clip)
         step = self.plan.first_step_of_round(server_round)
-        noise_std = noise_scale(self.plan.noise_multiplier(step), self.plan.clip_norm).reshape(1)
+        multiplier = self.plan.noise_multiplier(step)
+        if self.adaptive is not None:
+            multiplier = self.adaptive.update_multiplier(multiplier)
+        noise_std = noise_scale(multiplier, clip).reshape(1)
         draws = self.noise.draws(step, 1, 0, 0.0, base.numel())
         noisy = rounded_gaussian(total[None], draws.noise, noise_std, [self.noise.refiner(step)])[0]
         flat = (base + noisy / self.plan.expected_batch_size).to(torch.float32)
+        self.last_clip = clip
+        if self.adaptive is not None:
+            self.clip = self.adaptive.next_clip(clip, centred_count, self.plan.expected_batch_size, step)
         pieces = flat.split([current[k].numel() for k in keys])
         return {k: piece.reshape(current[k].shape) for k, piece in zip(keys, pieces, strict=True)}
 
@@ -134,6 +186,8 @@ class ClientLevel:
             "rule": plan.rule,
             "sigma": plan.sigma,
             "update_clip": plan.clip_norm,
+            "update_clip_quantile": None if self.adaptive is None else self.adaptive.quantile,
+            "clip_count_noise": None if self.adaptive is None else self.adaptive.count_noise,
             "sampling_rate": plan.sampling_rate,
             "expected_cohort": plan.expected_batch_size,
             "rounds": plan.rounds,
@@ -146,7 +200,8 @@ class ClientLevel:
         plan = self.plan
         return (
             f"client-level DP: {self.members} members, each sampled with p = {plan.sampling_rate:.4g} "
-            f"(expected cohort {plan.expected_batch_size:.4g}), updates clipped to S = {plan.clip_norm:g}, "
+            f"(expected cohort {plan.expected_batch_size:.4g}), updates clipped to S = {plan.clip_norm:g}"
+            f"{'' if self.adaptive is None else f' (adaptive: its {self.adaptive.quantile:g}-quantile)'}, "
             f"noise σ = {plan.sigma:.4g} ({plan.rule}); certified ε_fed = {plan.epsilon_pld:.3f} ≤ {plan.epsilon:g} "
             f"at δ_fed = {plan.delta:.3g} over {plan.rounds} rounds"
         )
@@ -155,12 +210,13 @@ class ClientLevel:
         self.ledger.close()
 
 
-def clipped_sum(base: Tensor, updates: Sequence[Tensor], trained: int, clip: float) -> Tensor:
-    """Σᵢ clip_S(uᵢ − base), exact, in float64 (see the module docstring): `updates` per entry
-    [K, *shape], `base` the current values flattened in the same order. An update that is not
-    finite counts as a member that did not train."""
+def clipped_sum(base: Tensor, updates: Sequence[Tensor], trained: int, clip: float) -> tuple[Tensor, float]:
+    """Σᵢ clip_S(uᵢ − base), exact, in float64 (see the module docstring), and Σᵢ(bᵢ − ½) with bᵢ = 1
+    when update i's norm is at most S (adaptive clipping's count): `updates` per entry [K, *shape],
+    `base` the current values flattened in the same order. An update that is not finite counts as
+    a member that did not train (in neither sum)."""
     if trained == 0:
-        return torch.zeros_like(base)
+        return torch.zeros_like(base), 0.0
     if trained > MAX_COHORT:
         raise ValueError(f"{trained} trained members in one round: at most {MAX_COHORT} sum exactly")
     deltas = torch.cat([u.detach().to(torch.float64).reshape(trained, -1) for u in updates], dim=1) - base
@@ -171,4 +227,5 @@ def clipped_sum(base: Tensor, updates: Sequence[Tensor], trained: int, clip: flo
     factors = torch.clamp(clip * (1.0 - margin) / norms, max=1.0)  # a zero norm gives inf: factor 1
     grid = 2.0 ** (math.floor(math.log2(clip)) - GRID_BITS)
     units = torch.trunc(deltas * factors[:, None] / grid).to(torch.int64)  # towards zero: |·| never grows
-    return units.sum(dim=0).to(torch.float64) * grid
+    centred_count = float(((norms <= clip).double() - 0.5)[finite].sum())
+    return units.sum(dim=0).to(torch.float64) * grid, centred_count

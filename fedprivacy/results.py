@@ -5,7 +5,7 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
     config.json       the resolved run config (and where the data and ledger were)
     rounds.csv        one row per round: accuracy, loss, ε spent (max/mean), clients sampled,
                       trained and dropped this round, clients out of budget / failed so far, and
-                      with client-level DP the federation's ε spent…
+                      with client-level DP the federation's ε spent and update clip…
     clients.csv       one row per client: budget, ε spent (all runs), σ, steps (this run, all
                       runs, planned), rounds trained and dropped, exhausted round, its last
                       federated evaluation (accuracy and loss on its own test rows), status
@@ -57,6 +57,7 @@ ROUND_COLUMNS = (
     "epsilon_spent_max",
     "epsilon_spent_mean",
     "federation_epsilon_spent",
+    "federation_update_clip",
     "train_loss",
     "clip_fraction",
     "elapsed_s",
@@ -322,9 +323,11 @@ class RunRecorder:
     def _reply(self, server_round: int, client_id: str, outcome: str, reason: str) -> None:
         self.replies.append({"round": server_round, "client_id": client_id, "outcome": outcome, "reason": reason})
 
-    def federation_spent(self, epsilon: float) -> None:
-        """The federation's client-level ε spent once this round's aggregate was released."""
+    def federation_round(self, epsilon: float, update_clip: float | None) -> None:
+        """The federation's client-level ε spent once this round's aggregate was released, and the
+        update clip S it used."""
         self._round["federation_epsilon_spent"] = float(epsilon)
+        self._round["federation_update_clip"] = update_clip
 
     def evaluated(self, key: str, accuracy: float, loss: float) -> None:
         """Round metrics from central ('') or federated ('federated_') evaluation."""
@@ -349,6 +352,7 @@ class RunRecorder:
             "epsilon_spent_max": max(spent, default=0.0),
             "epsilon_spent_mean": sum(spent) / len(spent) if spent else 0.0,
             "federation_epsilon_spent": self._round.get("federation_epsilon_spent"),
+            "federation_update_clip": self._round.get("federation_update_clip"),
             "train_loss": _weighted([(n, loss) for n, loss, _ in trained]),
             "clip_fraction": _weighted([(n, clip) for n, _, clip in trained]),
             "elapsed_s": round(time.monotonic() - self.started, 3),

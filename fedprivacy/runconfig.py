@@ -92,6 +92,9 @@ class RunSettings:
     federation_delta: float  # 0: 1/M^1.1
     federation_cohort: float | None  # None: the planner chooses
     update_clip: float
+    update_clip_quantile: float  # 0: fixed
+    update_clip_rate: float
+    clip_count_noise: float  # 0: pM/20
     federation_rule: str
     # rounds and aggregation
     num_server_rounds: int
@@ -216,7 +219,16 @@ def _check_across_keys(settings: RunSettings) -> None:
             raise InputError(key, value, f"shapes only lr-schedule='inverse_sqrt'; this run's schedule is {schedule!r}")
 
 
-FEDERATION_KEYS = ("federation-delta", "federation-cohort", "update-clip", "federation-rule")
+FEDERATION_KEYS = (
+    "federation-delta",
+    "federation-cohort",
+    "update-clip",
+    "update-clip-quantile",
+    "update-clip-rate",
+    "clip-count-noise",
+    "federation-rule",
+)
+ADAPTIVE_CLIP_KEYS = ("update-clip-rate", "clip-count-noise")
 
 
 def _check_federation_keys(settings: RunSettings) -> None:
@@ -234,6 +246,11 @@ def _check_federation_keys(settings: RunSettings) -> None:
                     "shapes client-level DP only: set federation-epsilon > 0, or leave it at its default",
                 )
         return
+    if not settings.update_clip_quantile:
+        for key in ADAPTIVE_CLIP_KEYS:
+            value = getattr(settings, key.replace("-", "_"))
+            if value != DEFAULTS[key]:
+                raise InputError(key, value, "shapes adaptive clipping only: set update-clip-quantile, or leave it")
     if settings.fraction_train != DEFAULTS["fraction-train"]:
         raise InputError(
             "fraction-train",

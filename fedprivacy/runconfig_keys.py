@@ -165,6 +165,13 @@ def _cohort_or_planner(field: str, value: Any) -> float | None:
     return None if value == 0 else float(value)
 
 
+def _quantile_or_fixed(field: str, value: Any) -> float:
+    """A target quantile in (0, 1) for adaptive clipping, or 0: a fixed update clip."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise InputError(field, value, "must be 0 (a fixed update-clip) or a quantile in (0, 1), e.g. 0.5")
+    return float(value)
+
+
 def _fraction_or_off(field: str, value: Any) -> float:
     """A rate in (0, 1], or 0 for none (federated evaluation off)."""
     if value == 0 and not isinstance(value, bool):
@@ -461,6 +468,29 @@ RUN_KEYS = (
         1.0,
         limits.clip_norm,
         "S: each member's update (its model change) is clipped to this L2 norm",
+        "federation",
+    ),
+    RunKey(
+        "update-clip-quantile",
+        0.0,
+        _quantile_or_fixed,
+        "0: S stays `update-clip`; in (0, 1): adaptive clipping (Andrew et al. 2021), S follows this quantile of "
+        "the members' update norms, estimated each round with its own noise and counted in the plan, from "
+        "`update-clip`",
+        "federation",
+    ),
+    RunKey(
+        "update-clip-rate",
+        0.2,
+        positive,
+        "adaptive clipping's step: S ← S·exp(−rate·(share of norms ≤ S − quantile))",
+        "federation",
+    ),
+    RunKey(
+        "clip-count-noise",
+        0.0,
+        _non_negative,
+        "adaptive clipping: σ_b of the noisy count of norms ≤ S; 0: pM/20 (Andrew et al. 2021)",
         "federation",
     ),
     RunKey(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import warnings
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from dp_accounting import dp_event, pld
 from flwr.supercore.differential_privacy import compute_stdv
 from independent import pld_epsilon
 from scipy import stats
@@ -38,20 +40,25 @@ def test_one_member_moves_the_clipped_sum_by_at_most_the_clip():
     clip = 0.37
     for scale in (1e-9, 1e-3, 1.0, 1e6):  # far inside the clip, around it, far outside
         updates = base + scale * torch.randn(20, 5000, generator=generator, dtype=torch.float64)
-        whole = clipped_sum(base, [updates.float()], 20, clip)
+        whole, count = clipped_sum(base, [updates.float()], 20, clip)
         for member in range(20):
             others = torch.cat([updates[:member], updates[member + 1 :]]).float()
-            without = clipped_sum(base, [others], 19, clip)
+            without, count_without = clipped_sum(base, [others], 19, clip)
             assert float(torch.linalg.vector_norm(whole - without)) <= clip
+            assert abs(count - count_without) == 0.5  # adaptive clipping's count: sensitivity ½
 
 
 def test_an_update_inside_the_clip_is_summed_as_it_is_and_a_non_finite_one_not_at_all():
     base = torch.zeros(100, dtype=torch.float64)
     small = torch.full((1, 100), 0.001)
-    assert torch.allclose(clipped_sum(base, [small], 1, 1.0), small[0].double(), rtol=1e-6, atol=0)
+    total, count = clipped_sum(base, [small], 1, 1.0)
+    assert torch.allclose(total, small[0].double(), rtol=1e-6, atol=0) and count == 0.5
     bad = torch.cat([small, torch.full((1, 100), math.nan)])
-    assert torch.equal(clipped_sum(base, [bad], 2, 1.0), clipped_sum(base, [small], 1, 1.0))
-    assert torch.equal(clipped_sum(base, [torch.zeros(0, 100)], 0, 1.0), base)
+    assert torch.equal(clipped_sum(base, [bad], 2, 1.0)[0], total) and clipped_sum(base, [bad], 2, 1.0)[1] == 0.5
+    large = torch.full((3, 100), 1.0)  # norm 10: above the clip
+    assert clipped_sum(base, [torch.cat([small, large])], 4, 1.0)[1] == 0.5 - 1.5
+    empty, none = clipped_sum(base, [torch.zeros(0, 100)], 0, 1.0)
+    assert torch.equal(empty, base) and none == 0.0
 
 
 def test_the_released_noise_is_gaussian_with_sigma_times_the_clip_on_the_sum(tmp_path):
@@ -66,6 +73,40 @@ def test_the_released_noise_is_gaussian_with_sigma_times_the_clip_on_the_sum(tmp
     assert float(z.std()) == pytest.approx(1.0, abs=0.02)
     flowers = compute_stdv(plan.sigma, plan.clip_norm, round(plan.expected_batch_size))
     assert float(new.std()) == pytest.approx(flowers, rel=0.02)
+
+
+def test_adaptive_clipping_splits_the_plans_sigma_between_the_sum_and_the_count(tmp_path):
+    """Andrew et al. 2021, Theorem 1: the sum noised at σ_Δ·S and the count of (bᵢ − ½) noised at σ_b
+    are together one Gaussian of multiplier σ: their composition's ε is dp-accounting's for σ."""
+    level = client_level(tmp_path, **{"federation-rule": "calibrated", "update-clip-quantile": 0.5})
+    adaptive, sigma = level.adaptive, level.plan.sigma
+    assert adaptive is not None and adaptive.count_noise == pytest.approx(50 / 20)
+    update = adaptive.update_multiplier(sigma)
+    assert update > sigma
+    pair = pld.PLDAccountant(value_discretization_interval=1e-4)
+    pair.compose(dp_event.GaussianDpEvent(update))
+    pair.compose(dp_event.GaussianDpEvent(2 * adaptive.count_noise))  # the count's sensitivity is ½
+    one = pld.PLDAccountant(value_discretization_interval=1e-4)
+    one.compose(dp_event.GaussianDpEvent(sigma))
+    assert pair.get_epsilon(1e-5) == pytest.approx(one.get_epsilon(1e-5), rel=1e-3)
+    current = {"w": torch.zeros(40_000)}
+    new = level.release(1, current, {"w": torch.zeros(0, 40_000)}, 0)["w"].double()
+    assert float(new.std()) * 50 / level.last_clip == pytest.approx(update, rel=0.02)
+
+
+def test_adaptive_clipping_moves_the_clip_to_the_quantile_of_update_norms(tmp_path):
+    settings = {"federation-rule": "calibrated", "update-clip-quantile": 0.5, "update-clip": 0.05}
+    level = client_level(tmp_path, **settings, **{"num-server-rounds": 110})
+    norms = torch.linspace(0.5, 1.5, 50)  # the median norm is 1
+    directions = torch.nn.functional.normalize(torch.randn(50, 20, generator=torch.Generator().manual_seed(1)))
+    updates = {"w": directions * norms[:, None]}
+    clips = []
+    for server_round in range(1, 111):
+        level.release(server_round, {"w": torch.zeros(20)}, updates, 50)
+        clips.append(level.last_clip)
+    assert clips[0] == 0.05 and clips[:10] == sorted(clips[:10])  # every norm above S: S grows
+    assert clips[10] == pytest.approx(0.05 * math.exp(0.1) ** 10, rel=0.1)  # by about exp(0.2·0.5) a round
+    assert 0.8 < statistics.fmean(clips[-30:]) < 1.25  # then stays around the median
 
 
 def test_members_are_poisson_sampled_at_the_plans_rate_and_a_seed_replays_them(tmp_path):
@@ -109,6 +150,8 @@ def test_the_federations_default_delta_is_below_one_over_the_members():
         ({"federation-epsilon": 2, "aggregation": "inverse-noise"}, "aggregation", "sensitivity"),
         ({"federation-epsilon": 2, "federation-rule": "adp"}, "federation-rule", "proactive, calibrated"),
         ({"federation-epsilon": 2, "federation-cohort": 0.5}, "federation-cohort", "at least 1 member"),
+        ({"federation-epsilon": 2, "clip-count-noise": 3.0}, "clip-count-noise", "update-clip-quantile"),
+        ({"federation-epsilon": 2, "update-clip-quantile": 1.0}, "update-clip-quantile", "quantile in (0, 1)"),
     ],
 )
 def test_the_run_config_refuses_federation_keys_that_would_be_ignored_or_break_the_plan(config, key, message):
@@ -121,6 +164,14 @@ def test_a_cohort_larger_than_the_members_is_refused_before_any_round(tmp_path):
     settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50})
     with pytest.raises(InputError, match="expected cohort"):
         ClientLevel.start(settings, 20, tmp_path, "1")
+
+
+def test_a_count_noise_below_half_sigma_is_refused_before_any_round(tmp_path):
+    settings = parse_run_config(
+        {"federation-epsilon": 2.0, "federation-cohort": 20, "update-clip-quantile": 0.5, "clip-count-noise": 0.1}
+    )
+    with pytest.raises(InputError, match="must exceed σ/2"):
+        ClientLevel.start(settings, 1000, tmp_path, "1")
 
 
 def test_a_two_level_run_reports_both_levels(tmp_path):

@@ -88,6 +88,16 @@ def csv(folder: Path, name: str) -> pd.DataFrame:
         ("cnn", {"rule": "calibrated"}),  # not a Linear stack: trained client by client
         # client-level DP: Poisson-sampled members, clipped updates, the federation's noise and ledger
         ("logreg", {"federation-epsilon": 8.0, "federation-cohort": 2, "federation-rule": "calibrated"}),
+        (  # and its clip adapting to the median update norm, with its own noisy count
+            "logreg",
+            {
+                "federation-epsilon": 8.0,
+                "federation-cohort": 2,
+                "federation-rule": "calibrated",
+                "update-clip-quantile": 0.5,
+                "clip-count-noise": 2.0,
+            },
+        ),
     ],
 )
 def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkeypatch, model, overrides):
@@ -139,6 +149,7 @@ def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkey
         "epsilon_spent_max",
         "epsilon_spent_mean",
         "federation_epsilon_spent",
+        "federation_update_clip",
     ):
         assert rounds_fast[column].equals(rounds_apps[column]), column
     if "federation-epsilon" in overrides:  # the federation's ledger spent in every round, in both

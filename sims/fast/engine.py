@@ -293,7 +293,7 @@ def _run_rounds(
                 say,
             )
             if client_level is not None:
-                recorder.federation_spent(client_level.epsilon_spent())
+                recorder.federation_round(client_level.epsilon_spent(), client_level.last_clip)
             for client in sampled:
                 if client.index in replies:
                     participation.replied(server_round, client.index, client.name, replies[client.index], client.plan)
