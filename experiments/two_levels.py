@@ -82,6 +82,7 @@ def run_cell(args: argparse.Namespace, federation_epsilon: float, record_epsilon
         "record_epsilon": record_epsilon,
         "seed": seed,
         "final_accuracy": summary["final_accuracy"],
+        "largest_class_share": summary["largest_class_share"],
         "record_epsilon_spent_max": summary["epsilon_spent_max"] if math.isfinite(record_epsilon) else None,
         "record_epsilon_spent_mean": summary["epsilon_spent_mean"] if math.isfinite(record_epsilon) else None,
         "federation_epsilon_spent": summary.get("federation_epsilon_spent"),
@@ -114,11 +115,13 @@ def cells(runs: list[dict]) -> list[dict]:
     return table
 
 
-def draw(table: list[dict], path: Path) -> None:
-    """Accuracy against ε_fed (∞ drawn at the right), one line per record-level ε."""
+def draw(table: list[dict], largest_class: float, path: Path) -> None:
+    """Accuracy against ε_fed (∞ drawn at the right), one line per record-level ε, and what always
+    predicting the test rows' largest class scores."""
     positions = {e: i for i, e in enumerate(FEDERATION_EPSILONS)}
     fig = Figure(figsize=(6, 3.8), layout="tight")
     axes = fig.subplots()
+    axes.axhline(largest_class, color="grey", linestyle=":", label="largest class")
     for index, record_epsilon in enumerate(RECORD_EPSILONS):
         rows = [c for c in table if c["record_epsilon"] == record_epsilon]
         axes.errorbar(
@@ -190,7 +193,7 @@ def main() -> None:
     (args.out / f"{args.name}.json").write_text(
         json.dumps(_strict({"settings": settings, "cells": table, "runs": runs}), indent=2) + "\n"
     )
-    draw(table, args.out / f"{args.name}.png")
+    draw(table, max(r["largest_class_share"] for r in runs), args.out / f"{args.name}.png")
     for cell in table:
         print(
             f"ε_fed {cell['federation_epsilon']:g}  ε per record {cell['record_epsilon']:g}: "

@@ -85,16 +85,15 @@ def aggregate(
 def aggregate_client_level(
     current: Mapping[str, Tensor],
     updates: Mapping[str, Tensor],
-    trained: int,
     client_level: ClientLevel,
     server_round: int,
     server_step: ServerStep | None = None,
 ) -> dict[str, Tensor] | None:
     """`aggregate` under client-level DP: the average is the federation's release for the round
-    (`ClientLevel.release`, which records its spend first) from the `trained` members' updates
+    (`ClientLevel.release`, which records its spend first) from the trained members' updates
     ([K, *shape] per released entry; K may be 0: the noise is released all the same)."""
     released = {key: current[key] for key in updates}
-    return _stepped(current, client_level.release(server_round, released, updates, trained), server_step)
+    return _stepped(current, client_level.release(server_round, released, updates), server_step)
 
 
 def _stepped(

@@ -1,15 +1,18 @@
 """Client-level DP on the server: DP-FedAvg (McMahan et al. 2018, "Learning differentially private
 recurrent language models"), one for the ServerApp's strategy and the fast engine.
 
-With `federation-epsilon` > 0 the server, before the first round, plans the federation's noise
-(`fedprivacy.privacy.federation.plan_federation`: members M, rounds R, the expected cohort pM and
-the update clip S, certified by the same accountant as a client's plan) and opens its own ledger
-account for (ε_fed, δ_fed). Then every round:
+With `federation-epsilon` > 0 the server, before the first round, fixes the roster (the M clients
+the run starts with), plans the federation's noise (`fedprivacy.privacy.federation.plan_federation`:
+M, rounds R, the expected cohort pM and the update clip S, certified by the same accountant as a
+client's plan) and opens the federation's ledger account for (ε_fed, δ_fed) (`federation-ledger`,
+kept across runs, or one in the run's folder). Then every round:
 
-1. each member is sampled with probability p (`sampled`: a Poisson draw per member from ChaCha20,
-   as a client samples its records); the sampled members that can still train are asked;
+1. each member of the roster is sampled with probability p (`sampled`: a Poisson draw per member
+   from ChaCha20, as a client samples its records); the sampled members that are connected and
+   can still train are asked;
 2. the round's spend is recorded in the federation's ledger before anything is released: a round
-   the federation's budget cannot afford is refused and the run stops;
+   the federation's budget cannot afford (earlier runs on the ledger included), or one beyond the
+   plan's R, is refused and the run stops;
 3. each trained member's update Δᵢ (its released parameters less the round's global model) is
    clipped to S, the clipped updates are summed exactly, Gaussian noise of standard deviation σS is
    added and the result divided by pM (`release`). A sampled member that did not train contributes
@@ -24,13 +27,17 @@ certificate hold unchanged; σ_b must exceed σ/2.
 
 What the sum holds is exact: each clipped Δᵢ is cut towards zero onto a grid of g = 2⁻³⁰·2^⌊log₂S⌋
 (a coordinate's magnitude never grows, so neither does the norm) and summed as integers, so the sum
-moves by at most S when one member is added or removed; the noise is the project's exactly rounded
-Gaussian (`fedprivacy.training.noise.rounded_gaussian`, Haney et al. 2022). The norm is taken in
-float64 and the clip aims at S·(1 − 2⁻³⁰ − P·2⁻⁵²), which covers its rounding for P parameters.
+moves by at most S when one member's contribution is there or not (neighbouring federations:
+zero-out on the public roster, whose accounting is add/remove's for the Poisson-sampled Gaussian);
+the noise is the project's exactly rounded Gaussian (`fedprivacy.training.noise.rounded_gaussian`,
+Haney et al. 2022). The norm is taken in float64 and the clip aims at S·(1 − 2⁻³⁰ − P·2⁻⁵²), which
+covers its rounding for P parameters.
 
-The guarantee is central DP: it holds against whoever sees the aggregated models (other members,
-the public), not against the server, which sees the updates; a member's records stay protected
-from the server by the member's own record-level plan.
+The guarantee is central DP: it holds against whoever sees the sequence of aggregated models (other
+members, the public), not against the server, which sees the updates and who replied; what the
+results folder says of participation (counts of sampled and trained clients, clients.csv, the log)
+is the server operator's and is not covered. A member's records stay protected from the server by
+the member's own record-level plan.
 """
 
 from __future__ import annotations
@@ -45,8 +52,9 @@ import torch
 from torch import Tensor
 
 from fedprivacy.errors import InputError
-from fedprivacy.ledger import Ledger, round_events
+from fedprivacy.ledger import BudgetExceeded, Ledger, round_events
 from fedprivacy.privacy.federation import FEDERATION_ID, plan_federation
+from fedprivacy.privacy.limits import CLIP_NORM_MAX, CLIP_NORM_MIN
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.runconfig import RunSettings
 from fedprivacy.training.noise import rounded_gaussian
@@ -56,11 +64,20 @@ from fedprivacy.training.stack import noise_scale
 LEDGER_NAME = "federation-ledger.sqlite"
 GRID_BITS = 30  # the clipped updates' grid g = 2^(⌊log₂S⌋ − GRID_BITS)
 MAX_COHORT = 1 << 22  # integer sums stay exact in float64: K·2^(GRID_BITS+1) ≤ 2⁵³
+PLAN_FIELDS = {  # plan_federation's field names → the run-config keys that set them
+    "n": "members (the clients the run starts with)",
+    "epsilon": "federation-epsilon",
+    "delta": "federation-delta",
+    "batch-size": "federation-cohort",
+    "rule": "federation-rule",
+    "clip-norm": "update-clip",
+}
 
 
 def federation_delta(settings: RunSettings, members: int) -> float:
-    """The federation's δ: `federation-delta`, or 1/M^1.1 (McMahan et al. 2018) when it is 0."""
-    return settings.federation_delta or members**-1.1
+    """The federation's δ: `federation-delta`, or, when it is 0, min(10⁻⁵, 1/M^1.1) (McMahan et
+    al. 2018 take 1/M^1.1, which is weak for the small federations of a simulation)."""
+    return settings.federation_delta or min(1e-5, members**-1.1)
 
 
 @dataclass
@@ -77,21 +94,27 @@ class AdaptiveClip:
         return (sigma**-2 - (2 * self.count_noise) ** -2) ** -0.5
 
     def next_clip(self, clip: float, centred_count: float, expected_cohort: float, step: int) -> float:
-        """The next round's S from this round's Σ(bᵢ − ½), released with noise σ_b."""
+        """The next round's S from this round's Σ(bᵢ − ½), released with noise σ_b; kept within
+        `update-clip`'s range, where the sum's grid stays exact."""
         noise_std = noise_scale(self.count_noise, 1.0).reshape(1)
         draws = self.stream.draws(step, 1, 0, 0.0, 1)
         count = torch.tensor([[centred_count]], dtype=torch.float64)
         noisy = float(rounded_gaussian(count, draws.noise, noise_std, [self.stream.refiner(step)])[0, 0])
         share = noisy / expected_cohort + 0.5
-        return clip * math.exp(-self.rate * (share - self.quantile))
+        return min(max(clip * math.exp(-self.rate * (share - self.quantile)), CLIP_NORM_MIN), CLIP_NORM_MAX)
 
 
 @dataclass
 class ClientLevel:
-    """A run's client-level DP: its plan, its ledger account, its randomness and its current clip."""
+    """A run's client-level DP: its roster, plan, ledger account, randomness and current clip.
+
+    The roster is the members the plan was made for, fixed at the start: neighbouring federations
+    differ in one member's contribution being there or not (zero-out on a public roster, whose
+    accounting is add/remove's for the Poisson-sampled Gaussian), and a client that joins later is
+    never sampled."""
 
     plan: Plan
-    members: int
+    roster: tuple[int, ...]
     ledger: Ledger
     run_id: str
     sampling: StepRandomness
@@ -101,23 +124,15 @@ class ClientLevel:
     last_clip: float | None = None  # the S of the last round released
 
     @classmethod
-    def start(cls, settings: RunSettings, members: int, folder: Path, run_id: str) -> ClientLevel | None:
-        """Plan the federation for `members` members before the first round and open its ledger
-        account in `folder`; None when the run has no client-level DP. A plan the budget cannot
-        certify is refused here (`PlanRefused`), before any member trains."""
+    def start(cls, settings: RunSettings, roster: Sequence[int], folder: Path, run_id: str) -> ClientLevel | None:
+        """Plan the federation for the members of `roster` before the first round and open its
+        ledger account (`federation-ledger`, or `folder`'s); None when the run has no client-level
+        DP. A plan the budget cannot certify, or a ledger that refuses the account, stops the run
+        here, before any member trains."""
         if not settings.client_level:
             return None
-        delta = federation_delta(settings, members)
-        plan = plan_federation(
-            members,
-            settings.federation_epsilon,
-            delta,
-            settings.num_server_rounds,
-            rule=settings.federation_rule,
-            update_clip=settings.update_clip,
-            expected_cohort=settings.federation_cohort,
-            compare=False,
-        )
+        members = len(roster)
+        plan = _plan(settings, members)
         seeded = settings.noise_seed >= 0
 
         def stream(name: str) -> StepRandomness:
@@ -137,27 +152,44 @@ class ClientLevel:
             adaptive = AdaptiveClip(
                 settings.update_clip_quantile, settings.update_clip_rate, count_noise, stream("count")
             )
-        ledger = Ledger(folder / LEDGER_NAME)
-        ledger.open_account(FEDERATION_ID, settings.federation_epsilon, delta)
-        return cls(plan, members, ledger, str(run_id), stream("sampling"), stream("noise"), adaptive, plan.clip_norm)
+        ledger = _open_ledger(settings, plan, folder / LEDGER_NAME, str(run_id))
+        return cls(
+            plan, tuple(roster), ledger, str(run_id), stream("sampling"), stream("noise"), adaptive, plan.clip_norm
+        )
 
-    def sampled(self, server_round: int, count: int) -> list[bool]:
-        """Round `server_round`'s Poisson draw over `count` members (in the caller's order): each
-        kept with probability p, from the round's own stream."""
-        draws = self.sampling.draws(server_round - 1, 1, count, self.plan.sampling_rate, 0)
-        return draws.keep[0, :count].tolist()
+    @property
+    def members(self) -> int:
+        return len(self.roster)
+
+    def sampled(self, server_round: int) -> list[int]:
+        """Round `server_round`'s Poisson draw over the roster: each member kept with probability
+        p, from the round's own stream, whoever is connected or can still train."""
+        draws = self.sampling.draws(server_round - 1, 1, self.members, self.plan.sampling_rate, 0)
+        kept = draws.keep[0, : self.members].tolist()
+        return [member for member, keep in zip(self.roster, kept, strict=True) if keep]
 
     def release(
-        self, server_round: int, current: Mapping[str, Tensor], updates: Mapping[str, Tensor], trained: int
+        self, server_round: int, current: Mapping[str, Tensor], updates: Mapping[str, Tensor]
     ) -> dict[str, Tensor]:
         """The new values of the released entries: the current ones plus the noisy mean of the
-        `trained` members' clipped updates (`updates`: entry → [K, *shape], K = `trained`), after
-        the round's spend is recorded (`BudgetExceeded` when the budget cannot afford it)."""
-        self.ledger.record(FEDERATION_ID, self.run_id, server_round, round_events(self.plan, server_round))
+        members' clipped updates (`updates`: entry → [K, *shape], K members, possibly 0), after the
+        round's spend is recorded (`BudgetExceeded` when the budget cannot afford it)."""
+        if not 1 <= server_round <= self.plan.rounds:
+            raise BudgetExceeded(
+                f"round {server_round} is outside the federation's plan of {self.plan.rounds} rounds: "
+                "its noise was planned for those rounds only"
+            )
+        try:
+            self.ledger.record(FEDERATION_ID, self.run_id, server_round, round_events(self.plan, server_round))
+        except BudgetExceeded:
+            raise BudgetExceeded(
+                f"the federation's budget ε_fed = {self.plan.epsilon:g} cannot afford round {server_round}: "
+                f"{self.epsilon_spent():.4f} spent in {self.ledger.path} (earlier runs included)"
+            ) from None
         keys = list(updates)
         base = torch.cat([current[k].detach().to(torch.float64).flatten() for k in keys])
         clip = self.clip
-        total, centred_count = clipped_sum(base, [updates[k] for k in keys], trained, clip)
+        total, centred_count = clipped_sum(base, [updates[k] for k in keys], clip)
         step = self.plan.first_step_of_round(server_round)
         multiplier = self.plan.noise_multiplier(step)
         if self.adaptive is not None:
@@ -165,12 +197,12 @@ class ClientLevel:
         noise_std = noise_scale(multiplier, clip).reshape(1)
         draws = self.noise.draws(step, 1, 0, 0.0, base.numel())
         noisy = rounded_gaussian(total[None], draws.noise, noise_std, [self.noise.refiner(step)])[0]
-        flat = (base + noisy / self.plan.expected_batch_size).to(torch.float32)
+        flat = base + noisy / self.plan.expected_batch_size
         self.last_clip = clip
         if self.adaptive is not None:
             self.clip = self.adaptive.next_clip(clip, centred_count, self.plan.expected_batch_size, step)
         pieces = flat.split([current[k].numel() for k in keys])
-        return {k: piece.reshape(current[k].shape) for k, piece in zip(keys, pieces, strict=True)}
+        return {k: piece.reshape(current[k].shape).to(current[k].dtype) for k, piece in zip(keys, pieces, strict=True)}
 
     def epsilon_spent(self) -> float:
         """The federation's ε spent so far (its ledger, PLD at δ_fed)."""
@@ -207,19 +239,27 @@ class ClientLevel:
         )
 
     def close(self) -> None:
+        """Close the federation's ledger (its spends are already durable)."""
         self.ledger.close()
 
+    def __enter__(self) -> ClientLevel:
+        return self
 
-def clipped_sum(base: Tensor, updates: Sequence[Tensor], trained: int, clip: float) -> tuple[Tensor, float]:
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def clipped_sum(base: Tensor, updates: Sequence[Tensor], clip: float) -> tuple[Tensor, float]:
     """Σᵢ clip_S(uᵢ − base), exact, in float64 (see the module docstring), and Σᵢ(bᵢ − ½) with bᵢ = 1
     when update i's norm is at most S (adaptive clipping's count): `updates` per entry [K, *shape],
     `base` the current values flattened in the same order. An update that is not finite counts as
     a member that did not train (in neither sum)."""
-    if trained == 0:
+    members = updates[0].shape[0] if updates else 0
+    if members == 0:
         return torch.zeros_like(base), 0.0
-    if trained > MAX_COHORT:
-        raise ValueError(f"{trained} trained members in one round: at most {MAX_COHORT} sum exactly")
-    deltas = torch.cat([u.detach().to(torch.float64).reshape(trained, -1) for u in updates], dim=1) - base
+    if members > MAX_COHORT:
+        raise ValueError(f"{members} members' updates in one round: at most {MAX_COHORT} sum exactly")
+    deltas = torch.cat([u.detach().to(torch.float64).reshape(members, -1) for u in updates], dim=1) - base
     finite = torch.isfinite(deltas).all(dim=1)
     deltas = torch.where(finite[:, None], deltas, 0.0)
     margin = 2.0**-30 + deltas.shape[1] * 2.0**-52
@@ -229,3 +269,39 @@ def clipped_sum(base: Tensor, updates: Sequence[Tensor], trained: int, clip: flo
     units = torch.trunc(deltas * factors[:, None] / grid).to(torch.int64)  # towards zero: |·| never grows
     centred_count = float(((norms <= clip).double() - 0.5)[finite].sum())
     return units.sum(dim=0).to(torch.float64) * grid, centred_count
+
+
+def _plan(settings: RunSettings, members: int) -> Plan:
+    """The federation's certified plan, its refusals naming the run-config keys."""
+    try:
+        return plan_federation(
+            members,
+            settings.federation_epsilon,
+            federation_delta(settings, members),
+            settings.num_server_rounds,
+            rule=settings.federation_rule,
+            update_clip=settings.update_clip,
+            expected_cohort=settings.federation_cohort,
+            compare=False,
+        )
+    except InputError as refused:
+        raise InputError(PLAN_FIELDS.get(refused.field, refused.field), refused.value, refused.allowed) from None
+
+
+def _open_ledger(settings: RunSettings, plan: Plan, default: Path, run_id: str) -> Ledger:
+    """The federation's ledger with its account open at (ε_fed, δ_fed); a seeded run is refused on
+    an account another run spent from (it would repeat that run's noise)."""
+    ledger = Ledger(settings.federation_ledger or default)
+    try:
+        ledger.open_account(FEDERATION_ID, plan.epsilon, plan.delta)
+        if settings.noise_seed >= 0 and ledger.runs(FEDERATION_ID) - {run_id}:
+            raise InputError(
+                "noise-seed",
+                settings.noise_seed,
+                f"the federation's ledger {ledger.path} was already spent from by another run: a fixed seed "
+                "would repeat its noise; use a fresh federation-ledger or noise-seed=-1",
+            )
+    except Exception:
+        ledger.close()
+        raise
+    return ledger

@@ -12,8 +12,10 @@ The rules:
   One dropped round alone is retried; a reply that passes the server's checks resets the count;
 - of those, a seeded fraction is asked (`sample_clients`); one `random.Random(seed)` draws every
   round's train sample and then its evaluation sample, so the draws stay in step across engines;
-  with client-level DP (`fedprivacy.client_level`) every client is instead Poisson-sampled at the
-  federation plan's rate, and those of the sampled that may still train are asked;
+  with client-level DP (`fedprivacy.client_level`) every member of the federation's roster (the
+  clients of the first round) is instead Poisson-sampled at its plan's rate, and those of the
+  sampled that are connected and may still train are asked; a client not on the roster is never
+  asked to train (it is said once);
 - every client may be asked to evaluate, out-of-budget ones included, except the excluded, those
   whose reply was dropped in this round, and those that release no evaluation (deployed clients);
 - a round waits for `min_clients` connected clients.
@@ -74,6 +76,7 @@ class Participation:
         self.failures: dict[int, int] = {}  # consecutive rounds with a dropped reply
         self.dropped_now: set[int] = set()  # dropped in the current round: not asked to evaluate
         self.evaluation_off: set[int] = set()  # release no evaluation: not asked to evaluate again
+        self.off_roster: set[int] = set()  # joined after the federation's roster was fixed (said once)
 
     def enough(self, connected: Collection[int]) -> bool:
         """Whether `connected` clients are enough to start a round."""
@@ -94,10 +97,10 @@ class Participation:
             )
         if self.client_level is None:
             chosen = sample_clients(self.rng, eligible, self.fraction_train)
-        else:  # every client is drawn, so a member's chance does not depend on the others
-            drawn = self.client_level.sampled(server_round, len(clients))
+        else:  # every member is drawn, so its chance depends on nothing else
             can = set(eligible)
-            chosen = [client for client, kept in zip(clients, drawn, strict=True) if kept and client in can]
+            chosen = [client for client in self.client_level.sampled(server_round) if client in can]
+            self._say_off_roster(clients)
         self._log(
             logging.INFO, "configure_train: sampled %d of %d clients that can still train", len(chosen), len(eligible)
         )
@@ -109,6 +112,19 @@ class Participation:
             )
         self.recorder.sampled(server_round, len(chosen))
         return chosen
+
+    def _say_off_roster(self, clients: Sequence[int]) -> None:
+        """Log, once each, the clients that joined after the federation's roster was fixed."""
+        assert self.client_level is not None
+        late = set(clients) - set(self.client_level.roster) - self.off_roster
+        if late:
+            self.off_roster |= late
+            self._log(
+                logging.WARNING,
+                "%d client(s) joined after the federation's plan was made for %d members: never asked to train",
+                len(late),
+                self.client_level.members,
+            )
 
     def evaluators(self, clients: Sequence[int]) -> list[int]:
         """The seeded sample of `clients` asked to evaluate the round's model (after `trainers`)."""

@@ -32,7 +32,7 @@ from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.errors import InputError, did_you_mean, open_unit
 from fedprivacy.privacy import limits
 from fedprivacy.privacy.rules import find_rule
-from fedprivacy.runconfig_keys import DEFAULTS, RUN_KEYS, choice, column_names, resolve_path
+from fedprivacy.runconfig_keys import DEFAULTS, FEDERATION_KEYS, RUN_KEYS, choice, column_names, resolve_path
 
 
 def one_per_client(field: str, values: tuple[float, ...], num_clients: int) -> tuple[float, ...]:
@@ -95,6 +95,7 @@ class RunSettings:
     update_clip_quantile: float  # 0: fixed
     update_clip_rate: float
     clip_count_noise: float  # 0: pM/20
+    federation_ledger: Path | None  # None: in the run's folder
     federation_rule: str
     # rounds and aggregation
     num_server_rounds: int
@@ -219,15 +220,6 @@ def _check_across_keys(settings: RunSettings) -> None:
             raise InputError(key, value, f"shapes only lr-schedule='inverse_sqrt'; this run's schedule is {schedule!r}")
 
 
-FEDERATION_KEYS = (
-    "federation-delta",
-    "federation-cohort",
-    "update-clip",
-    "update-clip-quantile",
-    "update-clip-rate",
-    "clip-count-noise",
-    "federation-rule",
-)
 ADAPTIVE_CLIP_KEYS = ("update-clip-rate", "clip-count-noise")
 
 

@@ -494,6 +494,13 @@ RUN_KEYS = (
         "federation",
     ),
     RunKey(
+        "federation-ledger",
+        "",
+        resolve_path,
+        "the federation's own ledger (its ε_fed across runs); empty: `federation-ledger.sqlite` in the run's folder",
+        "federation",
+    ),
+    RunKey(
         "federation-rule",
         "proactive",
         _one_of(tuple(r for r in RULE_NAMES if r != "adp")),
@@ -580,3 +587,5 @@ RUN_KEYS = (
 )
 
 DEFAULTS: dict[str, bool | int | float | str] = {key.name: key.default for key in RUN_KEYS}
+# what shapes client-level DP besides federation-epsilon: refused without it (fedprivacy.runconfig)
+FEDERATION_KEYS = tuple(key.name for key in RUN_KEYS if key.group == "federation" and key.name != "federation-epsilon")

@@ -28,6 +28,8 @@ from typing import Any
 
 import pandas as pd
 
+from fedprivacy.runconfig_keys import FEDERATION_KEYS
+
 SWEEP_JSON = "sweep.json"
 SWEEP_CSV = "sweep.csv"
 CELLS = "cells"
@@ -88,10 +90,7 @@ BASELINE_IGNORED_KEYS = frozenset(
         "server-momentum",
         "server-tau",
         "federation-epsilon",
-        "federation-delta",
-        "federation-cohort",
-        "update-clip",
-        "federation-rule",
+        *FEDERATION_KEYS,
     }
 )
 

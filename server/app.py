@@ -108,16 +108,15 @@ def _federate(
         optimizer=ServerOptimizer.from_settings(settings),
     )
     nodes = strategy.connected_nodes(grid)
-    client_level = ClientLevel.start(settings, len(nodes), recorder.folder, str(context.run_id))
-    try:
-        if client_level is not None:
-            strategy.protect_members(client_level)
-            extra["federation"] = client_level.describe()
-            logger.info(client_level.headline())
+    client_level = ClientLevel.start(settings, nodes, recorder.folder, str(context.run_id))
+    if client_level is None:
         _rounds(grid, context, settings, recorder, strategy, nodes, extra)
-    finally:
-        if client_level is not None:
-            client_level.close()
+        return
+    with client_level:  # its roster: the SuperNodes connected now
+        strategy.protect_members(client_level)
+        extra["federation"] = client_level.describe()
+        logger.info(client_level.headline())
+        _rounds(grid, context, settings, recorder, strategy, nodes, extra)
 
 
 def _rounds(

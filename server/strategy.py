@@ -246,7 +246,7 @@ class PrivacyFedAvg(FedAvg):
         }
         step = None if self.optimizer is None else self.optimizer.for_round(server_round)
         if self.client_level is not None:  # the federation's noise is released even when nobody trained
-            new = aggregate_client_level(current, stacked, len(updates), self.client_level, server_round, step)
+            new = aggregate_client_level(current, stacked, self.client_level, server_round, step)
             self.recorder.federation_round(self.client_level.epsilon_spent(), self.client_level.last_clip)
         elif not trained:
             return None, None

@@ -27,7 +27,8 @@ import time
 import warnings
 from typing import Any
 
-from fedprivacy.runconfig import DEFAULTS, FEDERATION_KEYS, parse_run_config
+from fedprivacy.runconfig import DEFAULTS, parse_run_config
+from fedprivacy.runconfig_keys import FEDERATION_KEYS
 from fedprivacy.training.rng import SeededRunWarning
 from sims.fast.engine import run_fast
 from sims.runner import RunResult, natural_client_count, read_results

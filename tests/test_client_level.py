@@ -8,9 +8,9 @@ import json
 import math
 import statistics
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -19,9 +19,11 @@ from flwr.supercore.differential_privacy import compute_stdv
 from independent import pld_epsilon
 from scipy import stats
 
-from fedprivacy.client_level import ClientLevel, clipped_sum, federation_delta
+from fedprivacy.client_level import GRID_BITS, ClientLevel, clipped_sum, federation_delta
 from fedprivacy.errors import InputError
 from fedprivacy.ledger import BudgetExceeded
+from fedprivacy.participation import Participation
+from fedprivacy.results import RunRecorder
 from fedprivacy.runconfig import parse_run_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def client_level(tmp_path: Path, members: int = 1000, **config) -> ClientLevel:
     settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50, "num-server-rounds": 10, **config})
-    level = ClientLevel.start(settings, members, tmp_path, "1")
+    level = ClientLevel.start(settings, range(members), tmp_path, "1")
     assert level is not None
     return level
 
@@ -40,10 +42,10 @@ def test_one_member_moves_the_clipped_sum_by_at_most_the_clip():
     clip = 0.37
     for scale in (1e-9, 1e-3, 1.0, 1e6):  # far inside the clip, around it, far outside
         updates = base + scale * torch.randn(20, 5000, generator=generator, dtype=torch.float64)
-        whole, count = clipped_sum(base, [updates.float()], 20, clip)
+        whole, count = clipped_sum(base, [updates.float()], clip)
         for member in range(20):
             others = torch.cat([updates[:member], updates[member + 1 :]]).float()
-            without, count_without = clipped_sum(base, [others], 19, clip)
+            without, count_without = clipped_sum(base, [others], clip)
             assert float(torch.linalg.vector_norm(whole - without)) <= clip
             assert abs(count - count_without) == 0.5  # adaptive clipping's count: sensitivity ½
 
@@ -51,13 +53,13 @@ def test_one_member_moves_the_clipped_sum_by_at_most_the_clip():
 def test_an_update_inside_the_clip_is_summed_as_it_is_and_a_non_finite_one_not_at_all():
     base = torch.zeros(100, dtype=torch.float64)
     small = torch.full((1, 100), 0.001)
-    total, count = clipped_sum(base, [small], 1, 1.0)
+    total, count = clipped_sum(base, [small], 1.0)
     assert torch.allclose(total, small[0].double(), rtol=1e-6, atol=0) and count == 0.5
     bad = torch.cat([small, torch.full((1, 100), math.nan)])
-    assert torch.equal(clipped_sum(base, [bad], 2, 1.0)[0], total) and clipped_sum(base, [bad], 2, 1.0)[1] == 0.5
+    assert torch.equal(clipped_sum(base, [bad], 1.0)[0], total) and clipped_sum(base, [bad], 1.0)[1] == 0.5
     large = torch.full((3, 100), 1.0)  # norm 10: above the clip
-    assert clipped_sum(base, [torch.cat([small, large])], 4, 1.0)[1] == 0.5 - 1.5
-    empty, none = clipped_sum(base, [torch.zeros(0, 100)], 0, 1.0)
+    assert clipped_sum(base, [torch.cat([small, large])], 1.0)[1] == 0.5 - 1.5
+    empty, none = clipped_sum(base, [torch.zeros(0, 100)], 1.0)
     assert torch.equal(empty, base) and none == 0.0
 
 
@@ -67,7 +69,7 @@ def test_the_released_noise_is_gaussian_with_sigma_times_the_clip_on_the_sum(tmp
     level = client_level(tmp_path, **{"federation-rule": "calibrated", "update-clip": 0.5})
     plan = level.plan
     current = {"w": torch.zeros(40_000)}
-    new = level.release(1, current, {"w": torch.zeros(0, 40_000)}, 0)["w"].double()
+    new = level.release(1, current, {"w": torch.zeros(0, 40_000)})["w"].double()
     z = new * plan.expected_batch_size / (plan.sigma * plan.clip_norm)
     assert stats.kstest(z.numpy(), "norm").pvalue > 1e-3
     assert float(z.std()) == pytest.approx(1.0, abs=0.02)
@@ -90,7 +92,7 @@ def test_adaptive_clipping_splits_the_plans_sigma_between_the_sum_and_the_count(
     one.compose(dp_event.GaussianDpEvent(sigma))
     assert pair.get_epsilon(1e-5) == pytest.approx(one.get_epsilon(1e-5), rel=1e-3)
     current = {"w": torch.zeros(40_000)}
-    new = level.release(1, current, {"w": torch.zeros(0, 40_000)}, 0)["w"].double()
+    new = level.release(1, current, {"w": torch.zeros(0, 40_000)})["w"].double()
     assert float(new.std()) * 50 / level.last_clip == pytest.approx(update, rel=0.02)
 
 
@@ -102,7 +104,7 @@ def test_adaptive_clipping_moves_the_clip_to_the_quantile_of_update_norms(tmp_pa
     updates = {"w": directions * norms[:, None]}
     clips = []
     for server_round in range(1, 111):
-        level.release(server_round, {"w": torch.zeros(20)}, updates, 50)
+        level.release(server_round, {"w": torch.zeros(20)}, updates)
         clips.append(level.last_clip)
     assert clips[0] == 0.05 and clips[:10] == sorted(clips[:10])  # every norm above S: S grows
     assert clips[10] == pytest.approx(0.05 * math.exp(0.1) ** 10, rel=0.1)  # by about exp(0.2·0.5) a round
@@ -111,14 +113,46 @@ def test_adaptive_clipping_moves_the_clip_to_the_quantile_of_update_norms(tmp_pa
 
 def test_members_are_poisson_sampled_at_the_plans_rate_and_a_seed_replays_them(tmp_path):
     level = client_level(tmp_path / "a", **{"noise-seed": 5})
-    draws = np.array([level.sampled(r, 1000) for r in range(1, 41)])
+    draws = [level.sampled(r) for r in range(1, 41)]
     rate = level.plan.sampling_rate
     assert rate == pytest.approx(0.05)
-    assert abs(draws.mean() - rate) < 4 * math.sqrt(rate * (1 - rate) / draws.size)
+    share = sum(map(len, draws)) / (40 * 1000)
+    assert abs(share - rate) < 4 * math.sqrt(rate * (1 - rate) / (40 * 1000))
+    assert all(set(d) <= set(range(1000)) and d == sorted(d) for d in draws)
     again = client_level(tmp_path / "b", **{"noise-seed": 5})
-    assert draws[0].tolist() == again.sampled(1, 1000)
+    assert draws[0] == again.sampled(1)
     fresh = client_level(tmp_path / "c")  # OS entropy: another draw
-    assert fresh.sampled(1, 1000) != draws[0].tolist()
+    assert fresh.sampled(1) != draws[0]
+
+
+def test_only_the_roster_is_sampled_whoever_is_connected(tmp_path):
+    """The plan is for the clients of the first round: a later one is never asked; one of them that
+    is gone is drawn all the same (its chance does not depend on who else is there)."""
+    settings = parse_run_config({"federation-epsilon": 8.0, "federation-cohort": 2, "noise-seed": 1})
+    level = ClientLevel.start(settings, [10, 20, 30, 40], tmp_path, "1")
+    participation = Participation(
+        RunRecorder(tmp_path), seed=0, fraction_train=1.0, fraction_evaluate=1.0, client_level=level
+    )
+    asked = [participation.trainers(r, [20, 30, 40, 50]) for r in (1, 2, 3)]
+    drawn = [level.sampled(r) for r in (1, 2, 3)]
+    assert asked == [[c for c in d if c != 10] for d in drawn]
+    assert participation.off_roster == {50}
+
+
+def test_one_member_is_exactly_within_the_clip_at_the_boundary():
+    """Exact arithmetic (Python integers): each clipped update on the grid has norm ≤ S, for
+    updates whose float64 norm lies within a few ulps of S."""
+    generator = torch.Generator().manual_seed(3)
+    for size in (1, 3, 1000):
+        for clip in (1e-6, 0.3, 1.0, 7.0):
+            grid = Fraction(2) ** (math.floor(math.log2(clip)) - GRID_BITS)
+            for trial in range(20):
+                direction = torch.randn(size, generator=generator, dtype=torch.float64)
+                update = direction / torch.linalg.vector_norm(direction) * clip * (1 + (trial - 10) * 2**-52)
+                total, _ = clipped_sum(torch.zeros(size, dtype=torch.float64), [update[None]], clip)
+                units = [Fraction(v) / grid for v in total.tolist()]
+                assert all(u.denominator == 1 for u in units)
+                assert sum(u * u for u in units) * grid * grid <= Fraction(clip) ** 2
 
 
 def test_the_federations_ledger_spends_dp_accountings_epsilon_and_refuses_a_round_more(tmp_path):
@@ -126,7 +160,7 @@ def test_the_federations_ledger_spends_dp_accountings_epsilon_and_refuses_a_roun
     plan = level.plan
     current = {"w": torch.zeros(10)}
     for server_round in range(1, plan.rounds + 1):
-        level.release(server_round, current, {"w": torch.zeros(0, 10)}, 0)
+        level.release(server_round, current, {"w": torch.zeros(0, 10)})
     reference = pld_epsilon([(plan.sigma, plan.sampling_rate, plan.rounds)], plan.delta)
     assert level.epsilon_spent() == pytest.approx(reference, rel=1e-3)
     assert reference <= plan.epsilon * (1 + 1e-3)
@@ -134,10 +168,32 @@ def test_the_federations_ledger_spends_dp_accountings_epsilon_and_refuses_a_roun
         level.ledger.record("federation", "2", 1, level.ledger.events("federation")[:1])
 
 
-def test_the_federations_default_delta_is_below_one_over_the_members():
+def test_a_federation_ledger_kept_across_runs_refuses_the_round_its_budget_cannot_afford(tmp_path):
+    config = {
+        "federation-epsilon": 2.0,
+        "federation-cohort": 50,
+        "num-server-rounds": 4,
+        "federation-rule": "calibrated",
+        "federation-ledger": str(tmp_path / "federation.sqlite"),
+    }
+    current, nobody = {"w": torch.zeros(10)}, {"w": torch.zeros(0, 10)}
+    with ClientLevel.start(parse_run_config(config), range(1000), tmp_path, "1") as first:
+        for server_round in range(1, 5):
+            first.release(server_round, current, nobody)
+        with pytest.raises(BudgetExceeded, match="outside the federation's plan of 4 rounds"):
+            first.release(5, current, nobody)
+    second = ClientLevel.start(parse_run_config(config), range(1000), tmp_path, "2")
+    with second, pytest.raises(BudgetExceeded, match="cannot afford round 1"):  # the first run spent it
+        second.release(1, current, nobody)
+    with pytest.raises(InputError, match="another run") as refused:  # a seed would repeat its noise
+        ClientLevel.start(parse_run_config({**config, "noise-seed": 1}), range(1000), tmp_path, "3")
+    assert refused.value.field == "noise-seed"
+
+
+def test_the_federations_default_delta_is_small_for_small_federations_too():
     settings = parse_run_config({"federation-epsilon": 1.0})
-    assert federation_delta(settings, 1000) == pytest.approx(1000**-1.1)
-    assert federation_delta(settings, 1000) < 1 / 1000
+    assert federation_delta(settings, 10**7) == pytest.approx(10**-7.7)  # McMahan et al.'s 1/M^1.1
+    assert federation_delta(settings, 20) == 1e-5  # not 20^-1.1 = 0.037 for a small federation
 
 
 @pytest.mark.parametrize(
@@ -162,8 +218,9 @@ def test_the_run_config_refuses_federation_keys_that_would_be_ignored_or_break_t
 
 def test_a_cohort_larger_than_the_members_is_refused_before_any_round(tmp_path):
     settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50})
-    with pytest.raises(InputError, match="expected cohort"):
-        ClientLevel.start(settings, 20, tmp_path, "1")
+    with pytest.raises(InputError, match="expected cohort") as refused:
+        ClientLevel.start(settings, range(20), tmp_path, "1")
+    assert refused.value.field == "federation-cohort"  # the run-config key, not the planner's name
 
 
 def test_a_count_noise_below_half_sigma_is_refused_before_any_round(tmp_path):
@@ -171,7 +228,7 @@ def test_a_count_noise_below_half_sigma_is_refused_before_any_round(tmp_path):
         {"federation-epsilon": 2.0, "federation-cohort": 20, "update-clip-quantile": 0.5, "clip-count-noise": 0.1}
     )
     with pytest.raises(InputError, match="must exceed σ/2"):
-        ClientLevel.start(settings, 1000, tmp_path, "1")
+        ClientLevel.start(settings, range(1000), tmp_path, "1")
 
 
 def test_a_two_level_run_reports_both_levels(tmp_path):

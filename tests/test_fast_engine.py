@@ -87,7 +87,10 @@ def csv(folder: Path, name: str) -> pd.DataFrame:
         ),  # η_t = η/sqrt(1 + t/2)
         ("cnn", {"rule": "calibrated"}),  # not a Linear stack: trained client by client
         # client-level DP: Poisson-sampled members, clipped updates, the federation's noise and ledger
-        ("logreg", {"federation-epsilon": 8.0, "federation-cohort": 2, "federation-rule": "calibrated"}),
+        (  # noise-seed 2 samples nobody in round 2: the noise alone is released
+            "logreg",
+            {"federation-epsilon": 8.0, "federation-cohort": 2, "federation-rule": "calibrated", "noise-seed": 2},
+        ),
         (  # and its clip adapting to the median update norm, with its own noisy count
             "logreg",
             {
@@ -154,6 +157,9 @@ def test_fast_engine_equals_the_apps_round_by_round(in_process, tmp_path, monkey
         assert rounds_fast[column].equals(rounds_apps[column]), column
     if "federation-epsilon" in overrides:  # the federation's ledger spent in every round, in both
         assert rounds_fast["federation_epsilon_spent"].notna().all()
+        if overrides.get("noise-seed") == 2:
+            assert list(rounds_fast["clients_sampled"])[1] == 0
+            assert not all(torch.equal(fast[1][k], fast[0][k]) for k in fast[0])  # noise released all the same
     for name in (
         "summary.json",
         "config.json",

@@ -44,7 +44,8 @@ def plan_federation(
     """The federation's certified plan for `rounds` rounds over `members` members: one noisy
     aggregation per round. Give at most one of the participations per member k = pR, the rate p,
     or the expected cohort pM; with none, k is the smallest the proactive ln M condition allows.
-    Neighbouring federations differ by one member (add/remove, M public)."""
+    Neighbouring federations differ in one member's contribution being there or not, the roster of
+    M public (zero-out; for the Poisson-sampled Gaussian its accounting is add/remove's)."""
     if rule == "adp":
         raise InputError(
             "rule", rule, "ADP-SGD's noise schedule follows a local step size; plan the federation with another rule"

@@ -28,7 +28,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -144,11 +144,14 @@ def run_fast(
         require_data_file(settings)
         if unused := unused_data_keys(settings):
             say(unused)
-        client_level = ClientLevel.start(settings, num_clients, run.folder, str(run_id))
-        if client_level is not None:
-            run.extra["federation"] = client_level.describe()
-            say(client_level.headline())
-        with _fewer_collections(), Ledger(ledger_path) as ledger, _closing(client_level):
+        with ExitStack() as open_files:
+            client_level = ClientLevel.start(settings, range(num_clients), run.folder, str(run_id))
+            if client_level is not None:
+                open_files.enter_context(client_level)
+                run.extra["federation"] = client_level.describe()
+                say(client_level.headline())
+            open_files.enter_context(_fewer_collections())
+            ledger = open_files.enter_context(Ledger(ledger_path))
             _run_rounds(
                 settings,
                 {**DEFAULTS, **run_config},
@@ -170,16 +173,6 @@ def _marked(private: bool) -> dict[str, bool]:
     """What config.json and summary.json add: `"private": false` for a run with the mechanism off;
     nothing for a private run, whose folder is then the apps' own format."""
     return {} if private else {"private": False}
-
-
-@contextmanager
-def _closing(client_level: ClientLevel | None) -> Iterator[None]:
-    """The federation's ledger closed when the rounds end, however they end."""
-    try:
-        yield
-    finally:
-        if client_level is not None:
-            client_level.close()
 
 
 @contextmanager
@@ -474,7 +467,7 @@ def _aggregate(
         rows = torch.tensor([k for _, k in trained], dtype=torch.long)
         parts = results.weights or [None] * len(released)  # no request, no rows
         stacked = {key: _rows_of(global_state[key], part, rows) for key, part in zip(released, parts, strict=True)}
-        new = aggregate_client_level(global_state, stacked, len(trained), client_level, server_round, step)
+        new = aggregate_client_level(global_state, stacked, client_level, server_round, step)
         return global_state if new is None else new
     if not trained:
         return global_state
