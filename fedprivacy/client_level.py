@@ -51,8 +51,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedprivacy.errors import InputError
-from fedprivacy.ledger import BudgetExceeded, Ledger, round_events
+from fedprivacy.errors import InputError, PlanRefused
+from fedprivacy.ledger import BudgetExceeded, BudgetMismatch, Ledger, round_events
 from fedprivacy.privacy.federation import FEDERATION_ID, plan_federation
 from fedprivacy.privacy.limits import CLIP_NORM_MAX, CLIP_NORM_MIN
 from fedprivacy.privacy.plan import Plan
@@ -62,6 +62,7 @@ from fedprivacy.training.rng import StepRandomness
 from fedprivacy.training.stack import noise_scale
 
 LEDGER_NAME = "federation-ledger.sqlite"
+PLAN_NAME = "federation-plan.json"  # the whole certified plan, in the run's folder
 GRID_BITS = 30  # the clipped updates' grid g = 2^(⌊log₂S⌋ − GRID_BITS)
 MAX_COHORT = 1 << 22  # integer sums stay exact in float64: K·2^(GRID_BITS+1) ≤ 2⁵³
 PLAN_FIELDS = {  # plan_federation's field names → the run-config keys that set them
@@ -143,15 +144,17 @@ class ClientLevel:
             count_noise = settings.clip_count_noise or plan.expected_batch_size / 20
             largest = max(sigma for sigma, _ in plan.noise_segments)
             if not count_noise > largest / 2:
+                given = "" if settings.clip_count_noise else f" (0: pM/20 = {count_noise:.4g})"
                 raise InputError(
                     "clip-count-noise",
-                    count_noise,
-                    f"must exceed σ/2 = {largest / 2:.4g}: the count's noise is part of the plan's σ "
-                    "(Andrew et al. 2021), so it cannot be smaller; raise it or the federation's cohort",
+                    f"{settings.clip_count_noise:g}{given}",
+                    f"the count's noise σ_b must exceed σ/2 = {largest / 2:.4g}: it is part of the plan's σ "
+                    "(Andrew et al. 2021); set clip-count-noise above that, or a larger federation-cohort",
                 )
             adaptive = AdaptiveClip(
                 settings.update_clip_quantile, settings.update_clip_rate, count_noise, stream("count")
             )
+        (folder / PLAN_NAME).write_text(plan.to_json(indent=2) + "\n")
         ledger = _open_ledger(settings, plan, folder / LEDGER_NAME, str(run_id))
         return cls(
             plan, tuple(roster), ledger, str(run_id), stream("sampling"), stream("noise"), adaptive, plan.clip_norm
@@ -220,6 +223,7 @@ class ClientLevel:
             "update_clip": plan.clip_norm,
             "update_clip_quantile": None if self.adaptive is None else self.adaptive.quantile,
             "clip_count_noise": None if self.adaptive is None else self.adaptive.count_noise,
+            "sum_noise_multiplier": self.update_multiplier(),
             "sampling_rate": plan.sampling_rate,
             "expected_cohort": plan.expected_batch_size,
             "rounds": plan.rounds,
@@ -229,14 +233,31 @@ class ClientLevel:
 
     def headline(self) -> str:
         """The plan in one line, for the run's console."""
-        plan = self.plan
+        plan, adaptive = self.plan, self.adaptive
+        clip = f"S = {plan.clip_norm:g}" + (
+            "" if adaptive is None else f" first, then its {adaptive.quantile:g}-quantile"
+        )
+        split = (
+            ""
+            if adaptive is None
+            else f"; σ_Δ = {self.update_multiplier():.4g} on the sum, σ_b = {adaptive.count_noise:.4g} on the count"
+        )
         return (
             f"client-level DP: {self.members} members, each sampled with p = {plan.sampling_rate:.4g} "
-            f"(expected cohort {plan.expected_batch_size:.4g}), updates clipped to S = {plan.clip_norm:g}"
-            f"{'' if self.adaptive is None else f' (adaptive: its {self.adaptive.quantile:g}-quantile)'}, "
-            f"noise σ = {plan.sigma:.4g} ({plan.rule}); certified ε_fed = {plan.epsilon_pld:.3f} ≤ {plan.epsilon:g} "
-            f"at δ_fed = {plan.delta:.3g} over {plan.rounds} rounds"
+            f"(expected cohort {plan.expected_batch_size:.4g}), updates clipped to {clip}, "
+            f"noise σ = {plan.sigma:.4g} ({plan.rule}{split}); certified ε_fed = {plan.epsilon_pld:.3f} ≤ "
+            f"{plan.epsilon:g} at δ_fed = {plan.delta:.3g} over {plan.rounds} rounds{self._spent_before()}"
         )
+
+    def update_multiplier(self) -> float:
+        """σ_Δ of the update sum's noise at the plan's σ (the plan's σ itself with a fixed clip)."""
+        sigma = max(sigma for sigma, _ in self.plan.noise_segments)
+        return sigma if self.adaptive is None else self.adaptive.update_multiplier(sigma)
+
+    def _spent_before(self) -> str:
+        """What the federation's ledger holds from earlier runs, if anything."""
+        spent = self.epsilon_spent()
+        return "" if spent == 0 else f"; its ledger holds ε_fed = {spent:.4f} spent by earlier runs"
 
     def close(self) -> None:
         """Close the federation's ledger (its spends are already durable)."""
@@ -286,6 +307,17 @@ def _plan(settings: RunSettings, members: int) -> Plan:
         )
     except InputError as refused:
         raise InputError(PLAN_FIELDS.get(refused.field, refused.field), refused.value, refused.allowed) from None
+    except PlanRefused as refused:
+        words = (
+            ("use rule ", "use federation-rule="),
+            ("a smaller cohort", "a smaller federation-cohort"),
+            ("fewer rounds", "fewer num-server-rounds"),
+            ("target ε=", "federation-epsilon="),
+        )
+        message = str(refused)
+        for old, new in words:
+            message = message.replace(old, new)
+        raise PlanRefused(message) from None
 
 
 def _open_ledger(settings: RunSettings, plan: Plan, default: Path, run_id: str) -> Ledger:
@@ -293,7 +325,16 @@ def _open_ledger(settings: RunSettings, plan: Plan, default: Path, run_id: str) 
     an account another run spent from (it would repeat that run's noise)."""
     ledger = Ledger(settings.federation_ledger or default)
     try:
-        ledger.open_account(FEDERATION_ID, plan.epsilon, plan.delta)
+        try:
+            ledger.open_account(FEDERATION_ID, plan.epsilon, plan.delta)
+        except BudgetMismatch:
+            pinned = ledger.budget(FEDERATION_ID)
+            raise InputError(
+                "federation-epsilon",
+                f"{plan.epsilon:g} (δ_fed {plan.delta:.3g})",
+                f"the federation's ledger {ledger.path} holds a budget of ε_fed = {pinned.epsilon:g}, "
+                f"δ_fed = {pinned.delta:.3g}: run with that budget, or name another federation-ledger",
+            ) from None
         if settings.noise_seed >= 0 and ledger.runs(FEDERATION_ID) - {run_id}:
             raise InputError(
                 "noise-seed",

@@ -11,6 +11,9 @@ Results are files (DESIGN.md): sweeps, reports and tests all read the same folde
                       federated evaluation (accuracy and loss on its own test rows), status
     replies.csv       one row per train reply (or missing one): round, client, outcome, reason
     plans/            every client's planning sheet (md, html, json), one figure per distinct plan, an index
+    federation-plan.json, federation-ledger.sqlite
+                      with client-level DP: the federation's certified plan and (unless the run
+                      config names another) its ledger
     model.pt          the final global model's state_dict
     progress.png      accuracy and ε spent per round
     clients.png       each client's accuracy on its own test rows (simulations: clients that evaluated)
@@ -143,11 +146,19 @@ def no_better_line(summary: dict[str, Any]) -> str | None:
     """A completed run's warning when its final accuracy is no better than predicting the largest class."""
     if summary.get("beats_largest_class") is not False:
         return None
+    federation = summary.get("federation")
     return (
         f"warning: final accuracy {_fmt(summary['final_accuracy'])} is no better than always predicting the "
         f"largest class ({summary['largest_class_share']:.4f} of the {summary['evaluation_rows']} evaluation rows): "
         "the model learned nothing it shows; try more local steps (epochs), another learning-rate, more "
         "num-server-rounds or a larger epsilon, or tune them in a sweep (docs/simulator.md)"
+        + (
+            ""
+            if federation is None
+            else f"; client-level DP adds noise σS/pM to every coordinate with {federation['members']} members: it "
+            "needs hundreds of them, an update-clip matched to the updates' norms (or update-clip-quantile) and a "
+            "larger federation-cohort or federation-epsilon"
+        )
     )
 
 

@@ -150,6 +150,12 @@ class RunSettings:
             self.client_epsilon(index, num_clients)
             self.client_delta(index, num_clients)
             self.client_epochs_for(index, num_clients)
+        if self.federation_cohort is not None and self.federation_cohort > num_clients:
+            raise InputError(
+                "federation-cohort",
+                self.federation_cohort,
+                f"the expected cohort pM must be at most the {num_clients} members ({field})",
+            )
         if num_clients < self.min_clients:
             raise InputError(
                 field,
@@ -242,7 +248,9 @@ def _check_federation_keys(settings: RunSettings) -> None:
         for key in ADAPTIVE_CLIP_KEYS:
             value = getattr(settings, key.replace("-", "_"))
             if value != DEFAULTS[key]:
-                raise InputError(key, value, "shapes adaptive clipping only: set update-clip-quantile, or leave it")
+                raise InputError(
+                    key, value, "shapes adaptive clipping only: set update-clip-quantile, or leave it at its default"
+                )
     if settings.fraction_train != DEFAULTS["fraction-train"]:
         raise InputError(
             "fraction-train",

@@ -149,6 +149,16 @@ def _epsilon_or_off(field: str, value: Any) -> float:
         ) from None
 
 
+def _update_clip(field: str, value: Any) -> float:
+    """An update clip S in `limits.clip_norm`'s range (the grid of the exact sum is made from it)."""
+    try:
+        return limits.clip_norm(field, value)
+    except InputError:
+        raise InputError(
+            field, value, f"must be a number in [{limits.CLIP_NORM_MIN:g}, {limits.CLIP_NORM_MAX:g}]"
+        ) from None
+
+
 def _delta_or_default(field: str, value: Any) -> float:
     """A federation's δ in (0, 1), or 0: 1/M^1.1 for M members (checked against 1/M when planned)."""
     if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
@@ -453,7 +463,7 @@ RUN_KEYS = (
         "federation-delta",
         0.0,
         _delta_or_default,
-        "the federation's δ, below 1/M for M members; 0: 1/M^1.1 (McMahan et al. 2018)",
+        "the federation's δ, below 1/M for M members; 0: min(10⁻⁵, 1/M^1.1)",
         "federation",
     ),
     RunKey(
@@ -466,8 +476,10 @@ RUN_KEYS = (
     RunKey(
         "update-clip",
         1.0,
-        limits.clip_norm,
-        "S: each member's update (its model change) is clipped to this L2 norm",
+        _update_clip,
+        "S: each member's update (its model change) is clipped to this L2 norm; match it to the updates' "
+        "norms (a member's noisy record-level update is larger than its signal), or let "
+        "`update-clip-quantile` adapt it",
         "federation",
     ),
     RunKey(

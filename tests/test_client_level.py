@@ -31,6 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def client_level(tmp_path: Path, members: int = 1000, **config) -> ClientLevel:
     settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50, "num-server-rounds": 10, **config})
+    tmp_path.mkdir(parents=True, exist_ok=True)  # a run's folder
     level = ClientLevel.start(settings, range(members), tmp_path, "1")
     assert level is not None
     return level
@@ -253,6 +254,9 @@ def test_a_two_level_run_reports_both_levels(tmp_path):
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["federation_epsilon_spent"] == spent[-1]
     assert summary["federation"]["members"] == 100 and summary["federation"]["expected_cohort"] == 10
+    plan = json.loads((folder / "federation-plan.json").read_text())
+    assert (plan["client_id"], plan["n"], plan["epsilon"], plan["rounds"]) == ("federation", 100, 4.0, 4)
+    assert summary["federation"]["sigma"] == plan["sigma"] == summary["federation"]["sum_noise_multiplier"]
     assert summary["epsilon_spent_max"] >= summary["epsilon_spent_mean"] > 0
     assert any(line.startswith("client-level DP: 100 members") for line in lines)
     assert any(line.startswith("done:") and "federation ε spent" in line for line in lines)

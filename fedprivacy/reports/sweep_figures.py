@@ -324,4 +324,13 @@ def write_figures(data: SweepData, out: Path) -> list[Path]:
         *per_round_figure(data, out, "epsilon_spent_max", "largest ε spent", "epsilon_vs_round", with_baseline=False),
         *budget_use_figure(data, out),
         *accuracy_vs_spent_figure(data, out),
+        *federation_figure(data, out),
     ]
+
+
+def federation_figure(data: SweepData, out: Path) -> list[Path]:
+    """The federation's client-level ε spent per round, for sweeps with client-level DP (none otherwise)."""
+    column = "federation_epsilon_spent"
+    if column not in data.rounds or data.rounds[column].isna().all():
+        return []
+    return per_round_figure(data, out, column, "federation ε spent", "federation_epsilon_vs_round", False)

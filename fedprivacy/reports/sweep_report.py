@@ -313,6 +313,19 @@ def failures_markdown(data: SweepData) -> str:
     )
 
 
+def _federation_rounds(pngs: list[Path]) -> list[str]:
+    """The federation's ε per round, where the sweep has client-level DP."""
+    if not pngs:
+        return []
+    return [
+        "The federation's client-level ε spent per round (its own ledger; it protects each member's "
+        "participation against whoever sees the models, not against the server):",
+        "",
+        _figure(pngs[0], "federation ε spent per round"),
+        "",
+    ]
+
+
 def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | None = None, holm: bool = False) -> str:
     """report.md; `pairs` is paired_table's (made here, with Holm's columns when `holm`, if not given)."""
     pngs = [p for p in figures if p.suffix == ".png"]
@@ -351,6 +364,7 @@ def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | 
         "",
         _figure(pngs[2], "largest ε spent per round"),
         "",
+        *_federation_rounds(pngs[5:]),
         "## Budget use per client",
         "",
         "ε spent / ε budget of each client (`used`, over clients and seeds); `out_of_budget` counts clients "
