@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ import torch
 from torch import Tensor
 
 from fedprivacy.errors import InputError, PlanRefused
-from fedprivacy.ledger import BudgetExceeded, BudgetMismatch, Ledger, round_events
+from fedprivacy.ledger import BudgetExceeded, BudgetMismatch, Ledger, RoundRepeated, round_events
 from fedprivacy.privacy.federation import FEDERATION_ID, plan_federation
 from fedprivacy.privacy.limits import CLIP_NORM_MAX, CLIP_NORM_MIN
 from fedprivacy.privacy.plan import Plan
@@ -67,6 +68,7 @@ GRID_BITS = 30  # the clipped updates' grid g = 2^(⌊log₂S⌋ − GRID_BITS)
 MAX_COHORT = 1 << 22  # integer sums stay exact in float64: K·2^(GRID_BITS+1) ≤ 2⁵³
 PLAN_FIELDS = {  # plan_federation's field names → the run-config keys that set them
     "n": "members (the clients the run starts with)",
+    "rounds": "num-server-rounds",
     "epsilon": "federation-epsilon",
     "delta": "federation-delta",
     "batch-size": "federation-cohort",
@@ -91,8 +93,14 @@ class AdaptiveClip:
     stream: StepRandomness
 
     def update_multiplier(self, sigma: float) -> float:
-        """σ_Δ: the update sum's noise multiplier that leaves the pair's at σ."""
-        return (sigma**-2 - (2 * self.count_noise) ** -2) ** -0.5
+        """σ_Δ: the update sum's noise multiplier that leaves the pair's at σ, rounded up: the
+        smallest float whose σ_Δ⁻² + (2σ_b)⁻² is at most σ⁻², checked in rational arithmetic (the
+        float difference loses digits when σ_b is near σ/2)."""
+        left = Fraction(sigma) ** -2 - Fraction(2 * self.count_noise) ** -2  # > 0: σ_b > σ/2
+        multiplier = float(left) ** -0.5
+        while Fraction(multiplier) ** -2 > left:
+            multiplier = math.nextafter(multiplier, math.inf)
+        return multiplier
 
     def next_clip(self, clip: float, centred_count: float, expected_cohort: float, step: int) -> float:
         """The next round's S from this round's Σ(bᵢ − ½), released with noise σ_b; kept within
@@ -102,7 +110,8 @@ class AdaptiveClip:
         count = torch.tensor([[centred_count]], dtype=torch.float64)
         noisy = float(rounded_gaussian(count, draws.noise, noise_std, [self.stream.refiner(step)])[0, 0])
         share = noisy / expected_cohort + 0.5
-        return min(max(clip * math.exp(-self.rate * (share - self.quantile)), CLIP_NORM_MIN), CLIP_NORM_MAX)
+        log_clip = math.log(clip) - self.rate * (share - self.quantile)  # in logs: no overflow at any rate
+        return math.exp(min(max(log_clip, math.log(CLIP_NORM_MIN)), math.log(CLIP_NORM_MAX)))
 
 
 @dataclass
@@ -125,7 +134,7 @@ class ClientLevel:
     last_clip: float | None = None  # the S of the last round released
 
     @classmethod
-    def start(cls, settings: RunSettings, roster: Sequence[int], folder: Path, run_id: str) -> ClientLevel | None:
+    def start(cls, settings: RunSettings, roster: Sequence[int], folder: Path) -> ClientLevel | None:
         """Plan the federation for the members of `roster` before the first round and open its
         ledger account (`federation-ledger`, or `folder`'s); None when the run has no client-level
         DP. A plan the budget cannot certify, or a ledger that refuses the account, stops the run
@@ -154,11 +163,10 @@ class ClientLevel:
             adaptive = AdaptiveClip(
                 settings.update_clip_quantile, settings.update_clip_rate, count_noise, stream("count")
             )
+        run = folder.name  # the run's key in the ledger: a run id repeats across simulations, a folder does not
+        ledger = _open_ledger(settings, plan, folder / LEDGER_NAME, run)
         (folder / PLAN_NAME).write_text(plan.to_json(indent=2) + "\n")
-        ledger = _open_ledger(settings, plan, folder / LEDGER_NAME, str(run_id))
-        return cls(
-            plan, tuple(roster), ledger, str(run_id), stream("sampling"), stream("noise"), adaptive, plan.clip_norm
-        )
+        return cls(plan, tuple(roster), ledger, run, stream("sampling"), stream("noise"), adaptive, plan.clip_norm)
 
     @property
     def members(self) -> int:
@@ -184,6 +192,8 @@ class ClientLevel:
             )
         try:
             self.ledger.record(FEDERATION_ID, self.run_id, server_round, round_events(self.plan, server_round))
+        except RoundRepeated:
+            raise BudgetExceeded(f"round {server_round} of this run was already released by the federation") from None
         except BudgetExceeded:
             raise BudgetExceeded(
                 f"the federation's budget ε_fed = {self.plan.epsilon:g} cannot afford round {server_round}: "
@@ -321,17 +331,21 @@ def _plan(settings: RunSettings, members: int) -> Plan:
 
 
 def _open_ledger(settings: RunSettings, plan: Plan, default: Path, run_id: str) -> Ledger:
-    """The federation's ledger with its account open at (ε_fed, δ_fed); a seeded run is refused on
-    an account another run spent from (it would repeat that run's noise)."""
+    """The federation's ledger with its account open at (ε_fed, δ_fed). Refused: a seeded run on an
+    account another run spent from (it would repeat that run's noise), and a run whose planned rounds
+    the account cannot afford after earlier runs (before any member trains)."""
     ledger = Ledger(settings.federation_ledger or default)
     try:
         try:
             ledger.open_account(FEDERATION_ID, plan.epsilon, plan.delta)
         except BudgetMismatch:
             pinned = ledger.budget(FEDERATION_ID)
+            key, value = ("federation-epsilon", plan.epsilon)
+            if pinned.epsilon == plan.epsilon:
+                key, value = ("federation-delta", plan.delta)
             raise InputError(
-                "federation-epsilon",
-                f"{plan.epsilon:g} (δ_fed {plan.delta:.3g})",
+                key,
+                value,
                 f"the federation's ledger {ledger.path} holds a budget of ε_fed = {pinned.epsilon:g}, "
                 f"δ_fed = {pinned.delta:.3g}: run with that budget, or name another federation-ledger",
             ) from None
@@ -341,6 +355,16 @@ def _open_ledger(settings: RunSettings, plan: Plan, default: Path, run_id: str) 
                 settings.noise_seed,
                 f"the federation's ledger {ledger.path} was already spent from by another run: a fixed seed "
                 "would repeat its noise; use a fresh federation-ledger or noise-seed=-1",
+            )
+        planned = [event for r in range(1, plan.rounds + 1) for event in round_events(plan, r)]
+        total = ledger.epsilon_if(FEDERATION_ID, planned)
+        if total > plan.epsilon:
+            raise InputError(
+                "num-server-rounds",
+                plan.rounds,
+                f"the federation's ledger {ledger.path} has spent ε_fed = {ledger.epsilon_spent(FEDERATION_ID):.4f} "
+                f"in earlier runs; this run's rounds would bring it to {total:.4f} > {plan.epsilon:g}: plan fewer "
+                "rounds or a smaller federation-cohort, or name another federation-ledger",
             )
     except Exception:
         ledger.close()

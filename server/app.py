@@ -108,7 +108,7 @@ def _federate(
         optimizer=ServerOptimizer.from_settings(settings),
     )
     nodes = strategy.connected_nodes(grid)
-    client_level = ClientLevel.start(settings, nodes, recorder.folder, str(context.run_id))
+    client_level = ClientLevel.start(settings, nodes, recorder.folder)
     if client_level is None:
         _rounds(grid, context, settings, recorder, strategy, nodes, extra)
         return

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def client_level(tmp_path: Path, members: int = 1000, **config) -> ClientLevel:
     settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50, "num-server-rounds": 10, **config})
     tmp_path.mkdir(parents=True, exist_ok=True)  # a run's folder
-    level = ClientLevel.start(settings, range(members), tmp_path, "1")
+    level = ClientLevel.start(settings, range(members), tmp_path)
     assert level is not None
     return level
 
@@ -97,6 +97,33 @@ def test_adaptive_clipping_splits_the_plans_sigma_between_the_sum_and_the_count(
     assert float(new.std()) * 50 / level.last_clip == pytest.approx(update, rel=0.02)
 
 
+def test_the_count_is_released_with_noise_sigma_b_and_the_sum_at_sigma_delta_times_this_rounds_clip(tmp_path):
+    """With nobody training the count is its noise alone, read back from the clip's moves:
+    log(S'/S) = −η·(noisy/pM + ½ − γ)."""
+    settings = {"federation-rule": "calibrated", "update-clip-quantile": 0.5, "num-server-rounds": 300}
+    level = client_level(tmp_path, **settings)
+    adaptive = level.adaptive
+    counts, sums = [], []
+    for server_round in range(1, 301):
+        new = level.release(server_round, {"w": torch.zeros(2000)}, {"w": torch.zeros(0, 2000)})["w"].double()
+        counts.append(-math.log(level.clip / level.last_clip) / adaptive.rate * 50)
+        sums.append(float(new.std()) * 50 / level.last_clip)
+    assert statistics.stdev(counts) == pytest.approx(adaptive.count_noise, rel=0.15)
+    assert statistics.fmean(sums[-100:]) == pytest.approx(adaptive.update_multiplier(level.plan.sigma), rel=0.02)
+    assert max(abs(c) for c in counts) < 6 * adaptive.count_noise
+
+
+def test_sigma_delta_is_never_below_its_exact_value_even_with_sigma_b_near_sigma_over_two(tmp_path):
+    adaptive = client_level(tmp_path, **{"update-clip-quantile": 0.5}).adaptive
+    for sigma in (0.5, 1.0, 3.7):
+        for excess in (1e-12, 1e-9, 1e-6, 1e-3, 1.0):
+            adaptive.count_noise = sigma / 2 * (1 + excess)
+            multiplier = adaptive.update_multiplier(sigma)
+            exact = Fraction(sigma) ** -2 - Fraction(2 * adaptive.count_noise) ** -2
+            assert Fraction(multiplier) ** -2 <= exact  # the pair's multiplier is at least σ
+            assert Fraction(math.nextafter(multiplier, 0)) ** -2 > exact  # and the smallest such float
+
+
 def test_adaptive_clipping_moves_the_clip_to_the_quantile_of_update_norms(tmp_path):
     settings = {"federation-rule": "calibrated", "update-clip-quantile": 0.5, "update-clip": 0.05}
     level = client_level(tmp_path, **settings, **{"num-server-rounds": 110})
@@ -130,7 +157,7 @@ def test_only_the_roster_is_sampled_whoever_is_connected(tmp_path):
     """The plan is for the clients of the first round: a later one is never asked; one of them that
     is gone is drawn all the same (its chance does not depend on who else is there)."""
     settings = parse_run_config({"federation-epsilon": 8.0, "federation-cohort": 2, "noise-seed": 1})
-    level = ClientLevel.start(settings, [10, 20, 30, 40], tmp_path, "1")
+    level = ClientLevel.start(settings, [10, 20, 30, 40], tmp_path)
     participation = Participation(
         RunRecorder(tmp_path), seed=0, fraction_train=1.0, fraction_evaluate=1.0, client_level=level
     )
@@ -169,7 +196,7 @@ def test_the_federations_ledger_spends_dp_accountings_epsilon_and_refuses_a_roun
         level.ledger.record("federation", "2", 1, level.ledger.events("federation")[:1])
 
 
-def test_a_federation_ledger_kept_across_runs_refuses_the_round_its_budget_cannot_afford(tmp_path):
+def test_a_federation_ledger_kept_across_runs_refuses_the_rounds_its_budget_cannot_afford(tmp_path):
     config = {
         "federation-epsilon": 2.0,
         "federation-cohort": 50,
@@ -178,17 +205,26 @@ def test_a_federation_ledger_kept_across_runs_refuses_the_round_its_budget_canno
         "federation-ledger": str(tmp_path / "federation.sqlite"),
     }
     current, nobody = {"w": torch.zeros(10)}, {"w": torch.zeros(0, 10)}
-    with ClientLevel.start(parse_run_config(config), range(1000), tmp_path, "1") as first:
+    folders = [tmp_path / f"run{n}" for n in (1, 2, 3)]  # a run's key in the ledger is its folder's name
+    for folder in folders:
+        folder.mkdir()
+    with ClientLevel.start(parse_run_config(config), range(1000), folders[0]) as first:
         for server_round in range(1, 5):
             first.release(server_round, current, nobody)
         with pytest.raises(BudgetExceeded, match="outside the federation's plan of 4 rounds"):
             first.release(5, current, nobody)
-    second = ClientLevel.start(parse_run_config(config), range(1000), tmp_path, "2")
-    with second, pytest.raises(BudgetExceeded, match="cannot afford round 1"):  # the first run spent it
-        second.release(1, current, nobody)
+        with pytest.raises(BudgetExceeded, match="already released"):
+            first.release(4, current, nobody)
+    with pytest.raises(InputError, match="would bring it to") as refused:  # before any member trains
+        ClientLevel.start(parse_run_config(config), range(1000), folders[1])
+    assert refused.value.field == "num-server-rounds"
     with pytest.raises(InputError, match="another run") as refused:  # a seed would repeat its noise
-        ClientLevel.start(parse_run_config({**config, "noise-seed": 1}), range(1000), tmp_path, "3")
+        ClientLevel.start(parse_run_config({**config, "noise-seed": 1}), range(1000), folders[2])
     assert refused.value.field == "noise-seed"
+    with pytest.raises(InputError, match="holds a budget of") as refused:
+        ClientLevel.start(parse_run_config({**config, "federation-epsilon": 3.0}), range(1000), folders[2])
+    assert refused.value.field == "federation-epsilon"
+    assert not (folders[1] / "federation-plan.json").exists()  # a refused run leaves no plan behind
 
 
 def test_the_federations_default_delta_is_small_for_small_federations_too():
@@ -220,7 +256,7 @@ def test_the_run_config_refuses_federation_keys_that_would_be_ignored_or_break_t
 def test_a_cohort_larger_than_the_members_is_refused_before_any_round(tmp_path):
     settings = parse_run_config({"federation-epsilon": 2.0, "federation-cohort": 50})
     with pytest.raises(InputError, match="expected cohort") as refused:
-        ClientLevel.start(settings, range(20), tmp_path, "1")
+        ClientLevel.start(settings, range(20), tmp_path)
     assert refused.value.field == "federation-cohort"  # the run-config key, not the planner's name
 
 
@@ -229,7 +265,7 @@ def test_a_count_noise_below_half_sigma_is_refused_before_any_round(tmp_path):
         {"federation-epsilon": 2.0, "federation-cohort": 20, "update-clip-quantile": 0.5, "clip-count-noise": 0.1}
     )
     with pytest.raises(InputError, match="must exceed σ/2"):
-        ClientLevel.start(settings, range(1000), tmp_path, "1")
+        ClientLevel.start(settings, range(1000), tmp_path)
 
 
 def test_a_two_level_run_reports_both_levels(tmp_path):

@@ -145,7 +145,7 @@ def run_fast(
         if unused := unused_data_keys(settings):
             say(unused)
         with ExitStack() as open_files:
-            client_level = ClientLevel.start(settings, range(num_clients), run.folder, str(run_id))
+            client_level = ClientLevel.start(settings, range(num_clients), run.folder)
             if client_level is not None:
                 open_files.enter_context(client_level)
                 run.extra["federation"] = client_level.describe()
