@@ -89,7 +89,7 @@ def test_the_plan_command_plans_the_federation(fedprivacy_cli, monkeypatch):
     printed = json.loads(out)
     expected = plan_federation(MEMBERS, EPSILON, DELTA, ROUNDS, expected_cohort=COHORT, compare=False)
     assert code == 0 and printed["level"] == "federation" and printed["client_id"] == FEDERATION_ID
-    assert "McMahan et al. 2018" in printed["released_mechanism"] and printed["enforced"] is False
+    assert "McMahan et al. 2018" in printed["released_mechanism"] and "federation-epsilon" in printed["enforced_by"]
     assert "learning_rate" not in printed and "adp" not in printed["sigma_by_rule"]
     assert (printed["sigma"], printed["steps"], printed["epsilon_pld"]) == (
         expected.sigma,
@@ -99,7 +99,7 @@ def test_the_plan_command_plans_the_federation(fedprivacy_cli, monkeypatch):
     code, out, _ = fedprivacy_cli(*PLAN, "--level", "federation", "--rounds", "100", "--batch-size", "100")
     text = " ".join(out.split())
     assert code == 0 and "members M, ε, δ" in text and "expected cohort pM" in text and "McMahan et al. 2018" in text
-    assert "no: this is the plan only" in text and "σ adp" not in text
+    assert "federation-epsilon" in text and "σ adp" not in text
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ from fedprivacy.cli.common import (
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.plan import RELEASED_MECHANISM
 
+ENFORCED_BY = "the server of a run with federation-epsilon (fedprivacy.client_level)"
+
 app = typer.Typer()
 
 
@@ -88,7 +90,7 @@ def _plan_table(plan: Any, spent: dict[str, float], federation: bool = False) ->
         ),
         (label["noise"], f"{plan.noise_std_on_mean:.4g}"),
         ("released mechanism", RELEASED_AGGREGATE if federation else RELEASED_MECHANISM),
-        *((("enforced by runs", "no: this is the plan only"),) if federation else ()),
+        *((("enforced by", ENFORCED_BY),) if federation else ()),
     ]
     rows += [
         (f"σ {name}", "n/a" if v is None else f"{v:.4g}")
@@ -280,7 +282,12 @@ def _plan_federation(
     if as_json:
         fields = {key: v for key, v in the_plan.to_dict().items() if key not in CLIENT_FIELDS}
         fields["sigma_by_rule"] = {rule: v for rule, v in fields["sigma_by_rule"].items() if rule != "adp"}
-        printed = {**fields, "released_mechanism": RELEASED_AGGREGATE, "level": "federation", "enforced": False}
+        printed = {
+            **fields,
+            "released_mechanism": RELEASED_AGGREGATE,
+            "level": "federation",
+            "enforced_by": ENFORCED_BY,
+        }
         sys.stdout.write(json.dumps(printed, allow_nan=False) + "\n")
         return
     Console().print(_plan_table(the_plan, {"add-remove": the_plan.epsilon_pld}, federation=True))

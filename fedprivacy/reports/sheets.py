@@ -241,7 +241,7 @@ def _rows(plan: Plan) -> list[tuple[str, str]]:
             ("expected batch qN", _fmt(plan.expected_batch_size)),
             ("total local steps T", str(plan.steps)),
             ("epochs k = qT", _fmt(plan.epochs)),
-            ("rounds / steps per round", f"{plan.rounds} / {plan.steps_in_round(1)}"),
+            ("rounds / steps per round", f"{plan.rounds} / {_steps_per_round(plan)}"),
             (
                 "learning rate",
                 f"{plan.learning_rate:g} ({plan.lr_schedule}"
@@ -292,12 +292,32 @@ def _unmet_rows(plan: Plan) -> list[tuple[str, str, str]]:
 
 
 UNMET_NOTE = "— : the rule's formula is not a valid bound for this plan; the conditions it does not meet:"
+CONDITIONS_NOTE = (
+    "`required`: a condition of the theorem behind the plan's rule. Where one is not met (NO) the rule's own "
+    "bound does not vouch for this plan, but the plan still runs: its ε is the PLD certificate's, which holds "
+    "whatever the conditions."
+)
+
+
+def _steps_per_round(plan: Plan) -> str:
+    """T split over the rounds: `11` when every round has as many, `10–11` when the first T mod R
+    rounds take one more (`plan.round_steps`)."""
+    fewest, most = plan.steps_in_round(plan.rounds), plan.steps_in_round(1)
+    return f"{most}" if fewest == most else f"{fewest}–{most} (the first {plan.steps % plan.rounds} take {most})"
 
 
 def _markdown(plan: Plan, figure_name: str) -> str:
     lines = [f"# Planning sheet: client {plan.client_id}", "", "| quantity | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in _rows(plan)]
-    lines += ["", "## Validity conditions", "", "| condition | met | detail |", "| --- | --- | --- |"]
+    lines += [
+        "",
+        "## Validity conditions",
+        "",
+        CONDITIONS_NOTE,
+        "",
+        "| condition | met | detail |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {c.name} ({c.kind}) | {'yes' if c.met else 'NO'} | {c.detail} |" for c in plan.conditions]
     lines += ["", "## σ each rule needs for the same ε, δ, q and T", "", "| rule | σ |", "| --- | --- |"]
     lines += [f"| {name} | {cell} |" for name, cell in _sigma_rows(plan)]
@@ -325,6 +345,7 @@ def _html(plan: Plan, figure_name: str) -> str:
         f"<h1>Planning sheet: client {html.escape(str(plan.client_id))}</h1>"
         + table(["quantity", "value"], _rows(plan))
         + "<h2>Validity conditions</h2>"
+        + f"<p>{html.escape(CONDITIONS_NOTE.replace('`', ''))}</p>"
         + table(
             ["condition", "met", "detail"],
             [(f"{c.name} ({c.kind})", "yes" if c.met else "NO", c.detail) for c in plan.conditions],
