@@ -337,3 +337,4 @@ def test_a_sweep_grids_over_the_federations_epsilon_and_reports_it(fedprivacy_cl
     assert code == 0, err
     report = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "federation_epsilon_spent" in report and f"{on:.4f}" in report
+    assert "epsilon_spent_mean" in report  # both levels: the record level's mean beside its largest

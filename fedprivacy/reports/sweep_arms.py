@@ -57,7 +57,7 @@ def _arms(cells: pd.DataFrame, keys: list[str]) -> list[tuple[tuple, pd.DataFram
 def arm_table(data: SweepData) -> pd.DataFrame:
     """Per arm: seeds, mean, sd and 95% interval of the final accuracy, its binomial s.e. and
     evaluation rows, mean best accuracy, the largest ε any client spent (and, with client-level DP,
-    the federation's ε spent), whether every cell kept every client within budget.
+    the clients' mean and the federation's ε spent), whether every cell kept every client within budget.
 
     `evaluation_rows` is the smallest over the arm's seeds (a seed can split the data differently), so
     `binomial_se` = sqrt(p(1 − p)/evaluation_rows) at the mean accuracy p errs on the wide side.
@@ -88,7 +88,7 @@ def arm_table(data: SweepData) -> pd.DataFrame:
                 "evaluation_rows": None if pd.isna(evaluation_rows) else int(evaluation_rows),
                 "best_accuracy_mean": cells["best_accuracy"].mean(),
                 "epsilon_spent_max": cells["epsilon_spent_max"].max(),
-                **_federation_spent(cells),
+                **_both_levels(cells),
                 "all_within_budget": bool(cells["all_within_budget"].astype(bool).all()),
             }
         )
@@ -98,11 +98,15 @@ def arm_table(data: SweepData) -> pd.DataFrame:
     return table
 
 
-def _federation_spent(cells: pd.DataFrame) -> dict[str, float]:
-    """The federation's client-level ε spent (largest over the arm's cells), for sweeps that have it."""
+def _both_levels(cells: pd.DataFrame) -> dict[str, float]:
+    """For sweeps with client-level DP: the clients' mean record-level ε spent (mean over the arm's
+    cells) beside the largest, and the federation's ε spent (largest over the cells)."""
     if "federation_epsilon_spent" not in cells or cells["federation_epsilon_spent"].isna().all():
         return {}
-    return {"federation_epsilon_spent": cells["federation_epsilon_spent"].max()}
+    return {
+        "epsilon_spent_mean": cells["epsilon_spent_mean"].mean(),
+        "federation_epsilon_spent": cells["federation_epsilon_spent"].max(),
+    }
 
 
 def _step(keys: list[str], values: tuple) -> Hashable:
