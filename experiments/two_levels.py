@@ -88,7 +88,7 @@ def run_cell(args: argparse.Namespace, federation_epsilon: float, record_epsilon
         "federation_epsilon_spent": summary.get("federation_epsilon_spent"),
         "federation_sigma": summary.get("federation", {}).get("sigma"),
         "wall_s": round(time.perf_counter() - started, 1),
-        "folder": str(folder),
+        "folder": folder.name,  # under --runs
     }
 
 
@@ -155,7 +155,7 @@ def _strict(value: Any) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for <name>.json and <name>.png")
-    parser.add_argument("--runs", type=Path, default=Path("runs/two_levels").absolute(), help="the runs' folders")
+    parser.add_argument("--runs", type=Path, default=Path("runs/two_levels"), help="the runs' folders")
     parser.add_argument("--members", type=int, default=1000)
     parser.add_argument(
         "--data-path", type=Path, help="a PUMS file (shared/data/pums/fulton_pums5_full.csv); none: synthetic rows"
@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--delta", type=float, default=1e-3, help="each client's δ (below 1/N for its rows)")
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}  # as given
     args.runs = args.runs.absolute()
     args.data_path = None if args.data_path is None else args.data_path.absolute()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -189,7 +190,6 @@ def main() -> None:
             flush=True,
         )
     table = cells(runs)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     (args.out / f"{args.name}.json").write_text(
         json.dumps(_strict({"settings": settings, "cells": table, "runs": runs}), indent=2) + "\n"
     )

@@ -66,6 +66,8 @@ LEDGER_NAME = "federation-ledger.sqlite"
 PLAN_NAME = "federation-plan.json"  # the whole certified plan, in the run's folder
 GRID_BITS = 30  # the clipped updates' grid g = 2^(⌊log₂S⌋ − GRID_BITS)
 MAX_COHORT = 1 << 22  # integer sums stay exact in float64: K·2^(GRID_BITS+1) ≤ 2⁵³
+SUM_ELEMENTS = 1 << 24  # float64 elements of a chunk of members' updates in `clipped_sum` (128 MiB)
+NEIGHBOURS = "zero-out on the public roster (one member's contribution there or not; accounted as add/remove)"
 PLAN_FIELDS = {  # plan_federation's field names → the run-config keys that set them
     "n": "members (the clients the run starts with)",
     "rounds": "num-server-rounds",
@@ -237,6 +239,7 @@ class ClientLevel:
             "sampling_rate": plan.sampling_rate,
             "expected_cohort": plan.expected_batch_size,
             "rounds": plan.rounds,
+            "neighbours": NEIGHBOURS,
             "epsilon_certified": plan.epsilon_pld,
             "ledger": str(self.ledger.path),
         }
@@ -284,22 +287,26 @@ def clipped_sum(base: Tensor, updates: Sequence[Tensor], clip: float) -> tuple[T
     """Σᵢ clip_S(uᵢ − base), exact, in float64 (see the module docstring), and Σᵢ(bᵢ − ½) with bᵢ = 1
     when update i's norm is at most S (adaptive clipping's count): `updates` per entry [K, *shape],
     `base` the current values flattened in the same order. An update that is not finite counts as
-    a member that did not train (in neither sum)."""
+    a member that did not train (in neither sum). Members are taken `SUM_ROWS`-many P-wide rows at a
+    time, so the float64 temporaries stay near 128 MiB whatever the cohort."""
     members = updates[0].shape[0] if updates else 0
-    if members == 0:
-        return torch.zeros_like(base), 0.0
     if members > MAX_COHORT:
         raise ValueError(f"{members} members' updates in one round: at most {MAX_COHORT} sum exactly")
-    deltas = torch.cat([u.detach().to(torch.float64).reshape(members, -1) for u in updates], dim=1) - base
-    finite = torch.isfinite(deltas).all(dim=1)
-    deltas = torch.where(finite[:, None], deltas, 0.0)
-    margin = 2.0**-30 + deltas.shape[1] * 2.0**-52
-    norms = torch.linalg.vector_norm(deltas, dim=1)
-    factors = torch.clamp(clip * (1.0 - margin) / norms, max=1.0)  # a zero norm gives inf: factor 1
+    margin = 2.0**-30 + base.numel() * 2.0**-52
     grid = 2.0 ** (math.floor(math.log2(clip)) - GRID_BITS)
-    units = torch.trunc(deltas * factors[:, None] / grid).to(torch.int64)  # towards zero: |·| never grows
-    centred_count = float(((norms <= clip).double() - 0.5)[finite].sum())
-    return units.sum(dim=0).to(torch.float64) * grid, centred_count
+    units = torch.zeros(base.numel(), dtype=torch.int64)
+    centred_count = 0.0
+    rows = max(1, SUM_ELEMENTS // max(base.numel(), 1))
+    for first in range(0, members, rows):
+        part = [u[first : first + rows].detach().to(torch.float64) for u in updates]
+        deltas = torch.cat([u.reshape(u.shape[0], -1) for u in part], dim=1) - base
+        finite = torch.isfinite(deltas).all(dim=1)
+        deltas = torch.where(finite[:, None], deltas, 0.0)
+        norms = torch.linalg.vector_norm(deltas, dim=1)
+        factors = torch.clamp(clip * (1.0 - margin) / norms, max=1.0)  # a zero norm gives inf: factor 1
+        units += torch.trunc(deltas * factors[:, None] / grid).to(torch.int64).sum(dim=0)  # towards zero
+        centred_count += float(((norms <= clip).double() - 0.5)[finite].sum())
+    return units.to(torch.float64) * grid, centred_count
 
 
 def _plan(settings: RunSettings, members: int) -> Plan:

@@ -19,6 +19,7 @@ from flwr.supercore.differential_privacy import compute_stdv
 from independent import pld_epsilon
 from scipy import stats
 
+from fedprivacy import client_level as client_level_module
 from fedprivacy.client_level import GRID_BITS, ClientLevel, clipped_sum, federation_delta
 from fedprivacy.errors import InputError
 from fedprivacy.ledger import BudgetExceeded
@@ -49,6 +50,16 @@ def test_one_member_moves_the_clipped_sum_by_at_most_the_clip():
             without, count_without = clipped_sum(base, [others], clip)
             assert float(torch.linalg.vector_norm(whole - without)) <= clip
             assert abs(count - count_without) == 0.5  # adaptive clipping's count: sensitivity ½
+
+
+def test_the_clipped_sum_is_the_same_whatever_the_chunk_of_members(monkeypatch):
+    generator = torch.Generator().manual_seed(2)
+    base = torch.randn(300, generator=generator, dtype=torch.float64)
+    updates = [(base + 0.05 * torch.randn(23, 300, generator=generator, dtype=torch.float64)).float()]
+    whole = clipped_sum(base, updates, 0.4)
+    monkeypatch.setattr(client_level_module, "SUM_ELEMENTS", 300 * 4)  # four members at a time
+    chunked = clipped_sum(base, updates, 0.4)
+    assert torch.equal(whole[0], chunked[0]) and whole[1] == chunked[1]
 
 
 def test_an_update_inside_the_clip_is_summed_as_it_is_and_a_non_finite_one_not_at_all():
