@@ -16,15 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from fedprivacy.catalog import AGGREGATIONS
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.plan import Plan
 
-if TYPE_CHECKING:  # the run config's checks read AGGREGATIONS, and `fedprivacy --help` loads no torch
+if TYPE_CHECKING:  # `fedprivacy --help` loads no torch
     from torch import Tensor
 
     from fedprivacy.client_level import ClientLevel
-
-AGGREGATIONS = ("examples", "inverse-noise")
 
 
 def update_noise_variance(plan: Plan, server_round: int) -> float:

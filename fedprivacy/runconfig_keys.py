@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedprivacy.aggregation import AGGREGATIONS
-from fedprivacy.catalog import DATASETS, PATH_DATASETS, RULE_NAMES
+from fedprivacy.catalog import AGGREGATIONS, DATASETS, PATH_DATASETS, RULE_NAMES
 from fedprivacy.data.arrays import declared_classes
 from fedprivacy.data.loaders import PUMS_AGE_ENCODINGS
 from fedprivacy.data.partition import SCHEMES, SIZE_SKEWS
