@@ -188,26 +188,19 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _csv_lines(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> list[str]:
-    """Each row as one CSV line (None as an empty cell), in the columns' order."""
+def _csv_text(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
+    """The rows as CSV lines (None as an empty cell), in the columns' order, formatted in one pass."""
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    lines = []
-    for row in rows:
-        writer.writerow(["" if row.get(k) is None else row[k] for k in columns])
-        lines.append(buffer.getvalue())
-        buffer.seek(0)
-        buffer.truncate()
-    return lines
+    csv.writer(buffer, lineterminator="\n").writerows(
+        ["" if (value := row.get(k)) is None else value for k in columns] for row in rows
+    )
+    return buffer.getvalue()
 
 
-def _write_csv(
-    path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]], lines: list[str] | None = None
-) -> None:
-    """Rewrite a CSV file atomically (a reader or a crash never sees half of it). `lines`: the rows
+def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict[str, Any]], body: str | None = None) -> None:
+    """Rewrite a CSV file atomically (a reader or a crash never sees half of it). `body`: the rows
     already formatted, so a file that only grows formats each row once."""
-    body = lines if lines is not None else _csv_lines(columns, rows)
-    _atomic_write(path, ",".join(columns) + "\n" + "".join(body))
+    _atomic_write(path, ",".join(columns) + "\n" + (_csv_text(columns, rows) if body is None else body))
 
 
 def _weighted(pairs: list[tuple[int, float | None]]) -> float | None:
@@ -256,7 +249,8 @@ class RunRecorder:
     evaluation_rows: int | None = None  # the central evaluation set's rows (None: federated); a report's binomial s.e.
     largest_class_share: float | None = None  # what predicting the central evaluation set's largest class scores
     _round: dict[str, Any] = field(default_factory=dict)
-    _reply_lines: list[str] = field(default_factory=list)  # replies.csv grows by a round's rows: format each once
+    # replies.csv grows by a round's rows: each row formatted once, (rows formatted, their text)
+    _reply_text: tuple[int, list[str]] = field(default_factory=lambda: (0, []))
 
     def write_config(self, config: dict[str, Any]) -> None:
         _atomic_write(self.folder / "config.json", json.dumps(config, indent=2, default=str) + "\n")
@@ -329,7 +323,7 @@ class RunRecorder:
         for row in self.replies:
             if row["client_id"] == old:
                 row["client_id"] = new
-        self._reply_lines.clear()
+        self._reply_text = (0, [])
 
     def _reply(self, server_round: int, client_id: str, outcome: str, reason: str) -> None:
         self.replies.append({"round": server_round, "client_id": client_id, "outcome": outcome, "reason": reason})
@@ -372,8 +366,10 @@ class RunRecorder:
         self.rounds.append(row)
         _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
         _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(self.clients[c]) for c in sorted(self.clients)])
-        self._reply_lines += _csv_lines(REPLY_COLUMNS, self.replies[len(self._reply_lines) :])
-        _write_csv(self.folder / "replies.csv", REPLY_COLUMNS, self.replies, self._reply_lines)
+        done, chunks = self._reply_text
+        chunks.append(_csv_text(REPLY_COLUMNS, self.replies[done:]))
+        self._reply_text = (len(self.replies), chunks)
+        _write_csv(self.folder / "replies.csv", REPLY_COLUMNS, self.replies, "".join(chunks))
         return row
 
     def require_training(self) -> None:

@@ -148,6 +148,33 @@ def test_steps_that_span_several_nonces_read_the_same_bytes_in_any_split(monkeyp
     assert len({row.tobytes() for row in together}) == 9
 
 
+def test_a_seeded_stream_read_in_consecutive_draws_equals_fresh_ciphers(monkeypatch):
+    """A seeded stream keeps its cipher where a draw ended and continues it when the next draw
+    starts there: the bytes must be those of a fresh cipher at each position (a new instance per
+    draw here), whatever the order of the draws (consecutive, repeated, backwards, a jump, other
+    widths, across nonces, the next nonce at the block where the last draw ended), and equal to
+    the independent tensor ChaCha20 of `chacha`."""
+    from fedprivacy.training.chacha import keystream_words
+
+    monkeypatch.setattr(rng_module, "COUNTER_BLOCKS", 5 * 4)  # five steps of 25 words per nonce
+    resumed = StepRandomness("9:resume")
+    reads = [(0, 2), (2, 3), (5, 4), (9, 1), (3, 2), (5, 4), (40, 2), (42, 6), (0, 1), (1, 1)]
+    for first, steps in reads:
+        for width in (25, 25, 70):
+            got = resumed.stream_words(first, steps, width)
+            fresh = StepRandomness("9:resume").stream_words(first, steps, width)
+            assert np.array_equal(got, fresh), (first, steps, width)
+    # step 0 ends at block 4 of nonce 0, where step 6 starts in nonce 1: not the same stretch
+    ends_there = StepRandomness("9:resume")
+    ends_there.stream_words(0, 1, 25)
+    assert np.array_equal(ends_there.stream_words(6, 1, 25), StepRandomness("9:resume").stream_words(6, 1, 25))
+    blocks = -(-25 // 8)
+    segments = resumed.segments(3, 9, blocks)
+    assert len(segments) > 1  # the stretch crosses nonces
+    independent = keystream_words(segments).numpy().view(np.uint64).reshape(9, blocks * 8)[:, :25]
+    assert np.array_equal(resumed.stream_words(3, 9, 25), independent)
+
+
 def box_muller_closed_form(words: np.ndarray) -> np.ndarray:
     """Box–Muller of raw keystream rows [m radius words, m angle words], in float64, written out
     independently of the library: u₁ = ((w + 2⁶³) mod 2⁶⁴ + ½)·2⁻⁶⁴ from the whole radius word,
