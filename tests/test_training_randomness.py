@@ -175,6 +175,25 @@ def test_a_seeded_stream_read_in_consecutive_draws_equals_fresh_ciphers(monkeypa
     assert np.array_equal(resumed.stream_words(3, 9, 25), independent)
 
 
+@pytest.mark.parametrize("threaded", [False, True])
+def test_unseeded_clients_of_one_batch_read_disjoint_fresh_words(monkeypatch, threaded):
+    """Unseeded clients side by side in one batch share one fresh key, each reading its own stretch:
+    no two rows hold the same word, a seeded client between them still reads its own stream, and
+    the next batch's words are fresh (on one thread, and dealt to threads in contiguous shares)."""
+    if threaded:
+        monkeypatch.setattr(rng_module, "PARALLEL_WORDS", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    seeded = StepRandomness("5:between")
+    kinds = [None, None, seeded, None, None, None, None]
+    requests = [DrawRequest(r or StepRandomness(), 0, 3, 40, 0.5) for r in kinds]
+    _, words = draw_batch(requests, 64)
+    again = draw_batch(requests, 64)[1]
+    assert torch.equal(words[6:9], torch.from_numpy(seeded.stream_words(0, 3, 64 + 40)[:, :64].view(np.int64)))
+    unseeded = torch.cat([words[:6], words[9:]])
+    assert len(set(unseeded.flatten().tolist())) == unseeded.numel()  # 64-bit words: no repeats by chance
+    assert not set(unseeded.flatten().tolist()) & set(torch.cat([again[:6], again[9:]]).flatten().tolist())
+
+
 def box_muller_closed_form(words: np.ndarray) -> np.ndarray:
     """Box–Muller of raw keystream rows [m radius words, m angle words], in float64, written out
     independently of the library: u₁ = ((w + 2⁶³) mod 2⁶⁴ + ½)·2⁻⁶⁴ from the whole radius word,

@@ -3,7 +3,8 @@ into the Poisson sample and the words of the noise (docs/training.md, "Randomnes
 choice).
 
 - Production (no seed): a fresh 256-bit key from `os.urandom` for every batch of steps drawn
-  together: nothing to recover, nothing to replay. Experiments (a seed): a key derived by BLAKE2b
+  together (one key for the unseeded clients of a batched round, each reading its own stretch):
+  nothing to recover, nothing to replay. Experiments (a seed): a key derived by BLAKE2b
   from the whole seed material; step t reads its own stretch, so any split into rounds replays.
 - Each step's 64-bit words: m radius words, m angle words (m pairs of coordinates of noise, turned
   into the released values by `fedprivacy.training.noise`), then one word per record. Record i is
@@ -230,22 +231,34 @@ def _blocks(width: int) -> int:
 
 def _filled_rows(requests: Sequence[DrawRequest], blocks: int) -> np.ndarray:
     """[rows, 8·blocks] keystream words (uint64): each request's steps in order, written straight
-    into one buffer (the thread's kept one, if it fits and nothing refers to its last words). From
-    `PARALLEL_WORDS` words on, the requests are dealt to torch's threads (the transform's helpers),
-    each writing its requests' own stretches: `cryptography` lets go of the GIL while it encrypts
-    (a 1,000-client CNN round's keystream: 17.9 → 12.5 ms on 2 cores)."""
+    into one buffer (the thread's kept one, if it fits and nothing refers to its last words);
+    unseeded requests side by side read one fresh keystream (a cipher per client cost more than a
+    small round's words). From `PARALLEL_WORDS` words on, the requests are dealt to torch's threads
+    (the transform's helpers) in contiguous shares, each writing its requests' own stretches:
+    `cryptography` lets go of the GIL while it encrypts (a 1,000-client CNN round's keystream:
+    17.9 → 12.5 ms on 2 cores)."""
     view = _scratch.buffer(sum(r.steps for r in requests) * blocks * 64)
     ends = np.cumsum([r.steps * blocks * 64 for r in requests]).tolist()
     starts = [0, *ends[:-1]]
 
     def fill(part: range) -> None:
-        for i in part:
+        i = part.start
+        while i < part.stop:
             r = requests[i]
-            r.randomness.fill_steps(r.first_step, r.steps, blocks, view[starts[i] : ends[i]])
+            if r.randomness.seeded:
+                r.randomness.fill_steps(r.first_step, r.steps, blocks, view[starts[i] : ends[i]])
+                i += 1
+                continue
+            last = i  # unseeded requests side by side: one stretch of one fresh keystream
+            while last + 1 < part.stop and not requests[last + 1].randomness.seeded:
+                last += 1
+            _keystream_into(os.urandom(32), 0, 0, view[starts[i] : ends[last]])
+            i = last + 1
 
     threads = torch.get_num_threads()
     if threads > 1 and len(requests) > 1 and len(view) >= 8 * PARALLEL_WORDS:
-        parts = [range(k, len(requests), threads) for k in range(threads)]
+        size = -(-len(requests) // threads)
+        parts = [range(k, min(k + size, len(requests))) for k in range(0, len(requests), size)]
         helpers = _helpers(os.getpid(), threads - 1)
         others = [helpers.submit(fill, part) for part in parts[1:]]
         fill(parts[0])
