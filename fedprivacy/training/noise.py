@@ -173,8 +173,14 @@ class NoiseAhead(NamedTuple):
 
     def row(self, index: int) -> NoiseAhead:
         """Row `index` alone, as a stack of one."""
-        fields = [field[index : index + 1] for field in self[:-1]]
-        return NoiseAhead(*fields, plain=bool(fields[-1][0]) and not bool(fields[-2][0]))
+        return self.rows(slice(index, index + 1))
+
+    def rows(self, index: slice | np.ndarray) -> NoiseAhead:
+        """The rows at `index` (a slice, or positions as a NumPy array), in that order."""
+        if not isinstance(index, slice) and not isinstance(self.offset, np.ndarray):
+            index = torch.as_tensor(index, device=self.offset.device)
+        fields = [field[index] for field in self[:-1]]
+        return NoiseAhead(*fields, plain=bool(fields[-1].all()) and not bool(fields[-2].any()))
 
 
 def noise_ahead(words: Tensor, noise_std: Tensor) -> NoiseAhead:

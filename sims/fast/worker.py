@@ -25,8 +25,15 @@ from fedprivacy.models import build_model, evaluation_sums
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.protocol import diagnostics as training_diagnostics
 from fedprivacy.training import DPTrainer, stack
+from fedprivacy.training.noise import noise_ahead
 from fedprivacy.training.rng import DrawRequest, SeededRunWarning, StepRandomness, draw_batch, keystream_device
 from fedprivacy.training.schedule import StepSizes
+
+# Up to this many noise coordinates per step (clients × trained parameters), a round's Box–Muller is
+# made before its steps and each step only rounds (`noise.noise_ahead`, the trainer's way): the
+# per-step cost of small steps is their calls, not their arithmetic. Larger steps compute it block
+# by block inside the step, keeping their float64 temporaries in cache.
+AHEAD_STEP_COORDINATES = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -210,10 +217,14 @@ class LocalWorker:
             for key in self.keys
         ]
         totals = stack.RoundTotals()
+        ahead = None  # small steps: the round's Box–Muller in one pass, as the trainer makes it
+        if self.private and len(requests) * clients.noise_count <= AHEAD_STEP_COORDINATES:
+            ahead = noise_ahead(noise.flatten(0, 1), noise_std.flatten())  # row k·most + s
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
             refiners = [stream.refiner(first + s) for stream, first in zip(streams, firsts, strict=True)]
-            step = stack.StepInputs(*inputs, noise[:, s], noise_std[:, s], clip, expected, steps > s, refiners)
+            rows = None if ahead is None else ahead.rows(np.arange(len(requests)) * most + s)
+            step = stack.StepInputs(*inputs, noise[:, s], noise_std[:, s], clip, expected, steps > s, refiners, rows)
             report = clients.step(
                 weights,
                 step,
