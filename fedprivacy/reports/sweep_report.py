@@ -346,15 +346,18 @@ def report_markdown(data: SweepData, figures: list[Path], pairs: pd.DataFrame | 
         _markdown(arms),
         "",
         *_single_seeds(arms),
-        *_no_better_cells(data),
         "### Non-private baseline",
         "",
         "FedAvg of plain local SGD on the same clients, model, initial weights and local schedule "
         "(sims.baseline), once per setting outside the keys it does not read (privacy, aggregation, server optimiser); "
-        "`schedule_from` is the cell whose private plan gave the schedule (q and T depend on ε).",
+        "`schedule_from` is the cell whose private plan gave the schedule (q and T depend on ε). It also takes that "
+        "cell's learning rate, chosen for clipped, noisy steps: without clipping it can be too large (or too many "
+        "steps), which puts the baseline below private cells. `baseline-learning-rate` gives it its own η "
+        "([sweep]: one value; [tune]: candidates chosen on validation rows).",
         "",
         _markdown(baseline_table(data)),
         "",
+        *_no_better_cells(data),
         *_paired_differences(data, paired_table(data, holm) if pairs is None else pairs),
         "## Accuracy per round",
         "",
