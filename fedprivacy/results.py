@@ -147,18 +147,20 @@ def no_better_line(summary: dict[str, Any]) -> str | None:
     if summary.get("beats_largest_class") is not False:
         return None
     federation = summary.get("federation")
+    advice = (
+        "try more local steps (epochs), another learning-rate, more num-server-rounds or a larger epsilon, or "
+        "tune them in a sweep (docs/simulator.md)"
+    )
+    if federation is not None:  # the likelier cause first
+        advice = (
+            f"client-level DP adds noise σS/pM to every coordinate with {federation['members']} members: it needs "
+            "hundreds of them, an update-clip matched to the updates' norms (or update-clip-quantile) and a larger "
+            f"federation-cohort or federation-epsilon; else {advice}"
+        )
     return (
         f"warning: final accuracy {_fmt(summary['final_accuracy'])} is no better than always predicting the "
         f"largest class ({summary['largest_class_share']:.4f} of the {summary['evaluation_rows']} evaluation rows): "
-        "the model learned nothing it shows; try more local steps (epochs), another learning-rate, more "
-        "num-server-rounds or a larger epsilon, or tune them in a sweep (docs/simulator.md)"
-        + (
-            ""
-            if federation is None
-            else f"; client-level DP adds noise σS/pM to every coordinate with {federation['members']} members: it "
-            "needs hundreds of them, an update-clip matched to the updates' norms (or update-clip-quantile) and a "
-            "larger federation-cohort or federation-epsilon"
-        )
+        f"the model learned nothing it shows; {advice}"
     )
 
 
