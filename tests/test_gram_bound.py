@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fedprivacy.training.layers.linear import positional_norms
-from fedprivacy.training.norms import REDUCED_PRECISION_ENVIRONMENT, exact_float32_products, float32_gram_bound
+from fedprivacy.training.norms import exact_float32_products, float32_gram_bound
 
 
 def exact_squared_norms(a: torch.Tensor, d: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -57,35 +57,6 @@ def test_the_float32_gram_bound_is_never_below_the_exact_norm(case, bias):
     assert (n_a >= norms_a).all() and (s >= (norms_a * d.double().square().sum(2).sqrt()).sum(1)).all()
 
 
-def test_the_bound_covers_a_diagonal_that_rounds_down_by_nearly_gamma():
-    """aₜ = (1, 2⁻¹², …, 2⁻¹²) over K = 64: its float32 square is exactly 1 against 1 + 63·2⁻²⁴,
-    nearly the whole of γ_K: the norm and Gram bounds must still hold (a quarter of γ would not)."""
-    a = torch.full((1, 2, 64), 2.0**-12)
-    a[..., 0] = 1.0
-    d = torch.ones(1, 2, 4)
-    for bias in (True, False):
-        squared, s, n_a, _ = float32_gram_bound(a, d, bias)
-        exact_norms = (a.double().square().sum(2) + float(bias)).sqrt()
-        assert (n_a >= exact_norms).all() and (squared >= exact_squared_norms(a, d, bias)).all()
-
-
-@pytest.mark.parametrize(("a_scale", "d_scale"), [(3e-20, 1e15), (1e18, 1e-20)])
-def test_the_bound_holds_with_flush_to_zero_on(a_scale, d_scale):
-    """A library built with fast-math can turn flush-to-zero and denormals-are-zero on: products and
-    sums below 2⁻¹²⁶ then become 0, whose error the bound must cover too."""
-    a = torch.full((3, 4, 16), a_scale)
-    d = torch.full((3, 4, 8), d_scale)
-    exact = {bias: exact_squared_norms(a, d, bias) for bias in (True, False)}
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        for bias in (True, False):
-            squared, s, n_a, finite = float32_gram_bound(a, d, bias)
-            assert finite.all() and (squared >= exact[bias]).all(), (bias, squared, exact[bias])
-    finally:
-        torch.set_flush_denormal(False)
-
-
 def test_the_float32_gram_bound_is_tight_for_ordinary_inputs():
     a, d = cases()["ordinary"]
     squared, _, _, _ = float32_gram_bound(a, d, True)
@@ -120,12 +91,4 @@ def test_reduced_precision_matrix_products_turn_the_float32_form_off():
         assert (formed.sq_norms >= exact_squared_norms(a, d, True)).all()
     finally:
         torch.set_float32_matmul_precision(previous)
-    assert exact_float32_products(torch.device("cpu"))
-
-
-@pytest.mark.parametrize("variable", REDUCED_PRECISION_ENVIRONMENT)
-def test_an_environment_that_lowers_float32_products_turns_the_float32_form_off(monkeypatch, variable):
-    monkeypatch.setenv(variable, "BF16")
-    assert not exact_float32_products(torch.device("cpu"))
-    monkeypatch.setenv(variable, "strict")
     assert exact_float32_products(torch.device("cpu"))

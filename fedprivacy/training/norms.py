@@ -32,7 +32,6 @@ Parameters must be float32: for float64 ones the same squares could underflow (1
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -104,39 +103,21 @@ def summed_rounding(sq_bound: Tensor, s: Tensor, positions: int, u: float) -> Te
     return sq_bound.sqrt().add_(s, alpha=gamma).square_()
 
 
-# float32: what one term of a dot product can lose below the normal range, as an absolute error
-# per term: 2⁻¹⁵⁰ for a product under gradual underflow, < 2⁻¹²⁶ for each of a product and an
-# addition flushed to zero (flush-to-zero may be on in a thread: a library built with fast-math
-# sets it), with room for the sum's relative error.
-UNDERFLOW_PER_PRODUCT = 2.0**-124
-REDUCED_PRECISION_ENVIRONMENT = ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE", "MKL_BLAS_COMPUTE_MODE")
-IEEE_SETTINGS = ("none", "ieee")
+UNDERFLOW_PER_PRODUCT = 2.0**-149  # float32: a product's absolute error below the normal range, doubled
 
 
 def exact_float32_products(device: torch.device) -> bool:
     """Whether float32 matrix products on `device` are IEEE single precision (each product and sum
-    rounded once, up to flush-to-zero), which `float32_gram_bound` assumes: not where TF32 or
-    bfloat16 were allowed (torch's matmul precision, the backends' own switches, oneDNN's and MKL's
-    environment variables), not on ROCm, nor on devices other than a CPU and a CUDA GPU."""
-    try:
-        if torch.get_float32_matmul_precision() != "highest":
-            return False
-    except RuntimeError:  # torch's old and new precision settings were mixed: unknown, so not exact
+    rounded once), which `float32_gram_bound` assumes: not where a user allowed TF32 or bfloat16
+    (`torch.set_float32_matmul_precision`, the backends' own switches), nor on other devices."""
+    if torch.get_float32_matmul_precision() != "highest":
         return False
-    if any(os.environ.get(name, "").strip().upper() not in ("", "STRICT") for name in REDUCED_PRECISION_ENVIRONMENT):
-        return False
-    settings = [getattr(torch.backends, "fp32_precision", "none")]
     if device.type == "cpu":
-        mkldnn = torch.backends.mkldnn
-        settings += [
-            getattr(mkldnn, "fp32_precision", "none"),
-            getattr(getattr(mkldnn, "matmul", None), "fp32_precision", "none"),
-        ]
-        return all(value in IEEE_SETTINGS for value in settings)
-    if device.type == "cuda" and torch.version.hip is None:
+        mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+        return getattr(mkldnn, "fp32_precision", "none") in ("none", "ieee")
+    if device.type == "cuda":
         cuda = torch.backends.cuda.matmul
-        settings.append(getattr(cuda, "fp32_precision", "none"))
-        return not cuda.allow_tf32 and all(value in IEEE_SETTINGS for value in settings)
+        return not cuda.allow_tf32 and getattr(cuda, "fp32_precision", "none") in ("none", "ieee")
     return False
 
 
@@ -148,7 +129,7 @@ def _gamma32(n: int) -> float:
 
 def float32_gram_fits(k: int, o: int) -> bool:
     """Whether dot products of lengths K and O have a float32 error bound small enough to use."""
-    return max(k, o) * torch.finfo(SUPPORTED_DTYPE).eps <= 0.125
+    return max(k, o) * torch.finfo(SUPPORTED_DTYPE).eps <= 0.25
 
 
 def float32_gram_bound(a: Tensor, d: Tensor, bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -158,14 +139,12 @@ def float32_gram_bound(a: Tensor, d: Tensor, bias: bool) -> tuple[Tensor, Tensor
     bias and 0 without. A row whose entries overflowed has no bound here: its caller bounds it
     alone, from its own A and D, so that no row's bound depends on another row's values.
 
-    Each float32 entry of AAᵀ is aₜ·aₛ up to γ_K‖aₜ‖‖aₛ‖ (relative rounding, any summation order,
-    fused multiply-adds included) and K·θ, θ = `UNDERFLOW_PER_PRODUCT` (underflow, gradual or
-    flushed); likewise DDᵀ with γ_O. γ is taken twice over (2γ_K, 2γ_O below): that also covers
-    subnormal inputs read as zero (denormals-are-zero), whose error 2⁻¹²⁶√K‖aₛ‖ is far below
-    γ_K·√(Kθ)·‖aₛ‖, and every norm bound below is at least √(Kθ). The diagonals bound the norms
-    (‖aₜ‖² ≤ (ĝₜₜ + Kθ)/(1 − 2γ_K)), and with ᾱₜ = ‖(aₜ, b)‖, βₜ = ‖dₜ‖, S = Σ ᾱₜβₜ, Ā = Σ ᾱₜ,
-    B̄ = Σ βₜ, the products of the entries sum to ‖G‖² up to
-    E = (2γ_K + 2γ_O + 4γ_Kγ_O)S² + Kθ(1 + 2γ_O)B̄² + Oθ(1 + 2γ_K)Ā² + T²KOθ²,
+    Each float32 entry of AAᵀ is aₜ·aₛ(1 + θ) + e with |θ-part| ≤ γ_K‖aₜ‖‖aₛ‖ and |e| ≤ K·2⁻¹⁴⁹
+    (a product below the normal range is off by up to 2⁻¹⁵⁰; sums never underflow), in any
+    summation order and with fused multiply-adds; likewise DDᵀ with γ_O. The diagonals bound the
+    norms (‖aₜ‖² ≤ (ĝₜₜ + K·2⁻¹⁴⁹)/(1 − γ_K)), and with ᾱₜ = ‖(aₜ, b)‖, βₜ = ‖dₜ‖, S = Σ ᾱₜβₜ,
+    Ā = Σ ᾱₜ, B̄ = Σ βₜ, the products of the entries sum to ‖G‖² up to
+    E = (γ_K + γ_O + γ_Kγ_O)S² + K·2⁻¹⁴⁹(1 + γ_O)B̄² + O·2⁻¹⁴⁹(1 + γ_K)Ā² + T²KO·2⁻²⁹⁸,
     and their float64 sum adds γ⁽⁶⁴⁾_{T²+1}(S² + E). `_conservative`'s rounding term for what is
     summed is added by the caller. Every float64 step that could round a bound down is widened by a
     few units of its last place."""
@@ -173,7 +152,7 @@ def float32_gram_bound(a: Tensor, d: Tensor, bias: bool) -> tuple[Tensor, Tensor
     gram_a = torch.bmm(a, a.transpose(1, 2)).to(NORM_DTYPE)
     gram_d = torch.bmm(d, d.transpose(1, 2)).to(NORM_DTYPE)
     finite = torch.isfinite(gram_a).flatten(1).all(1) & torch.isfinite(gram_d).flatten(1).all(1)
-    gamma_k, gamma_o, theta = 2 * _gamma32(k), 2 * _gamma32(o), UNDERFLOW_PER_PRODUCT
+    gamma_k, gamma_o, theta = _gamma32(k), _gamma32(o), UNDERFLOW_PER_PRODUCT
     up = 1 + 8 * torch.finfo(NORM_DTYPE).eps  # widens a float64 result past its own rounding
     n_a = gram_a.diagonal(dim1=1, dim2=2).clamp(min=0).add(k * theta).div_(1 - gamma_k).mul_(up)
     n_d = gram_d.diagonal(dim1=1, dim2=2).clamp(min=0).add(o * theta).div_(1 - gamma_o).mul_(up)
