@@ -81,30 +81,7 @@ def crafted_conv1d() -> nn.Module:
     return nn.Sequential(*mlp[:3], nn.Unflatten(1, (HIDDEN, 1)), head, nn.Flatten())
 
 
-class FourPositions(nn.Module):
-    """Each example's hidden vector at four positions, (B, H) → (B, H, 4)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unsqueeze(-1).expand(-1, -1, 4)
-
-
-def crafted_conv1d_positions() -> nn.Module:
-    """The audit's model with its output layer as a Conv1d over four positions, averaged: T² = 16
-    ≤ K·O = 128 takes the Gram form, whose float32 DDᵀ underflows to 0 for the crafted record."""
-    mlp = crafted_mlp()
-    head = nn.Conv1d(HIDDEN, 2, kernel_size=1)
-    with torch.no_grad():
-        head.weight.copy_(mlp[3].weight.unsqueeze(-1))
-        head.bias.copy_(mlp[3].bias)
-    return nn.Sequential(*mlp[:3], FourPositions(), head, nn.AvgPool1d(4), nn.Flatten())
-
-
-CRAFTED = {
-    "underflow": crafted_mlp,
-    "subnormal-weighting": subnormal_mlp,
-    "underflow-conv1d": crafted_conv1d,
-    "underflow-conv1d-gram": crafted_conv1d_positions,
-}
+CRAFTED = {"underflow": crafted_mlp, "subnormal-weighting": subnormal_mlp, "underflow-conv1d": crafted_conv1d}
 
 
 def target(rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,10 +11,6 @@ actually summed, computed where they cannot underflow or overflow:
     products of two such sums stay above 4e-180, and sums over any realistic size (10¹² terms)
     below 1e200. So no term can underflow to 0 or overflow to inf, and float64 adds only its own
     relative rounding (10⁻¹⁶).
-  - Exception: the Gram matrices AᵢAᵢᵀ, DᵢDᵢᵀ may be taken in float32 where matrix products
-    are IEEE single precision; their rounding and underflow are then bounded and added
-    (`float32_gram_bound`), so what follows holds of the bound; a row whose float32 entries
-    overflow is bounded in float64 from its own values.
   - The Gram ("ghost") form ⟨AᵢAᵢᵀ, DᵢDᵢᵀ⟩ = ‖Σₜ dₜaₜᵀ‖² can cancel, and the float32 sum of those
     T terms may then be much larger than its exact value. So it is used as the upper bound
     (√(max(Gram, 0) + ε₆₄Sᵢ²) + γSᵢ)², Sᵢ = Σₜ‖aₜ‖‖dₜ‖, which covers both the float64 error and
@@ -90,88 +86,11 @@ def _conservative(sq_estimate: Tensor, s: Tensor, positions: int, k: int, o: int
     while (T + 1)u ≤ 1/2 (T < 8·10⁶ positions in float32). The bound never underestimates: the
     rounding term is added to the norm, not in quadrature (a sum of squares would miss up to √2).
     """
-    bound = torch.addcmul(sq_estimate.clamp(min=0), s, s, value=_float64_error(k, o, positions * positions))
-    return summed_rounding(bound, s, positions, u)
-
-
-def summed_rounding(sq_bound: Tensor, s: Tensor, positions: int, u: float) -> Tensor:
-    """(√B + γSᵢ)², γ = 2(T + 1)u, from an upper bound B on ‖G‖²: the bound on ‖F‖² that
-    `_conservative` derives (the float32 sum of the T terms that is actually formed)."""
     if (positions + 1) * u > 0.5:
         raise UnsupportedLayerError(f"{positions} positions per example: too many to bound the rounding of their sum")
     gamma = 2 * (positions + 1) * u
-    return sq_bound.sqrt().add_(s, alpha=gamma).square_()
-
-
-UNDERFLOW_PER_PRODUCT = 2.0**-149  # float32: a product's absolute error below the normal range, doubled
-
-
-def exact_float32_products(device: torch.device) -> bool:
-    """Whether float32 matrix products on `device` are IEEE single precision (each product and sum
-    rounded once), which `float32_gram_bound` assumes: not where a user allowed TF32 or bfloat16
-    (`torch.set_float32_matmul_precision`, the backends' own switches), nor on other devices."""
-    if torch.get_float32_matmul_precision() != "highest":
-        return False
-    if device.type == "cpu":
-        mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
-        return getattr(mkldnn, "fp32_precision", "none") in ("none", "ieee")
-    if device.type == "cuda":
-        cuda = torch.backends.cuda.matmul
-        return not cuda.allow_tf32 and getattr(cuda, "fp32_precision", "none") in ("none", "ieee")
-    return False
-
-
-def _gamma32(n: int) -> float:
-    """γₙ = n·u/(1 − n·u) of float32: a length-n dot product's relative error, in any order."""
-    u = torch.finfo(SUPPORTED_DTYPE).eps / 2
-    return n * u / (1 - n * u)
-
-
-def float32_gram_fits(k: int, o: int) -> bool:
-    """Whether dot products of lengths K and O have a float32 error bound small enough to use."""
-    return max(k, o) * torch.finfo(SUPPORTED_DTYPE).eps <= 0.25
-
-
-def float32_gram_bound(a: Tensor, d: Tensor, bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """For A: (R, T, K), D: (R, T, O) float32 with their Gram matrices taken in float32 (no float64
-    copy of A or D): (an upper bound on ‖Σₜ dₜ(aₜ, b)ᵀ‖², Sᵢ ≥ Σₜ ‖dₜ‖‖(aₜ, b)‖, upper bounds on
-    ‖(aₜ, b)‖, whether the row's Gram entries are finite), the first three float64, b = 1 with a
-    bias and 0 without. A row whose entries overflowed has no bound here: its caller bounds it
-    alone, from its own A and D, so that no row's bound depends on another row's values.
-
-    Each float32 entry of AAᵀ is aₜ·aₛ(1 + θ) + e with |θ-part| ≤ γ_K‖aₜ‖‖aₛ‖ and |e| ≤ K·2⁻¹⁴⁹
-    (a product below the normal range is off by up to 2⁻¹⁵⁰; sums never underflow), in any
-    summation order and with fused multiply-adds; likewise DDᵀ with γ_O. The diagonals bound the
-    norms (‖aₜ‖² ≤ (ĝₜₜ + K·2⁻¹⁴⁹)/(1 − γ_K)), and with ᾱₜ = ‖(aₜ, b)‖, βₜ = ‖dₜ‖, S = Σ ᾱₜβₜ,
-    Ā = Σ ᾱₜ, B̄ = Σ βₜ, the products of the entries sum to ‖G‖² up to
-    E = (γ_K + γ_O + γ_Kγ_O)S² + K·2⁻¹⁴⁹(1 + γ_O)B̄² + O·2⁻¹⁴⁹(1 + γ_K)Ā² + T²KO·2⁻²⁹⁸,
-    and their float64 sum adds γ⁽⁶⁴⁾_{T²+1}(S² + E). `_conservative`'s rounding term for what is
-    summed is added by the caller. Every float64 step that could round a bound down is widened by a
-    few units of its last place."""
-    t, k, o = a.shape[1], a.shape[2], d.shape[2]
-    gram_a = torch.bmm(a, a.transpose(1, 2)).to(NORM_DTYPE)
-    gram_d = torch.bmm(d, d.transpose(1, 2)).to(NORM_DTYPE)
-    finite = torch.isfinite(gram_a).flatten(1).all(1) & torch.isfinite(gram_d).flatten(1).all(1)
-    gamma_k, gamma_o, theta = _gamma32(k), _gamma32(o), UNDERFLOW_PER_PRODUCT
-    up = 1 + 8 * torch.finfo(NORM_DTYPE).eps  # widens a float64 result past its own rounding
-    n_a = gram_a.diagonal(dim1=1, dim2=2).clamp(min=0).add(k * theta).div_(1 - gamma_k).mul_(up)
-    n_d = gram_d.diagonal(dim1=1, dim2=2).clamp(min=0).add(o * theta).div_(1 - gamma_o).mul_(up)
-    if bias:
-        gram_a += 1.0  # (aₜ, 1)·(aₛ, 1): the bias multiplies a constant 1
-        n_a = n_a.add_(1.0).mul_(up)
-    n_a, n_d = n_a.sqrt_().mul_(up), n_d.sqrt_().mul_(up)
-    estimate = torch.linalg.vecdot(gram_a.flatten(1), gram_d.flatten(1))
-    widen = 1 + 2 * (t + 2) * torch.finfo(NORM_DTYPE).eps  # a float64 sum of t non-negative terms
-    s = torch.linalg.vecdot(n_d, n_a).mul_(widen)
-    mass_a, mass_d = n_a.sum(1).mul_(widen), n_d.sum(1).mul_(widen)
-    error = (
-        s.square() * (gamma_k + gamma_o + gamma_k * gamma_o)
-        + mass_d.square() * (k * theta * (1 + gamma_o))
-        + mass_a.square() * (o * theta * (1 + gamma_k))
-        + t * t * k * o * theta * theta
-    ).mul_(up)
-    error = error.add_((s.square() + error) * (2 * (t * t + 2) * torch.finfo(NORM_DTYPE).eps)).mul_(up)
-    return estimate.clamp(min=0).add_(error).mul_(up), s, n_a, finite
+    upper = torch.addcmul(sq_estimate.clamp(min=0), s, s, value=_float64_error(k, o, positions * positions)).sqrt_()
+    return upper.add_(s, alpha=gamma).square_()
 
 
 class Float64Scratch:

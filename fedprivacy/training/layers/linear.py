@@ -21,11 +21,7 @@ from fedprivacy.training.norms import (
     _fresh_float64,
     _norms64,
     _rounding,
-    exact_float32_products,
-    float32_gram_bound,
-    float32_gram_fits,
     materialised_slack,
-    summed_rounding,
 )
 
 
@@ -55,11 +51,12 @@ class Positional(NamedTuple):
 
 
 def gram_is_cheaper(positions: int, k: int, o: int) -> bool:
-    """Whether to take the Gram form (T²·(K + O) multiply-adds per example) rather than form the
-    per-example gradients (T·K·O, then a float64 norm of K·O entries): when its products are no
-    larger, T² ≤ K·O. On the digits CNN's second convolution (T, K, O = 16, 144, 32) the fast
-    engine's round was slower with the gradients formed (their float64 copy and the sums' traffic),
-    even against float64 Gram matrices."""
+    """Whether to take the Gram form (T²·(K + O) multiply-adds per example, in float64) rather than
+    form the per-example gradients (T·K·O, then a float64 norm of K·O entries): when its products
+    are no larger, T² ≤ K·O. Kept although float64 arithmetic costs more: on the digits CNN's second
+    convolution (T, K, O = 16, 144, 32) forming them was 1.9× faster alone at 1,400 rows on 2 CPU
+    cores, but the fast engine's round 1.2-1.7× slower with them (their float64 copy and the sums'
+    traffic; measured 2026-11-26)."""
     return positions * positions <= k * o
 
 
@@ -71,16 +68,16 @@ def positional_norms(module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = 
     u, eta = _rounding(d.dtype)
     weight = module.weight.requires_grad
     bias = module.bias is not None and module.bias.requires_grad
-    if weight and t > 1 and gram_is_cheaper(t, k, o):  # the Gram form
-        if exact_float32_products(a.device) and float32_gram_fits(k, o):  # Gram matrices in float32
-            sq_bound, s, n_a, finite = float32_gram_bound(a, d, bias)
-            sq = summed_rounding(sq_bound, s, t, u)
-            if not bool(finite.all()):  # rows whose float32 Gram entries overflowed: their own float64 form
-                rows = torch.nonzero(~finite).squeeze(1)
-                sq[rows], n_a[rows] = _float64_gram(a[rows], d[rows], bias, _fresh_float64, module, u)
-            return Positional(sq, _positions_slack(n_a, t, k, o, eta), None, None)
-        sq, n_a = _float64_gram(a, d, bias, to64, module, u)
-        return Positional(sq, _positions_slack(n_a, t, k, o, eta), None, None)
+    if weight and t > 1 and gram_is_cheaper(t, k, o):  # the Gram form, in float64
+        a64, d64 = to64(a, (module, "a")), to64(d, (module, "d"))
+        gram_a, gram_d = torch.bmm(a64, a64.transpose(1, 2)), torch.bmm(d64, d64.transpose(1, 2))
+        if bias:
+            gram_a += 1.0  # (aₜ, 1)·(aₛ, 1): the bias multiplies a constant 1
+        # The diagonals are the positions' squared norms ‖(aₜ, 1)‖², ‖dₜ‖².
+        n_a, n_d = gram_a.diagonal(dim1=1, dim2=2).sqrt(), gram_d.diagonal(dim1=1, dim2=2).sqrt()
+        estimate = torch.linalg.vecdot(gram_a.flatten(1), gram_d.flatten(1))  # ⟨AAᵀ, DDᵀ⟩ ≈ ‖G‖²
+        s = torch.linalg.vecdot(n_d, n_a)  # Sᵢ = Σₜ ‖dₜ‖‖(aₜ, 1)‖ ≥ ‖Σₜ dₜ(aₜ, 1)ᵀ‖
+        return Positional(_conservative(estimate, s, t, k + 1, o, u), _positions_slack(n_a, t, k, o, eta), None, None)
     if t == 1:  # one position: ‖d(a, 1)ᵀ‖ = ‖d‖‖(a, 1)‖ exactly, no cancellation
         n_d = _norms64(d, to64, (module, "d")).squeeze(1)
         if weight:  # ‖(a, 1)‖ over the trained parts
@@ -99,21 +96,6 @@ def positional_norms(module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = 
     return Positional(
         sq, materialised_slack(a.shape[0], flat.shape[1], d.dtype, d.device), per_example, bias_per_example
     )
-
-
-def _float64_gram(a: Tensor, d: Tensor, bias: bool, to64: ToFloat64, slot: object, u: float) -> tuple[Tensor, Tensor]:
-    """The Gram form in float64 (`_conservative`'s bound) and each position's ‖(aₜ, b)‖: every row
-    from its own A and D alone."""
-    t, k, o = a.shape[1], a.shape[2], d.shape[2]
-    a64, d64 = to64(a, (slot, "a")), to64(d, (slot, "d"))
-    gram_a, gram_d = torch.bmm(a64, a64.transpose(1, 2)), torch.bmm(d64, d64.transpose(1, 2))
-    if bias:
-        gram_a += 1.0  # (aₜ, 1)·(aₛ, 1): the bias multiplies a constant 1
-    # The diagonals are the positions' squared norms ‖(aₜ, 1)‖², ‖dₜ‖².
-    n_a, n_d = gram_a.diagonal(dim1=1, dim2=2).sqrt(), gram_d.diagonal(dim1=1, dim2=2).sqrt()
-    estimate = torch.linalg.vecdot(gram_a.flatten(1), gram_d.flatten(1))  # ⟨AAᵀ, DDᵀ⟩ ≈ ‖G‖²
-    s = torch.linalg.vecdot(n_d, n_a)  # Sᵢ = Σₜ ‖dₜ‖‖(aₜ, 1)‖ ≥ ‖Σₜ dₜ(aₜ, 1)ᵀ‖
-    return _conservative(estimate, s, t, k + 1, o, u), n_a
 
 
 def _positions_slack(n_a: Tensor, t: int, k: int, o: int, eta: float) -> Slack:
