@@ -287,14 +287,14 @@ def clipped_sum(base: Tensor, updates: Sequence[Tensor], clip: float) -> tuple[T
     """Σᵢ clip_S(uᵢ − base), exact, in float64 (see the module docstring), and Σᵢ(bᵢ − ½) with bᵢ = 1
     when update i's norm is at most S (adaptive clipping's count): `updates` per entry [K, *shape],
     `base` the current values flattened in the same order. An update that is not finite counts as
-    a member that did not train (in neither sum). Members are taken `SUM_ROWS`-many P-wide rows at a
-    time, so the float64 temporaries stay near 128 MiB whatever the cohort."""
+    a member that did not train (in neither sum). Members are taken a chunk at a time (`SUM_ELEMENTS`
+    float64 entries), so the temporaries stay near 128 MiB whatever the cohort."""
     members = updates[0].shape[0] if updates else 0
     if members > MAX_COHORT:
         raise ValueError(f"{members} members' updates in one round: at most {MAX_COHORT} sum exactly")
     margin = 2.0**-30 + base.numel() * 2.0**-52
     grid = 2.0 ** (math.floor(math.log2(clip)) - GRID_BITS)
-    units = torch.zeros(base.numel(), dtype=torch.int64)
+    units = torch.zeros(base.numel(), dtype=torch.int64, device=base.device)
     centred_count = 0.0
     rows = max(1, SUM_ELEMENTS // max(base.numel(), 1))
     for first in range(0, members, rows):

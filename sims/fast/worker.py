@@ -29,11 +29,13 @@ from fedprivacy.training.noise import noise_ahead
 from fedprivacy.training.rng import DrawRequest, SeededRunWarning, StepRandomness, draw_batch, keystream_device
 from fedprivacy.training.schedule import StepSizes
 
-# Up to this many noise coordinates per step (clients × trained parameters), a round's Box–Muller is
-# made before its steps and each step only rounds (`noise.noise_ahead`, the trainer's way): the
-# per-step cost of small steps is their calls, not their arithmetic. Larger steps compute it block
-# by block inside the step, keeping their float64 temporaries in cache.
+# Up to this many noise coordinates per step (clients × trained parameters), and per round, a round's
+# Box–Muller is made before its steps and each step only rounds (`noise.noise_ahead`, the trainer's
+# way): the per-step cost of small steps is their calls, not their arithmetic, and a round's float64
+# rows stay within tens of MiB. Larger steps compute it block by block inside the step, keeping
+# their temporaries in cache.
 AHEAD_STEP_COORDINATES = 1 << 17
+AHEAD_ROUND_COORDINATES = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,12 @@ class LocalWorker:
         ]
         totals = stack.RoundTotals()
         ahead = None  # small steps: the round's Box–Muller in one pass, as the trainer makes it
-        if self.private and len(requests) * clients.noise_count <= AHEAD_STEP_COORDINATES:
+        step_coordinates = len(requests) * clients.noise_count
+        if (
+            self.private
+            and step_coordinates <= AHEAD_STEP_COORDINATES
+            and step_coordinates * most <= AHEAD_ROUND_COORDINATES
+        ):
             ahead = noise_ahead(noise.flatten(0, 1), noise_std.flatten())  # row k·most + s
         for s in range(most):
             inputs = _gather(self.train_x, self.train_y, positions, keep[:, s])
