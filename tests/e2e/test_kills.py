@@ -33,7 +33,10 @@ pytestmark = pytest.mark.slow
 PUMAS = (1101, 1102, 1103, 1104)  # the victims; 1105 trains undisturbed
 POINTS = ("received", "training", "recorded", "returning", "random", "sending")
 DELAYS = {"random": 1.0, "sending": 0.3}  # a timed kill lands uniformly within this many seconds
-BATCHES, ROUNDS, TIMEOUT = 5, 11, 20.0
+# The round timeout must cover round 1, when five clientapp processes start at once on the same
+# cores (each imports torch and dp-accounting and plans: about 21 s on 2 cores); a client whose
+# reply misses it is not asked again, and a killed victim's round lasts that long.
+BATCHES, ROUNDS, TIMEOUT = 5, 11, 60.0
 # A kill while a reply uploads holds the ServerApp's pull until Flower's object push session
 # expires (180 s), past the round timeout: a batch, and the run, must leave room for that.
 UPLOAD_CUT_S = 200
@@ -85,7 +88,7 @@ def check_ledger(path: Path, released_steps: int, budget: float) -> dict:
     return {"steps": steps, "rounds": rounds}
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2100)
 def test_supernodes_killed_at_twenty_moments_keep_consistent_ledgers_and_resume(flower, tmp_path):
     rng = random.Random(20)
     control = tmp_path / "control"
@@ -237,7 +240,9 @@ def test_a_killed_superlink_leaves_ledgers_and_finished_rounds_and_a_new_run_con
     second = flower.submit("deployment", f"{common} num-server-rounds=1 results-dir='{tmp_path / 'r2'}'")
     run = flower.wait_finished(second, timeout=180)
     assert run["status"] == "finished:completed", flower.run_log(second)
-    for client, row in {r["client_id"]: r for r in read_rows(only_folder(tmp_path / "r2") / "clients.csv")}.items():
+    rows = {r["client_id"]: r for r in read_rows(only_folder(tmp_path / "r2") / "clients.csv")}
+    assert set(rows) == set(clients), flower.run_log(second)  # a client that did not reply has only its node id
+    for client, row in rows.items():
         assert int(row["steps_all_runs"]) == before[client] + int(row["steps_this_run"]) > before[client]
     for ledger in ledgers:
         check_ledger(ledger, 0, 1.0)
