@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fedprivacy.admission import client_noise_seed
-from fedprivacy.cohort import Member, cohort_round
+from fedprivacy.cohort import Member, TrainedRows, cohort_round
 from fedprivacy.identity import LocalClient
 from fedprivacy.ledger import Ledger
 from fedprivacy.models import evaluate_model
@@ -49,16 +49,6 @@ class RoundResult:
     trainer_state: dict[str, Any] | None
 
 
-@dataclass
-class _Trained:
-    """The one client's training (`cohort.Trained`), with what it releases."""
-
-    states: list[dict[str, Any]]
-    diagnostics: list[dict[str, int | float]]
-    on_gpu: bool
-    released: dict[str, torch.Tensor]
-
-
 def train_round(
     client: LocalClient,
     settings: RunSettings,
@@ -74,8 +64,9 @@ def train_round(
     update is returned."""
     check_finite(global_state)  # before any record is touched
     member = Member(client, plan, trainer_state)
+    names: list[str] = []
 
-    def train(ready: list[Member]) -> _Trained:
+    def train(ready: list[Member]) -> TrainedRows:
         dev = device()
         model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
         model.load_state_dict(global_state)
@@ -100,7 +91,10 @@ def train_round(
                 report.nonfinite_examples,
             )
         notes = diagnostics(report.mean_loss, report.clip_fraction, report.nonfinite_examples)
-        return _Trained([trainer.state_dict()], [notes], dev.type == "cuda", released_state(model))
+        released = released_state(model)
+        names.extend(released)
+        weights = [value.unsqueeze(0) for value in released.values()]
+        return TrainedRows(weights, [trainer.state_dict()], [notes], dev.type == "cuda")
 
     # diagnostics: simulations only (open_account refuses them in a deployment)
     outcome = cohort_round(
@@ -111,7 +105,8 @@ def train_round(
     metrics = outcome.replies[client.account]
     if not outcome.trained or outcome.result is None:
         return RoundResult(None, metrics, trainer_state)
-    return RoundResult(outcome.result.released, metrics, member.trainer_state)
+    released = dict(zip(names, (weights[0] for weights in outcome.result.weights), strict=True))
+    return RoundResult(released, metrics, member.trainer_state)
 
 
 def evaluate_local(

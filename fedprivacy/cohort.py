@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fedprivacy.identity import LocalClient
 from fedprivacy.ledger import BudgetExceeded, Ledger, RoundDecision, RoundRepeated, composed_epsilon, round_events
 from fedprivacy.privacy.accountants import NoiseEvent
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.protocol import reply_constants, reply_metrics
+
+if TYPE_CHECKING:  # the ledger's CLI reads no torch
+    from torch import Tensor
 
 
 @dataclass
@@ -45,26 +48,27 @@ class Member:
         return self.local.account
 
 
-class Trained(Protocol):
-    """What training a cohort's affordable members gives back, one row per member in order."""
+@dataclass
+class TrainedRows:
+    """What training a cohort's affordable members gives back, one row per member in order: the
+    trainer's K-indexed result, from the ClientApp's one client as from the fast engine's workers."""
 
+    weights: list[Tensor]  # [K, *shape] per trained parameter, in the trainer's order: all a member releases
     states: list[dict[str, Any]]  # each member's trainer state for its next round
     diagnostics: list[dict[str, int | float]]  # each member's raw statistics ({} unless asked for)
-    on_gpu: bool
-
-
-R = TypeVar("R", bound=Trained)
+    on_gpu: bool = False
+    indices: list[int] = field(default_factory=list)  # the fast engine's client indices (its workers' rows)
 
 
 @dataclass
-class CohortRound(Generic[R]):
+class CohortRound:
     """A cohort's round: the members whose updates may leave (`trained`, with their row in
     `result`), every other member's reply or refusal, and the training's own result."""
 
     trained: list[tuple[Member, int]]
     replies: dict[str, dict[str, Any]]  # by account: every member that trained or could not afford the round
     refused: dict[str, Exception]  # by account: a round already trained, which the member must not answer
-    result: R | None
+    result: TrainedRows | None
 
 
 def cohort_round(
@@ -72,11 +76,11 @@ def cohort_round(
     ledger: Ledger,
     run_id: str,
     server_round: int,
-    train: Callable[[list[Member]], R],
+    train: Callable[[list[Member]], TrainedRows],
     *,
     while_recording: bool,
     diagnostics: bool = False,
-) -> CohortRound[R]:
+) -> CohortRound:
     """Round `server_round` of run `run_id` for `members` (one ledger account each): `train(those
     the ledger affords)` trains them and returns their rows in that order; see the module's
     docstring for the two orders. A member's trainer state and cached reply are updated in place."""
@@ -115,8 +119,8 @@ def cohort_round(
 
 
 def _train_recorded(
-    asked: list[Member], decision: RoundDecision, train: Callable[[list[Member]], R], diagnostics: bool
-) -> tuple[list[tuple[Member, int]], R, dict[str, dict[str, Any]]]:
+    asked: list[Member], decision: RoundDecision, train: Callable[[list[Member]], TrainedRows], diagnostics: bool
+) -> tuple[list[tuple[Member, int]], TrainedRows, dict[str, dict[str, Any]]]:
     """Inside the round's transaction: train the members whose spends it records, and their replies."""
     ready = [m for m in asked if isinstance(decision.outcomes[m.account], float)]
     trained = [(m, row) for row, m in enumerate(ready)]
@@ -130,9 +134,9 @@ def _train_then_record(
     ledger: Ledger,
     run_id: str,
     server_round: int,
-    train: Callable[[list[Member]], R],
+    train: Callable[[list[Member]], TrainedRows],
     diagnostics: bool,
-) -> tuple[dict[str, Any], list[tuple[Member, int]], R | None, dict[str, dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[tuple[Member, int]], TrainedRows | None, dict[str, dict[str, Any]]]:
     """Ask the ledger, train the affordable members, then record each one's spend."""
     outcomes: dict[str, Any] = {}
     ready: list[Member] = []
@@ -165,7 +169,7 @@ def _train_then_record(
 
 def _trained_replies(
     trained: list[tuple[Member, int]],
-    result: Trained,
+    result: TrainedRows,
     spent: dict[str, Any],
     steps: dict[str, int],
     diagnostics: bool,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fedprivacy.cohort import Member, cohort_round
+from fedprivacy.cohort import Member, TrainedRows, cohort_round
 from fedprivacy.data.types import ClientData, Dataset
 from fedprivacy.identity import LocalClient
 from fedprivacy.ledger import BudgetExceeded, Ledger, RoundRepeated, composed_epsilon, round_events
@@ -53,14 +53,7 @@ class _Training:
 
     def __call__(self, ready: list[Member]) -> Any:
         self.seen.append([m.account for m in ready])
-        return _Result([{"step": len(self.seen)} for _ in ready], [{"train-loss": 0.5} for _ in ready], False)
-
-
-@dataclass
-class _Result:
-    states: list[dict[str, Any]]
-    diagnostics: list[dict[str, Any]]
-    on_gpu: bool
+        return TrainedRows([], [{"step": len(self.seen)} for _ in ready], [{"train-loss": 0.5} for _ in ready])
 
 
 @pytest.mark.parametrize("while_recording", [False, True])
@@ -113,14 +106,14 @@ def test_a_spend_refused_after_training_drops_the_update(tmp_path):
     with Ledger(path) as ledger:
         ledger.open_account(member.account, 1.0, DELTA)
 
-        def train_while_another_spends(ready: list[Member]) -> _Result:
+        def train_while_another_spends(ready: list[Member]) -> TrainedRows:
             with Ledger(path) as other:  # a second writer on the same file
                 while True:
                     try:
                         other.record(member.account, f"other-{len(other.events(member.account))}", 1, events)
                     except BudgetExceeded:
                         break
-            return _Result([{"step": 9}], [{}], False)
+            return TrainedRows([], [{"step": 9}], [{}])
 
         outcome = cohort_round([member], ledger, "run", 1, train_while_another_spends, while_recording=False)
     assert outcome.trained == [] and member.trainer_state is None

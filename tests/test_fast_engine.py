@@ -749,16 +749,17 @@ def test_a_client_whose_batched_sums_overflow_is_redone_one_example_at_a_time(mo
 def test_padding_rows_hold_zeros_never_an_unsampled_record():
     """A step's batch is padded to the largest client's: the padding must not be a record (it was
     record 0), so that not even a model which mixes its batch can read a record that was not sampled."""
-    from sims.fast.worker import _gather
+    from fedprivacy.training.steps import StackRows, _Batches
 
     x = torch.arange(1.0, 1.0 + 2 * 4 * 3).view(2, 4, 3)  # two clients, four rows, no row of zeros
-    y = torch.arange(8).view(2, 4)
-    keep = torch.tensor([[False, True, False, True], [False, False, True, False]])
-    features, labels, valid = _gather(x, y, torch.tensor([0, 1]), keep)
+    y = torch.arange(1, 9).view(2, 4)  # no label 0 either
+    keep = torch.tensor([[False, True, False, True], [False, False, True, False]]).unsqueeze(1)  # one step
+    data = StackRows.of(x, y, [4, 4])
+    features, labels, valid = _Batches(keep, torch.tensor([0, 1]), data).gather(data, 0)
     assert valid.tolist() == [[True, True], [True, False]]
     assert torch.equal(features[0], x[0, [1, 3]]) and torch.equal(features[1, 0], x[1, 2])
-    assert torch.equal(features[1, 1], torch.zeros(3))
-    assert labels[0].tolist() == [1, 3] and labels[1, 0] == 6
+    assert torch.equal(features[1, 1], torch.zeros(3)) and labels[1, 1] == 0
+    assert labels[0].tolist() == [2, 4] and labels[1, 0] == 7
 
 
 def _released_by_worker(model: str, sizes: list[int], gainer: int | None, gained: int = 0) -> torch.Tensor:

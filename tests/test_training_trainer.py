@@ -286,3 +286,28 @@ def test_inverse_sqrt_schedule_comes_from_the_plan() -> None:
     plan = make_plan(steps=5, lr=1.0, lr_schedule="inverse_sqrt", lr_params={"a": 4.0, "c": 1.0})
     report = trainer(plan).run_steps(5)
     assert report.last_learning_rate == pytest.approx(1.0 / math.sqrt(4.0 + 4))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"lr_schedule": "inverse_sqrt", "lr_params": {"a": 7.0, "c": 0.3}},
+        {"lr_schedule": "adagrad_norm", "lr_params": {"b0": 0.5}},
+        {"segments": ((3.0, 5), (1.7, 9), (0.9, 6))},
+    ],
+)
+def test_the_loop_of_steps_reads_each_steps_sigma_and_rate_as_the_plan_gives_them(extra):
+    """The loop's schedule (`steps.schedule`: every step's σ_t and η_t at once, cached per distinct
+    schedule) equals the plan's per-step `noise_multiplier` and the schedule's formula η/sqrt(a + ct)
+    (η for constant and AdaGrad-norm, which adapts it in the step), bit for bit."""
+    from fedprivacy.training.steps import schedule
+
+    plan = make_plan(**extra)
+    sigmas, rates = schedule(plan)
+    assert sigmas.tolist() == [plan.noise_multiplier(t) for t in range(plan.steps)]
+    a, c = plan.lr_params.get("a", 20.0), plan.lr_params.get("c", 1.0)
+    decays = plan.lr_schedule == "inverse_sqrt"
+    want = [plan.learning_rate / math.sqrt(a + c * t) if decays else plan.learning_rate for t in range(plan.steps)]
+    assert rates.tolist() == want == [plan.learning_rate_at(t) for t in range(plan.steps)]
+    assert schedule(make_plan(**extra)) is schedule(plan)  # an equal plan shares it

@@ -11,9 +11,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 LR_SCHEDULES = ("constant", "inverse_sqrt", "adagrad_norm")
 # The neighbour relation a plan's certificate holds for. Add/remove one record needs N public: the
@@ -124,13 +125,21 @@ class Plan:
         """Steps of the rounds before `round_number` (`round_steps`: the first T mod R rounds have one more)."""
         return round_steps(self.steps, self.rounds, round_number).start
 
+    def noise_multipliers(self) -> np.ndarray:
+        """σ_t of every step (float64), read from the certified segments: `noise_multiplier` for all t."""
+        return np.repeat([sigma for sigma, _ in self.noise_segments], [count for _, count in self.noise_segments])
+
     def learning_rate_at(self, step: int) -> float:
         """η_t of the deterministic schedules (adagrad_norm adapts in the trainer instead)."""
+        return float(self.learning_rates(np.asarray(step)))
+
+    def learning_rates(self, steps: np.ndarray) -> np.ndarray:
+        """η_t at each of `steps` (float64; `learning_rate_at` for many steps at once)."""
         if self.lr_schedule == "inverse_sqrt":
             a = self.lr_params.get("a", 20.0)
             c = self.lr_params.get("c", 1.0)
-            return self.learning_rate / math.sqrt(a + c * step)
-        return self.learning_rate
+            return self.learning_rate / np.sqrt(a + c * steps.astype(np.float64))
+        return np.full(steps.shape, float(self.learning_rate))
 
     # ----- serialisation -----
     def to_dict(self) -> dict[str, Any]:

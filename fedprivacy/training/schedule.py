@@ -45,6 +45,12 @@ class StepSizes:
         sq = torch.stack([g.flatten(1).double().square().sum(1) for g in released]).sum(0)
         grow = self.adaptive & active
         self.b_squared = torch.where(grow, self.b_squared + torch.maximum(sq, self.nu), self.b_squared)
+        return self.current(scheduled)
+
+    def current(self, scheduled: Tensor) -> Tensor:
+        """Each client's η [K] as of its last step: η/b for AdaGrad-norm, `scheduled` otherwise."""
+        if not self.any_adaptive:
+            return scheduled
         return torch.where(self.adaptive, (self.base / self.b_squared.sqrt()).to(scheduled.dtype), scheduled)
 
     def b_squared_of(self) -> list[float]:

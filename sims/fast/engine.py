@@ -39,7 +39,7 @@ import torch
 from fedprivacy.admission import client_noise_seed, open_accounts
 from fedprivacy.aggregation import aggregate, aggregate_client_level, aggregation_weight
 from fedprivacy.client_level import ClientLevel
-from fedprivacy.cohort import Member, cohort_round
+from fedprivacy.cohort import Member, TrainedRows, cohort_round
 from fedprivacy.errors import error_summary
 from fedprivacy.identity import LocalClient, simulation_client
 from fedprivacy.ledger import Ledger
@@ -56,7 +56,7 @@ from fedprivacy.training.rng import SeededRunWarning
 from server.evaluation import central_evaluation, server_test_set
 from server.optimizers import ServerOptimizer
 from sims.fast.pool import WorkerPool, check_device
-from sims.fast.worker import RoundRequest, WorkerClient, WorkerRoundResult
+from sims.fast.worker import RoundRequest, WorkerClient
 
 RoundCallback = Callable[[dict[str, Any]], None]
 T = TypeVar("T")
@@ -82,11 +82,8 @@ class Client:
 
 @dataclass
 class _EngineRound:
-    """A round's training by the workers (`cohort.Trained`) and what the server made of it."""
+    """What the server made of a round's training, and when: its times, for `Timings`."""
 
-    states: list[dict[str, Any]]
-    diagnostics: list[dict[str, int | float]]
-    on_gpu: bool
     after: Any  # `then`'s result: the new global model and its central metrics
     training_s: float
     working_s: float
@@ -321,7 +318,7 @@ def _train_round(
     pool: WorkerPool,
     participation: Participation,
     timings: Timings,
-    then: Callable[[list[tuple[Client, int]], WorkerRoundResult], T],
+    then: Callable[[list[tuple[Client, int]], TrainedRows], T],
     say: Callable[[str], None],
 ) -> tuple[dict[int, dict[str, Any]], T]:
     """The round's sampled clients as one cohort (`fedprivacy.cohort`, the ClientApp's round with
@@ -350,7 +347,9 @@ def _train_round(
             assert client.member is not None
             by_account[client.member.account] = client
 
-    def train(ready: list[Member]) -> _EngineRound:
+    work: list[_EngineRound] = []
+
+    def train(ready: list[Member]) -> TrainedRows:
         begun = time.perf_counter()
         clients = [by_account[m.account] for m in ready]
         result = pool.train(
@@ -364,24 +363,22 @@ def _train_round(
             raise RuntimeError("the workers returned other clients than were asked to train")
         after = then(list(zip(clients, range(len(clients)))), result)
         ended = time.perf_counter()
-        return _EngineRound(
-            result.states, result.diagnostics, result.on_gpu, after, trained_at - begun, ended - begun, ended
-        )
+        work.append(_EngineRound(after, trained_at - begun, ended - begun, ended))
+        return result
 
     members = [c.member for c in by_account.values() if c.member is not None]
     cohort = cohort_round(
         members, ledger, str(run_id), server_round, train, while_recording=True, diagnostics=settings.diagnostics
     )
-    work = cohort.result
-    assert work is not None
+    (done,) = work  # the cohort trains once per round, even when nobody can: with while_recording, always
     for account, refusal in cohort.refused.items():  # a round already recorded: the apps' client refuses it
         client = by_account[account]
         participation.dropped(server_round, client.index, client.name, "error", _reason(refusal))
     replies = {by_account[account].index: reply for account, reply in cohort.replies.items()}
     timings.add_round(
-        time.perf_counter() - started - work.working_s, work.training_s, time.perf_counter() - work.worked_at
+        time.perf_counter() - started - done.working_s, done.training_s, time.perf_counter() - done.worked_at
     )
-    return replies, work.after
+    return replies, done.after
 
 
 def _first_sampling(
@@ -438,7 +435,7 @@ def _aggregate_and_evaluate(
     test: Any,
     client_level: ClientLevel | None,
     trained: list[tuple[Client, int]],
-    results: WorkerRoundResult,
+    results: TrainedRows,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, float]]:
     """The round's new global model and its central (loss, accuracy)."""
     new_state = _aggregate(
@@ -450,7 +447,7 @@ def _aggregate_and_evaluate(
 def _aggregate(
     global_state: dict[str, torch.Tensor],
     trained: list[tuple[Client, int]],
-    results: WorkerRoundResult,
+    results: TrainedRows,
     server_round: int,
     settings: RunSettings,
     optimizer: ServerOptimizer | None,

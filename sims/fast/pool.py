@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from fedprivacy.cohort import TrainedRows
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.plan import Plan
-from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient, WorkerRoundResult, ray_worker
+from sims.fast.worker import LocalWorker, RoundRequest, WorkerClient, ray_worker
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -141,7 +142,7 @@ class WorkerPool:
         server_round: int,
         requests: list[RoundRequest],
         diagnostics: bool,
-    ) -> WorkerRoundResult:
+    ) -> TrainedRows:
         """Every request's new weights, merged in request order."""
         shares: list[list[RoundRequest]] = [[] for _ in self.workers]
         for request in requests:
@@ -184,18 +185,18 @@ class WorkerPool:
                 ray.kill(worker)
 
 
-def _merge(parts: list[WorkerRoundResult], order: list[int]) -> WorkerRoundResult:
+def _merge(parts: list[TrainedRows], order: list[int]) -> TrainedRows:
     """The workers' results as one, rows in `order`."""
     where = {index: (p, k) for p, part in enumerate(parts) for k, index in enumerate(part.indices)}
     rows = [where[index] for index in order]
     non_empty = [part for part in parts if part.indices]
     if not non_empty:
-        return WorkerRoundResult([], [], [], [])
+        return TrainedRows([], [], [])
     weights = [torch.stack([parts[p].weights[w][k] for p, k in rows]) for w in range(len(non_empty[0].weights))]
-    return WorkerRoundResult(
-        order,
+    return TrainedRows(
         weights,
         [parts[p].states[k] for p, k in rows],
         [parts[p].diagnostics[k] for p, k in rows],
         any(part.on_gpu for part in non_empty),
+        order,
     )

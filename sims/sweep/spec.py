@@ -45,7 +45,7 @@ from typing import Any
 from fedprivacy.errors import InputError
 from fedprivacy.privacy.rules import find_rule
 from fedprivacy.runconfig import DEFAULTS
-from sims.sweep.engines import engine_names
+from sims.sweep.engine_registry import engine_names
 from sims.sweep.tune_spec import TUNE_OPTIONS, TuneSpec, read_tune
 
 TABLES = ("sweep", "run", "grid", "linked", "tune", "resources")

@@ -7,8 +7,8 @@ the sweep. It defines `create(resources) -> CellRunner`, and its name is what `-
 an engine (helpers belong elsewhere).
 
 What a new module gets without other edits: the scenario accepts its name (sims.sweep.spec checks
-against `engine_names()`, whose list is also its error message), `--engine` passes it through,
-and the driver runs its cells. What it does not get: the `--engine` help text
+against `sims.sweep.engine_registry.engine_names()`, whose list is also its error message),
+`--engine` passes it through, and the driver runs its cells. What it does not get: the `--engine` help text
 (fedprivacy/cli/sweeps.py) and docs/simulator.md name the engines by hand, and settings of its
 own need a `[resources]` key (sims.sweep.spec: `Resources`, `RESOURCE_KEYS`) and a flag, as
 `fast` needed `workers` and `worker-gpus`.
@@ -20,7 +20,6 @@ results folder is the same whatever engine wrote it; only speed and isolation di
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -43,11 +42,7 @@ class CellRunner(Protocol):
     def teardown(self) -> None: ...
 
 
-def engine_names() -> tuple[str, ...]:
-    """The engines a sweep can run on: the modules of this package."""
-    return tuple(sorted(module.name for module in pkgutil.iter_modules(__path__)))
-
-
 def create_runner(name: str, resources: Resources) -> CellRunner:
-    """The cell runner of engine `name` (one of `engine_names()`, which the scenario has checked)."""
+    """The cell runner of engine `name` (one of `engine_registry.engine_names()`, which the scenario
+    has checked)."""
     return importlib.import_module(f"{__name__}.{name}").create(resources)
