@@ -268,7 +268,8 @@ class _Batches:
         clients = self.source.shape[1]
         source = self.source[s, :, :width].reshape(-1)
         features = data.features.index_select(0, source).view(clients, width, *data.features.shape[1:])
-        return features, data.labels.index_select(0, source).view(clients, width), self.valid[s, :, :width]
+        labels = data.labels.index_select(0, source).view(clients, width)
+        return features, labels, self.valid[s, :, :width].contiguous()  # a view's strides slowed the CNN's steps
 
 
 @dataclass(frozen=True)
