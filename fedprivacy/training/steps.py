@@ -91,6 +91,39 @@ class TrainReport:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class StepsReport:
+    """What K clients' steps did, one entry per client in `clients`' order; `client(k)` is client
+    k's `TrainReport`. `diagnostics` (mean loss, clip fraction, non-finite examples) per client,
+    when they were formed."""
+
+    clients: Sequence[ClientSteps]
+    examples: np.ndarray
+    empty_steps: np.ndarray
+    sigma_mean: np.ndarray
+    last_learning_rate: list[float]  # each client's η at its last step
+    diagnostics: list[tuple[float, float, int]] | None
+
+    def client(self, k: int) -> TrainReport:
+        steps = self.clients[k]
+        plan, nan = steps.plan, float("nan")
+        mean_loss, clip_fraction, nonfinite = self.diagnostics[k] if self.diagnostics is not None else (nan, nan, 0)
+        sigma_mean = float(self.sigma_mean[k]) if steps.steps else nan
+        return TrainReport(
+            first_step=steps.first_step,
+            steps=steps.steps,
+            examples=int(self.examples[k]),
+            empty_steps=int(self.empty_steps[k]),
+            mean_loss=mean_loss,
+            clip_fraction=clip_fraction,
+            nonfinite_examples=nonfinite,
+            sigma_mean=sigma_mean,
+            noise_std_on_mean=sigma_mean * plan.clip_norm / plan.expected_batch_size,
+            last_learning_rate=self.last_learning_rate[k] if steps.steps else nan,
+            seeded=steps.randomness.seeded,
+        )
+
+
 _SCHEDULES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
 KEPT_SCHEDULES = 256
 
@@ -148,8 +181,9 @@ def take_steps(
     sigma, rate = np.zeros((len(clients), most)), np.zeros((len(clients), most))
     schedules: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # clients mostly share a few plans
     for k, client in enumerate(clients):
-        found = schedules.get(id(client.plan))
-        sigmas, rates = found if found is not None else schedules.setdefault(id(client.plan), schedule(client.plan))
+        if id(client.plan) not in schedules:
+            schedules[id(client.plan)] = schedule(client.plan)
+        sigmas, rates = schedules[id(client.plan)]
         taken = slice(client.first_step, client.first_step + client.steps)
         sigma[k, : client.steps], rate[k, : client.steps] = sigmas[taken], rates[taken]
     if not private:
@@ -164,14 +198,14 @@ def take_steps(
     streams = [c.randomness for c in clients]
     totals = RoundTotals()
     examples, empty = np.zeros(len(clients), dtype=np.int64), np.zeros(len(clients), dtype=np.int64)
-    for start, stop in _passes(counts, max((data.rows[c.position] for c in clients), default=0), stack.noise_count):
+    made_ahead = private and len(clients) * stack.noise_count <= AHEAD_STEP_COORDINATES
+    rows = max((data.rows[c.position] for c in clients), default=0)
+    for start, stop in _passes(counts, rows, stack.noise_count, made_ahead):
         keep, noise = _draws(clients, start, stop, data, stack.noise_count, device)
         batches = _Batches(keep, positions, data)
         examples += batches.sizes.sum(1)
         empty += ((batches.sizes == 0) & (np.arange(start, stop) < np.array(counts)[:, None])).sum(1)
-        ahead = None
-        if private and len(clients) * stack.noise_count <= AHEAD_STEP_COORDINATES:
-            ahead = noise_ahead(noise.flatten(0, 1), noise_std[:, start:stop].flatten())
+        ahead = noise_ahead(noise.flatten(0, 1), noise_std[:, start:stop].flatten()) if made_ahead else None
         for s in range(start, stop):
             features, labels, valid = batches.gather(data, s - start)
             inputs = StepInputs(
@@ -201,15 +235,14 @@ def take_steps(
     return StepsReport(clients, examples, empty, sigma_mean, last.tolist(), formed)
 
 
-def _passes(counts: Sequence[int], rows: int, noise_count: int) -> list[tuple[int, int]]:
+def _passes(counts: Sequence[int], rows: int, noise_count: int, made_ahead: bool) -> list[tuple[int, int]]:
     """The steps drawn together, as [start, stop) ranges of the slices' step indices: at most
-    `StepRandomness.chunk_steps` words per client, and at most AHEAD_PASS_COORDINATES noise
-    coordinates where the Box–Muller is made ahead."""
+    `StepRandomness.chunk_steps` words per client and, where the Box–Muller is made ahead, at most
+    AHEAD_PASS_COORDINATES noise coordinates."""
     most = max(counts, default=0)
     per_pass = StepRandomness.chunk_steps(rows, noise_count)
-    coordinates = len(counts) * noise_count
-    if coordinates <= AHEAD_STEP_COORDINATES:
-        per_pass = min(per_pass, max(1, AHEAD_PASS_COORDINATES // max(coordinates, 1)))
+    if made_ahead:
+        per_pass = min(per_pass, max(1, AHEAD_PASS_COORDINATES // max(len(counts) * noise_count, 1)))
     return [(start, min(most, start + per_pass)) for start in range(0, most, per_pass)]
 
 
@@ -270,36 +303,3 @@ class _Batches:
         features = data.features.index_select(0, source).view(clients, width, *data.features.shape[1:])
         labels = data.labels.index_select(0, source).view(clients, width)
         return features, labels, self.valid[s, :, :width].contiguous()  # a view's strides slowed the CNN's steps
-
-
-@dataclass(frozen=True)
-class StepsReport:
-    """What K clients' steps did, one entry per client in `clients`' order; `client(k)` is client
-    k's `TrainReport`. `diagnostics` (mean loss, clip fraction, non-finite examples) per client,
-    when they were formed."""
-
-    clients: Sequence[ClientSteps]
-    examples: np.ndarray
-    empty_steps: np.ndarray
-    sigma_mean: np.ndarray
-    last_learning_rate: list[float]  # each client's η at its last step
-    diagnostics: list[tuple[float, float, int]] | None
-
-    def client(self, k: int) -> TrainReport:
-        steps = self.clients[k]
-        plan, nan = steps.plan, float("nan")
-        mean_loss, clip_fraction, nonfinite = self.diagnostics[k] if self.diagnostics is not None else (nan, nan, 0)
-        sigma_mean = float(self.sigma_mean[k]) if steps.steps else nan
-        return TrainReport(
-            first_step=steps.first_step,
-            steps=steps.steps,
-            examples=int(self.examples[k]),
-            empty_steps=int(self.empty_steps[k]),
-            mean_loss=mean_loss,
-            clip_fraction=clip_fraction,
-            nonfinite_examples=nonfinite,
-            sigma_mean=sigma_mean,
-            noise_std_on_mean=sigma_mean * plan.clip_norm / plan.expected_batch_size,
-            last_learning_rate=self.last_learning_rate[k] if steps.steps else nan,
-            seeded=steps.randomness.seeded,
-        )
