@@ -311,3 +311,98 @@ def test_the_loop_of_steps_reads_each_steps_sigma_and_rate_as_the_plan_gives_the
     want = [plan.learning_rate / math.sqrt(a + c * t) if decays else plan.learning_rate for t in range(plan.steps)]
     assert rates.tolist() == want == [plan.learning_rate_at(t) for t in range(plan.steps)]
     assert schedule(make_plan(**extra)) is schedule(plan)  # an equal plan shares it
+
+
+# ----- the loop's CPU threads and its diagnostics -----
+class _ThreadsSeen(torch.nn.Module):
+    """A Linear model that notes PyTorch's intra-op thread count at each forward."""
+
+    def __init__(self, features: int, classes: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(features, classes)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return self.linear(x)
+
+
+@pytest.mark.parametrize(("features", "classes"), [(15, 2), (2000, 20)])
+def test_small_steps_run_on_one_thread_and_the_count_is_restored(features: int, classes: int, monkeypatch) -> None:
+    """A step of fewer expected multiply-adds than `SERIAL_STEP_PRODUCTS` runs on one thread (a
+    15 × 2 Linear at q·N = 10: 300); a larger one (2,000 × 20: 40,000 per row × 10 rows, above
+    2¹⁸) keeps the process's threads; the count is restored after the steps, and after a step
+    that raises."""
+    from fedprivacy.training import steps as steps_module
+
+    torch.set_num_threads(2)
+    plan = make_plan(n=40, q=0.25, steps=4)
+    model = _ThreadsSeen(features, classes)
+    x, y = data(40, features=features, classes=classes)
+    run = DPTrainer(model, plan, x, y, seed=3)
+    run.run_steps(1)
+    model.seen.clear()  # the trainer's forwards that find the model's shapes, once
+    run.run_steps(3)
+    small = 10 * features * classes < steps_module.SERIAL_STEP_PRODUCTS
+    assert small == (features == 15)
+    assert set(model.seen) == ({1} if small else {2})
+    assert torch.get_num_threads() == 2
+
+    def fail(*args, **kwargs):
+        assert torch.get_num_threads() == (1 if small else 2)
+        raise RuntimeError("a step that fails")
+
+    monkeypatch.setattr(steps_module, "_take_steps", fail)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        DPTrainer(_ThreadsSeen(features, classes), plan, x, y, seed=3).run_steps(2)
+    assert torch.get_num_threads() == 2
+
+
+def test_one_thread_or_two_release_the_same_bits(monkeypatch) -> None:
+    """The thread count is not part of the mechanism: a seeded trainer's weights and report are
+    the same whether its small steps run on one thread or on two."""
+    from fedprivacy.training import steps as steps_module
+
+    torch.set_num_threads(2)
+    plan = make_plan(n=200, q=0.2, steps=12, segments=((1.3, 5), (0.9, 7)))
+    serial = trainer(plan)
+    serial_report = serial.run_steps(12)
+    monkeypatch.setattr(steps_module, "SERIAL_STEP_PRODUCTS", 0)
+    threaded = trainer(plan)
+    threaded_report = threaded.run_steps(12)
+    assert torch.equal(flat(serial.model), flat(threaded.model))
+    assert serial_report == threaded_report
+
+
+def test_round_totals_equal_each_steps_own_sums() -> None:
+    """`RoundTotals`, which reduces steps several at a time, equals the sum over steps of each
+    step's own `StepReport` counts (loss, clipped, non-finite, examples), over more steps than it
+    keeps at once, widths that differ from step to step, padding, and non-finite drops."""
+    from fedprivacy.training.clipping import Clipped
+    from fedprivacy.training.stack import RoundTotals, StepReport
+
+    g = torch.Generator().manual_seed(5)
+    clients, clip = 3, torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    totals = RoundTotals()
+    loss, clipped, nonfinite, examples = (torch.zeros(clients, dtype=torch.float64) for _ in range(4))
+    for step in range(2 * RoundTotals.STEPS_AT_ONCE + 3):
+        width = 1 + step % 7
+        valid = torch.rand(clients, width, generator=g) < 0.7
+        sq_norms = torch.rand(clients, width, generator=g, dtype=torch.float64) * 4 * valid
+        losses = torch.rand(clients, width, generator=g) * valid
+        finite = step % 5 != 2
+        dropped = torch.zeros_like(valid) if finite else valid & (torch.rand(clients, width, generator=g) < 0.3)
+        if not finite:
+            losses = torch.where(dropped, torch.tensor(float("nan")), losses)
+        sums = Clipped([], sq_norms, dropped, torch.zeros(clients, dtype=torch.bool), losses, finite)
+        report = StepReport([], sums, valid, clip, private=True)
+        totals.add(report)
+        loss += report.loss_sum.double()
+        clipped += report.clipped
+        nonfinite += report.nonfinite
+        examples += report.examples
+    for k, (mean_loss, clip_fraction, bad) in enumerate(totals.per_client()):
+        n = float(examples[k])
+        assert mean_loss == pytest.approx(float(loss[k]) / n, rel=1e-6)
+        assert clip_fraction == float(clipped[k]) / n
+        assert bad == int(nonfinite[k]) > 0

@@ -12,7 +12,8 @@ the steps it does not take.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +33,14 @@ from fedprivacy.training.stack import ClientStack, RoundTotals, StepInputs, nois
 # within tens of MiB. Larger steps compute it block by block inside the step, their temporaries in cache.
 AHEAD_STEP_COORDINATES = 1 << 17
 AHEAD_PASS_COORDINATES = 1 << 21
+
+# Steps of fewer expected multiply-adds than this (the clients' expected rows × the model's
+# products per example) run on one CPU thread: their tensors are too small for intra-op threads
+# to help, and some small operations (nll_loss, log_softmax, exp, log) still open a parallel
+# region, which pays for waking PyTorch's idle OpenMP threads each time (benchmarks/step_overhead.py
+# and docs/benchmarks.md: the trainer's round of logreg and the MLP). The CNN's one client and
+# the fast engine's rounds of many clients stay above it.
+SERIAL_STEP_PRODUCTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -172,7 +181,45 @@ def take_steps(
     """Every client's steps, in place on `state` (the stack's [K, ...] tensors, one row per
     client in `clients`' order); `step_sizes` holds their AdaGrad-norm state and is updated.
     `private=False` takes the same steps with the mechanism off (σ = 0, nothing clipped).
-    Without `diagnostics` the loss, clip fraction and non-finite count are not formed."""
+    Without `diagnostics` the loss, clip fraction and non-finite count are not formed. Small steps
+    run on one CPU thread (`SERIAL_STEP_PRODUCTS`)."""
+    with _one_thread_if(_small_steps(stack, data, clients)):
+        return _take_steps(stack, state, data, clients, step_sizes, private, diagnostics)
+
+
+def _small_steps(stack: ClientStack, data: StackRows, clients: Sequence[ClientSteps]) -> bool:
+    """Whether a step's expected multiply-adds (rows × the model's per example) stay below
+    `SERIAL_STEP_PRODUCTS` on a CPU."""
+    if data.features.device.type != "cpu" or not clients:
+        return False
+    rows = sum(c.plan.expected_batch_size for c in clients)
+    return rows * stack.capture.example_products(data.features[0]) < SERIAL_STEP_PRODUCTS
+
+
+@contextmanager
+def _one_thread_if(serial: bool) -> Iterator[None]:
+    """PyTorch's intra-op threads set to one inside, when `serial` (process-wide: restored after)."""
+    threads = torch.get_num_threads()
+    if not serial or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _take_steps(
+    stack: ClientStack,
+    state: list[Tensor],
+    data: StackRows,
+    clients: Sequence[ClientSteps],
+    step_sizes: StepSizes,
+    private: bool,
+    diagnostics: bool,
+) -> StepsReport:
+    """`take_steps`' work."""
     device = data.features.device
     one = {"device": device}
     counts = [c.steps for c in clients]
