@@ -251,8 +251,12 @@ class RunRecorder:
     evaluation_rows: int | None = None  # the central evaluation set's rows (None: federated); a report's binomial s.e.
     largest_class_share: float | None = None  # what predicting the central evaluation set's largest class scores
     _round: dict[str, Any] = field(default_factory=dict)
+    # rounds.csv, clients.csv and replies.csv are rewritten after a round only once this many seconds
+    # have passed since they last were (0: after every round), and whenever a summary is written
+    tables_every_s: float = 0.0
     # replies.csv grows by a round's rows: each row formatted once, (rows formatted, their text)
     _reply_text: tuple[int, list[str]] = field(default_factory=lambda: (0, []))
+    _tables_written: tuple[float, int] | None = None  # (when, rounds in them) of the tables' last writing
 
     def write_config(self, config: dict[str, Any]) -> None:
         _atomic_write(self.folder / "config.json", json.dumps(config, indent=2, default=str) + "\n")
@@ -342,7 +346,8 @@ class RunRecorder:
         self._round[f"{key}loss"] = float(loss)
 
     def end_round(self, server_round: int) -> dict[str, Any]:
-        """Close the round: append its row, rewrite the CSV files, return the row."""
+        """Close the round: append its row, rewrite the CSV files when due (`tables_every_s`),
+        return the row."""
         trained = self._round.pop("trained", [])
         spent = [c.epsilon_spent for c in self.clients.values() if not c.status.startswith("failed")]
         row = {
@@ -366,13 +371,20 @@ class RunRecorder:
         }
         self._round = {}
         self.rounds.append(row)
+        last_written = self.started if self._tables_written is None else self._tables_written[0]
+        if time.monotonic() - last_written >= self.tables_every_s:
+            self.write_tables()
+        return row
+
+    def write_tables(self) -> None:
+        """Rewrite rounds.csv, clients.csv and replies.csv with everything recorded so far."""
         _write_csv(self.folder / "rounds.csv", ROUND_COLUMNS, self.rounds)
         _write_csv(self.folder / "clients.csv", CLIENT_COLUMNS, [vars(self.clients[c]) for c in sorted(self.clients)])
         done, chunks = self._reply_text
         chunks.append(_csv_text(REPLY_COLUMNS, self.replies[done:]))
         self._reply_text = (len(self.replies), chunks)
         _write_csv(self.folder / "replies.csv", REPLY_COLUMNS, self.replies, "".join(chunks))
-        return row
+        self._tables_written = (time.monotonic(), len(self.rounds))
 
     def require_training(self) -> None:
         """An untrained model.pt would pass for a result: a run in which no client trained fails."""
@@ -404,9 +416,12 @@ class RunRecorder:
         return draw_progress(self.rounds, self.folder / "progress.png")
 
     def write_summary(self, extra: dict[str, Any], error: str | None = None) -> dict[str, Any]:
-        """summary.json; `error` marks a run that stopped on an exception (what it had is kept).
-        A failed run that never created its ledger file says so instead of naming it as if it held
-        spends (a deployment's `ledger` is a sentence: its ledgers are on the SuperNodes)."""
+        """summary.json (the round tables first, if rounds are waiting for them); `error` marks a
+        run that stopped on an exception (what it had is kept). A failed run that never created its
+        ledger file says so instead of naming it as if it held spends (a deployment's `ledger` is a
+        sentence: its ledgers are on the SuperNodes)."""
+        if self.rounds and (self._tables_written is None or self._tables_written[1] < len(self.rounds)):
+            self.write_tables()  # rounds that waited for `tables_every_s`
         ledger = extra.get("ledger")
         if error is not None and isinstance(ledger, str) and Path(ledger).is_absolute() and not Path(ledger).exists():
             extra = {**extra, "ledger": f"none: the run stopped before {ledger} was created"}

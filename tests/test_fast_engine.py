@@ -327,6 +327,41 @@ def test_a_round_whose_commit_fails_leaves_nothing_derived_from_its_updates(
         assert db.execute("SELECT DISTINCT server_round FROM spends").fetchall() == [(1,)]
 
 
+@pytest.mark.parametrize("every_s", [0.0, 1e9])
+@pytest.mark.parametrize("stops_in_round", [None, 3])
+def test_the_round_tables_are_rewritten_when_due_and_always_when_the_run_ends(
+    in_process, tmp_path, monkeypatch, every_s, stops_in_round
+):
+    """rounds.csv, clients.csv and replies.csv are rewritten after a round only once
+    `TABLES_EVERY_S` has passed since they last were (after every round at 0); whatever ends the
+    run, its folder then holds every round that ended: a completed run's three, and rounds 1 and
+    2 of one stopped by an error before round 3 ends."""
+    monkeypatch.setattr(fast_engine, "TABLES_EVERY_S", every_s)
+    results = tmp_path / "r"
+    written: list[bool] = []
+
+    def after_round(row: dict[str, Any]) -> None:
+        (folder,) = results.iterdir()
+        written.append((folder / "rounds.csv").exists() and len(csv(folder, "rounds.csv")) == row["round"])
+        if stops_in_round is not None and row["round"] == stops_in_round - 1:
+            raise RuntimeError("stopped")
+
+    config = {**in_process.defaults(), "noise-seed": 3, "num-server-rounds": 3, "results-dir": str(results)}
+    if stops_in_round is None:
+        run_fast(config, 3, say=lambda _: None, on_round=after_round)
+    else:
+        with pytest.raises(RuntimeError, match="stopped"):
+            run_fast(config, 3, say=lambda _: None, on_round=after_round)
+    ended = [1, 2, 3] if stops_in_round is None else list(range(1, stops_in_round))
+    assert written == [every_s == 0.0] * len(ended)
+    (folder,) = results.iterdir()
+    assert csv(folder, "rounds.csv")["round"].tolist() == ended
+    assert sorted(set(csv(folder, "replies.csv")["round"])) == ended
+    assert (csv(folder, "clients.csv").rounds_trained == len(ended)).all()
+    status = json.loads((folder / "summary.json").read_text())["status"]
+    assert status == ("completed" if stops_in_round is None else "failed")
+
+
 @pytest.mark.parametrize(("fraction", "composed_ahead"), [(1.0, True), (0.75, False)])
 def test_clients_in_every_round_have_their_rounds_composed_when_first_sampled(
     in_process, tmp_path, monkeypatch, fraction, composed_ahead

@@ -9,6 +9,7 @@ noise multipliers in `noise_segments`. Plans serialise to the JSON contract that
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field, fields
@@ -51,10 +52,12 @@ class Condition:
     kind: str = "required"
 
 
+@functools.lru_cache(maxsize=4096)
 def round_steps(steps: int, rounds: int, round_number: int) -> range:
     """The steps (0-based) of federated round `round_number` (1-based) when `steps` are split over
     `rounds` as evenly as possible, the first `steps % rounds` rounds one step longer; empty outside
-    1..`rounds`. A function of the schedule alone: the ledger caches a round's events per schedule."""
+    1..`rounds`. A function of the schedule alone: the ledger caches a round's events per schedule,
+    and it is cached here (a fast-engine round asks it for every client, whose plans share a few)."""
     base, extra = divmod(steps, rounds)
     done = min(max(round_number - 1, 0), rounds)
     first = base * done + min(done, extra)
