@@ -116,7 +116,7 @@ class RoundTotals:
         self.nonfinite: Tensor | int = 0
         self.examples: Tensor | int = 0
         self._rows: list[tuple[Tensor, Tensor, Tensor, Tensor | None]] = []  # (valid, losses, sq_norms, dropped)
-        self._clip_squared: Tensor | None = None  # [K, 1]; None where nothing was clipped (not private)
+        self._clip_squared: Tensor | None = None  # [K, 1], a round's C² (one per client); None: not private
 
     def add(self, report: StepReport) -> None:
         sums = report.sums

@@ -188,8 +188,8 @@ def take_steps(
 
 
 def _small_steps(stack: ClientStack, data: StackRows, clients: Sequence[ClientSteps]) -> bool:
-    """Whether a step's expected multiply-adds (rows × the model's per example) stay below
-    `SERIAL_STEP_PRODUCTS` on a CPU."""
+    """Whether a step's expected multiply-adds (the clients' expected rows × the model's Linear and
+    convolution products per example) stay below `SERIAL_STEP_PRODUCTS`, on a CPU."""
     if data.features.device.type != "cpu" or not clients:
         return False
     rows = sum(c.plan.expected_batch_size for c in clients)
