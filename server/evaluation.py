@@ -9,9 +9,7 @@ through the clients.
 
 from __future__ import annotations
 
-import numpy as np
-
-from fedprivacy.data.partition import load_clients
+from fedprivacy.data.partition import load_evaluation_union
 from fedprivacy.data.types import Dataset
 from fedprivacy.recipe import data_file_missing, partition_kwargs
 from fedprivacy.runconfig import RunSettings
@@ -32,12 +30,11 @@ def server_test_set(settings: RunSettings, num_clients: int) -> Dataset | None:
     if data_file_missing(settings):
         return None
     # A client too small to train fails on its own (the run goes on); it has no test rows to give.
-    clients = load_clients(**partition_kwargs(settings, num_clients), drop_too_small=True)
-    tests = [c.test for c in clients]
+    union = load_evaluation_union(**partition_kwargs(settings, num_clients))
     return Dataset(
-        features=np.concatenate([t.features for t in tests]),
-        labels=np.concatenate([t.labels for t in tests]),
-        feature_names=tests[0].feature_names,
-        num_classes=tests[0].num_classes,
-        name=f"{tests[0].name} (clients' {settings.evaluate_on} splits)",
+        features=union.features,
+        labels=union.labels,
+        feature_names=union.feature_names,
+        num_classes=union.num_classes,
+        name=f"{union.name} (clients' {settings.evaluate_on} splits)",
     )

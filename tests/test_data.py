@@ -291,6 +291,35 @@ def test_load_client_matches_load_clients() -> None:
         np.testing.assert_array_equal(one.test.labels, expected.test.labels)
 
 
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"scheme": "dirichlet", "num_partitions": 4, "seed": 7},
+        {"scheme": "iid", "num_partitions": 5, "seed": 1, "validation_fraction": 0.25},
+        {"scheme": "size", "num_partitions": 6, "seed": 3, "skew": "exponential"},  # a client of 1 row left out
+    ],
+)
+def test_the_evaluation_union_is_every_splittable_clients_test_rows_in_order(recipe) -> None:
+    """`load_evaluation_union` (a simulation server's central set) equals the clients' own `test`
+    sets, those of `load_clients(..., drop_too_small=True)`, concatenated in client order."""
+    from fedprivacy.data.partition import load_evaluation_union
+
+    every = load_clients("synthetic", num_examples=400, drop_too_small=True, **recipe)
+    if recipe["scheme"] == "size":
+        assert len(every) < recipe["num_partitions"]
+    union = load_evaluation_union("synthetic", num_examples=400, **recipe)
+    np.testing.assert_array_equal(union.features, np.concatenate([c.test.features for c in every]))
+    np.testing.assert_array_equal(union.labels, np.concatenate([c.test.labels for c in every]))
+    assert (union.num_classes, union.feature_names) == (every[0].test.num_classes, every[0].test.feature_names)
+
+
+def test_an_evaluation_union_of_no_splittable_client_is_refused_by_name() -> None:
+    from fedprivacy.data.partition import load_evaluation_union
+
+    with pytest.raises(InputError, match="partitioning='iid'.*no client with enough rows"):  # 2 rows each: 1 to fit
+        load_evaluation_union("synthetic", num_examples=4, scheme="iid", num_partitions=2, validation_fraction=0.25)
+
+
 @pytest.mark.parametrize(("rows", "clients"), [(10, 3), (1797, 7), (200, 200), (1001, 10)])
 def test_iid_shards_are_flwr_datasets_iid_partitions(rows: int, clients: int) -> None:
     """The direct computation gives exactly the rows of flwr-datasets' IidPartitioner."""

@@ -284,3 +284,34 @@ def load_client(
     if position >= len(parts):
         raise InputError("partition-id", partition_id, f"must be below the number of clients, {len(parts)}")
     return _client(dataset, parts, position, seed, fraction, validation)
+
+
+def load_evaluation_union(
+    name: str,
+    path: str | Path | None = None,
+    scheme: str = "iid",
+    num_partitions: int | None = None,
+    seed: int = 0,
+    by: str | None = None,
+    alpha: float = 0.5,
+    skew: str = "linear",
+    test_fraction: float = 0.2,
+    validation_fraction: float = 0.0,
+    **options: Any,
+) -> Dataset:
+    """Every client's evaluation rows in one Dataset, in client order: the `test` sets of
+    `load_clients(..., drop_too_small=True)` concatenated, without forming any training set (a
+    simulation server's central test set). Refused when no client is large enough to split."""
+    dataset = _load(name, path, by, options)
+    fraction = check_test_fraction(test_fraction)
+    validation = check_validation_fraction(validation_fraction)
+    parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
+    rows = [
+        part[train_and_evaluation_rows(dataset.labels[part], fraction, validation, (seed, position))[1]]
+        for position, (_, part) in enumerate(parts)
+        if _too_small(part.size, fraction, validation) is None
+    ]
+    if not rows:
+        reason = f"leaves no client with enough rows to split (each needs at least {MIN_CLIENT_ROWS})"
+        raise InputError("partitioning", scheme, reason)
+    return dataset.subset(np.concatenate(rows))
