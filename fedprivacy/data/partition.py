@@ -186,8 +186,17 @@ def _client(
     reason = _too_small(rows.size, fraction, validation)
     if reason is not None:
         raise InputError(f"client {client}", int(rows.size), reason)
+    train, evaluation = _split(dataset, rows, position, seed, fraction, validation)
+    return ClientData(client_id=client, train=dataset.subset(train), test=dataset.subset(evaluation))
+
+
+def _split(
+    dataset: Dataset, rows: np.ndarray, position: int, seed: int, fraction: float, validation: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (training, evaluation) rows of `dataset` for the client at `position` holding `rows`;
+    its split seeds depend only on (seed, position)."""
     train, evaluation = train_and_evaluation_rows(dataset.labels[rows], fraction, validation, (seed, position))
-    return ClientData(client_id=client, train=dataset.subset(rows[train]), test=dataset.subset(rows[evaluation]))
+    return rows[train], rows[evaluation]
 
 
 def partition(
@@ -229,6 +238,27 @@ def _load(name: str, path: str | Path | None, by: str | None, options: dict[str,
     if by is not None and client_option is not None:
         options = {**options, client_option: by}
     return load_dataset(name, path, **options)
+
+
+def _partitioned(
+    name: str,
+    path: str | Path | None,
+    scheme: str,
+    num_partitions: int | None,
+    seed: int,
+    by: str | None,
+    alpha: float,
+    skew: str,
+    test_fraction: float,
+    validation_fraction: float,
+    options: dict[str, Any],
+) -> tuple[Dataset, tuple[tuple[str, np.ndarray], ...], float, float]:
+    """The loaded dataset, its clients' rows (`partition_rows`) and the checked test and validation
+    fractions: what `load_client` and `load_evaluation_union` split from."""
+    dataset = _load(name, path, by, options)
+    fraction = check_test_fraction(test_fraction)
+    validation = check_validation_fraction(validation_fraction)
+    return dataset, partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew), fraction, validation
 
 
 def load_clients(
@@ -276,10 +306,9 @@ def load_client(
     **options: Any,
 ) -> ClientData:
     """`load_clients(...)[partition_id]`, splitting only that client: what a ClientApp needs."""
-    dataset = _load(name, path, by, options)
-    fraction = check_test_fraction(test_fraction)
-    validation = check_validation_fraction(validation_fraction)
-    parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
+    dataset, parts, fraction, validation = _partitioned(
+        name, path, scheme, num_partitions, seed, by, alpha, skew, test_fraction, validation_fraction, options
+    )
     position = integer_at_least("partition-id", partition_id, 0)
     if position >= len(parts):
         raise InputError("partition-id", partition_id, f"must be below the number of clients, {len(parts)}")
@@ -302,12 +331,11 @@ def load_evaluation_union(
     """Every client's evaluation rows in one Dataset, in client order: the `test` sets of
     `load_clients(..., drop_too_small=True)` concatenated, without forming any training set (a
     simulation server's central test set). Refused when no client is large enough to split."""
-    dataset = _load(name, path, by, options)
-    fraction = check_test_fraction(test_fraction)
-    validation = check_validation_fraction(validation_fraction)
-    parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
+    dataset, parts, fraction, validation = _partitioned(
+        name, path, scheme, num_partitions, seed, by, alpha, skew, test_fraction, validation_fraction, options
+    )
     rows = [
-        part[train_and_evaluation_rows(dataset.labels[part], fraction, validation, (seed, position))[1]]
+        _split(dataset, part, position, seed, fraction, validation)[1]
         for position, (_, part) in enumerate(parts)
         if _too_small(part.size, fraction, validation) is None
     ]
