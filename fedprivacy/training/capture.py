@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from fedprivacy.training.chain import LinearChain
 from fedprivacy.training.isolation import AttributeWatch, rows_apart_by_construction
 from fedprivacy.training.layers.base import UnsupportedLayerError
 from fedprivacy.training.layers.conv import patch_weight, patches
@@ -135,6 +136,7 @@ class BatchedCapture:
         self.trained_names = trained_names(template)
         self.dtype = template.get_parameter(self.trained_names[0]).dtype  # of the probes, hence of D
         self.rows_apart = rows_apart_by_construction(template)
+        self.chain = LinearChain.of(template)  # a chain of Linear layers and ReLUs: A and D in closed form
         self._watch = None if self.rows_apart else AttributeWatch(template)
         self._position = {id(module): k for k, (_, module, _) in enumerate(self.layers)}
         self._call: _Call | None = None
@@ -305,6 +307,9 @@ class BatchedCapture:
         """A and D of every trained layer and the per-example losses [1, B] for one client's rows
         `features` [B, ...] with `labels` [B] (rows where `valid` is False are padding: loss and D
         0), with its state `weights` (by state-dict name, unstacked; None: the template's own)."""
+        if self.chain is not None and self.chain.takes(features, 1):
+            inputs, deltas, losses = self.chain.single(weights, features, labels, valid)
+            return self._records(inputs, deltas, losses.unsqueeze(0))
         if self.rows_apart:  # one forward outside vmap: each probe made from its layer's output
             call = self._call = _Call(None, lazy=True)
             try:
@@ -340,6 +345,10 @@ class BatchedCapture:
         """A and D of every trained layer and the per-example cross-entropy losses, for the
         sampled rows `features` [K, B, ...] with `labels` [K, B]; rows where `valid` [K, B] is
         False are padding: their loss is 0 and so is their D."""
+        if self.chain is not None and self.chain.takes(features, 2):
+            weights = dict(zip(self.keys, state, strict=True))
+            inputs, deltas, losses = self.chain.stacked(weights, features, labels, valid)
+            return self._records(inputs, deltas, losses)
         clients, batch = labels.shape
         probes = [
             self._probe_like(k, (clients, batch, *shape), self.dtype, features.device)
@@ -357,6 +366,11 @@ class BatchedCapture:
             for (_, module, _), a, d in zip(self.layers, inputs, deltas, strict=True)
         ]
         return Captured(records, losses.detach())
+
+    def _records(self, inputs: Sequence[Tensor], deltas: Sequence[Tensor], losses: Tensor) -> Captured:
+        """A chain's (`LinearChain`) A and D per trained layer, and its losses [K, B]."""
+        records = [LayerRecord(module, a, d) for (_, module, _), a, d in zip(self.layers, inputs, deltas, strict=True)]
+        return Captured(records, losses)
 
     def gradient_sums(
         self, state: Sequence[Tensor], features: Tensor, labels: Tensor, valid: Tensor
