@@ -37,7 +37,8 @@ def _pair(model: nn.Module) -> tuple[BatchedCapture, BatchedCapture]:
 def test_the_closed_form_gives_the_hooked_capture_s_inputs_losses_and_output_gradients(make, shape):
     """One client: A and the losses bit for bit, D to float32 rounding (0 on padding rows either way);
     a stack of three clients with their own weights: the same to float32 rounding. The clipped
-    sums formed from them agree too."""
+    sums formed from them agree too, and so do the plain gradient sums of the engine without the
+    mechanism."""
     torch.manual_seed(0)
     model = make()
     closed, hooked = _pair(model)
@@ -62,6 +63,10 @@ def test_the_closed_form_gives_the_hooked_capture_s_inputs_losses_and_output_gra
         assert ra.a.shape == rb.a.shape and ra.d.shape == rb.d.shape
         torch.testing.assert_close(ra.a, rb.a)
         torch.testing.assert_close(ra.d, rb.d, rtol=1e-5, atol=1e-7)
+    (plain_a, losses_a), (plain_b, losses_b) = (c.gradient_sums(state, x, y, valid) for c in (closed, hooked))
+    torch.testing.assert_close(losses_a, losses_b)
+    for g, h in zip(plain_a, plain_b, strict=True):  # the engine without the mechanism: autograd's sums
+        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
 
 
 def test_a_chain_is_recognised_only_where_the_closed_form_is_the_model_s_computation():

@@ -381,15 +381,20 @@ class BatchedCapture:
         engine costs). None when a sum is not finite: the caller then takes the clipped path, which
         drops the examples whose gradient is not finite, as the trainer's non-private steps do."""
         clients, batch = labels.shape
-        trained = set(self.trained_names)
-        weights = {
-            key: s.detach().requires_grad_() if key in trained else s for key, s in zip(self.keys, state, strict=True)
-        }
-        with self._alone():
-            logits, _ = self._batched(partial(self._client, plain=True), weights, [], features)
-        losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
-        losses = torch.where(valid, losses, 0.0)
-        sums = list(torch.autograd.grad(losses.sum(), [weights[name] for name in self.trained_names]))
+        if self.chain is not None and self.chain.takes(features, 2):  # the same closed form, summed plainly
+            weights = dict(zip(self.keys, state, strict=True))
+            sums, losses = self.chain.gradient_sums(weights, features, labels, valid)
+        else:
+            trained = set(self.trained_names)
+            weights = {
+                key: s.detach().requires_grad_() if key in trained else s
+                for key, s in zip(self.keys, state, strict=True)
+            }
+            with self._alone():
+                logits, _ = self._batched(partial(self._client, plain=True), weights, [], features)
+            losses = F.cross_entropy(_rows(logits), labels.reshape(-1), reduction="none").view(clients, batch)
+            losses = torch.where(valid, losses, 0.0)
+            sums = list(torch.autograd.grad(losses.sum(), [weights[name] for name in self.trained_names]))
         if not math.isfinite(float(torch.stack(torch._foreach_norm(sums)).sum())):
             return None
         return sums, losses.detach()

@@ -129,6 +129,19 @@ class LinearChain:
         rows = labels.numel()
         return [a.reshape(rows, -1) for a in inputs], [d.reshape(rows, -1) for d in deltas[::-1]], losses
 
+    def gradient_sums(
+        self, state: Mapping[str, Tensor], features: Tensor, labels: Tensor, valid: Tensor
+    ) -> tuple[list[Tensor], Tensor]:
+        """Each client's plain Σ∇loss over its rows, [K, *shape] per weight and bias in layer
+        order, and the losses [K, B]: what the engine without the mechanism takes from the chain."""
+        clients = labels.shape[0]
+        inputs, deltas, losses = self.stacked(state, features, labels, valid)
+        sums = []
+        for a, d in zip(inputs, deltas, strict=True):
+            d = d.view(clients, -1, d.shape[-1])
+            sums += [torch.bmm(d.transpose(1, 2), a.view(clients, -1, a.shape[-1])), d.sum(1)]
+        return sums, losses
+
 
 def _cross_entropy_and_delta(logits: Tensor, labels: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
     """Per-row cross-entropy of `logits` [..., classes] and its gradient softmax − onehot, both 0
