@@ -17,6 +17,7 @@ from fedprivacy.data import (
     load_client,
     load_clients,
     load_dataset,
+    loaders,
     partition,
     partition_rows,
     synthetic_optimum,
@@ -168,6 +169,21 @@ def test_synthetic_is_seeded() -> None:
     np.testing.assert_array_equal(a.labels, load_dataset("synthetic", seed=1, num_examples=50).labels)
     assert not np.array_equal(a.features, b.features)
     assert not np.allclose(synthetic_optimum(10, 1), synthetic_optimum(10, 2))
+
+
+def test_synthetic_blocks_are_the_one_shot_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn in blocks of rows, the data are exactly the definition's one (n, d) draw: x ~ N(0, I)
+    in float64, then y ~ Bernoulli(sigmoid(x · w*)) from the same stream, x stored as float32."""
+    n, d, seed = 1_000, 7, 4
+    rng = np.random.default_rng([seed, 0])
+    x = rng.normal(size=(n, d))
+    y = (rng.random(n) < 1.0 / (1.0 + np.exp(-x @ synthetic_optimum(d, seed)))).astype(np.int64)
+    for block in (64, 999, 4096):  # several blocks, a last block of one row, one block
+        monkeypatch.setattr(loaders, "SYNTHETIC_BLOCK_ROWS", block)
+        data = loaders.load_synthetic(None, n, d, seed)
+        assert data.features.dtype == np.float32
+        assert data.features.tobytes() == x.astype(np.float32).tobytes()
+        np.testing.assert_array_equal(data.labels, y)
 
 
 def test_csv_features_default_to_the_headers_other_columns(tmp_path: Path) -> None:

@@ -268,6 +268,9 @@ def synthetic_optimum(num_features: int, seed: int) -> np.ndarray:
     return 2.0 * weights / np.linalg.norm(weights)
 
 
+SYNTHETIC_BLOCK_ROWS = 4096
+
+
 def load_synthetic(
     path: Path | None = None, num_examples: int = 2000, num_features: int = 10, seed: int = 0
 ) -> Dataset:
@@ -277,11 +280,19 @@ def load_synthetic(
     d = integer_at_least("num_features", num_features, 1)
     seed = integer_at_least("seed", seed, 0)
     rng = np.random.default_rng([seed, 0])
-    features = rng.normal(size=(n, d))
-    probabilities = 1.0 / (1.0 + np.exp(-features @ synthetic_optimum(d, seed)))
-    labels = (rng.random(n) < probabilities).astype(np.int64)
+    optimum = synthetic_optimum(d, seed)
+    # x is drawn in float64 blocks of rows, cast into the float32 features as it goes: the same
+    # stream as one (n, d) draw, without its float64 copy (page faults, and the peak memory).
+    features, logits = np.empty((n, d), dtype=np.float32), np.empty(n)
+    block = np.empty((min(n, SYNTHETIC_BLOCK_ROWS), d))
+    for start in range(0, n, len(block)):
+        rows = block[: min(len(block), n - start)]
+        rng.standard_normal(out=rows)
+        features[start : start + len(rows)] = rows
+        logits[start : start + len(rows)] = rows @ optimum
+    labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
     return Dataset(
-        features=features.astype(np.float32),
+        features=features,
         labels=labels,
         feature_names=tuple(f"x{i}" for i in range(d)),
         num_classes=2,

