@@ -98,12 +98,12 @@ class LinearChain:
             inputs.append(h)
             h = F.linear(h, w, b)
             if layer.relu:
-                h = torch.relu(h)
+                h = h.relu_()  # in place: the product is this call's own
                 outputs.append(h)
         losses, d = _cross_entropy_and_delta(h, labels, valid)
         deltas = [d]
         for k in range(len(self.layers) - 1, 0, -1):
-            d = torch.where(outputs[k - 1] <= 0, 0.0, d @ parameters[k][0])
+            d = _through_relu(d @ parameters[k][0], outputs[k - 1])
             deltas.append(d)
         return inputs, deltas[::-1], losses
 
@@ -119,12 +119,12 @@ class LinearChain:
             inputs.append(h)
             h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
             if layer.relu:
-                h = torch.relu(h)
+                h = h.relu_()  # in place: the product is this call's own
                 outputs.append(h)
         losses, d = _cross_entropy_and_delta(h, labels, valid)
         deltas = [d]
         for k in range(len(self.layers) - 1, 0, -1):
-            d = torch.where(outputs[k - 1] <= 0, 0.0, torch.bmm(d, parameters[k][0]))
+            d = _through_relu(torch.bmm(d, parameters[k][0]), outputs[k - 1])
             deltas.append(d)
         rows = labels.numel()
         return [a.reshape(rows, -1) for a in inputs], [d.reshape(rows, -1) for d in deltas[::-1]], losses
@@ -141,6 +141,12 @@ class LinearChain:
             d = d.view(clients, -1, d.shape[-1])
             sums += [torch.bmm(d.transpose(1, 2), a.view(clients, -1, a.shape[-1])), d.sum(1)]
         return sums, losses
+
+
+def _through_relu(gradient: Tensor, output: Tensor) -> Tensor:
+    """A ReLU's input gradient from its output's: 0 where the output is ≤ 0 (autograd's own rule,
+    `threshold_backward`; one pass, where torch.where over a 3-D mask was 6-8× slower on a CPU)."""
+    return torch.ops.aten.threshold_backward(gradient, output, 0)
 
 
 def _cross_entropy_and_delta(logits: Tensor, labels: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor]:
