@@ -117,7 +117,8 @@ class LinearChain:
         inputs, outputs = [], []
         for layer, (w, b) in zip(self.layers, parameters, strict=True):
             inputs.append(h)
-            h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
+            # the product, then its bias: baddbmm with a broadcast bias was 1.1-2.2× slower on a CPU
+            h = torch.bmm(h, w.transpose(1, 2)).add_(b.unsqueeze(1))
             if layer.relu:
                 h = h.relu_()  # in place: the product is this call's own
                 outputs.append(h)
