@@ -313,6 +313,19 @@ def test_the_loop_of_steps_reads_each_steps_sigma_and_rate_as_the_plan_gives_the
     assert schedule(make_plan(**extra)) is schedule(plan)  # an equal plan shares it
 
 
+def test_a_plan_s_remembered_schedule_is_never_another_plan_s() -> None:
+    """`schedule` remembers each plan object's arrays by id: plans made and dropped one after
+    another (CPython hands a freed object's id to the next) each get their own schedule."""
+    from fedprivacy.training.steps import schedule
+
+    for t in range(1, 60):
+        plan = make_plan(steps=20, segments=((1.0 + t, 7), (0.5, 13)))
+        sigmas, _ = schedule(plan)
+        assert sigmas.tolist() == [1.0 + t] * 7 + [0.5] * 13
+        assert schedule(plan) is schedule(plan)
+        del plan
+
+
 # ----- the loop's CPU threads and its diagnostics -----
 class _ThreadsSeen(torch.nn.Module):
     """A Linear model that notes PyTorch's intra-op thread count at each forward."""
