@@ -19,9 +19,9 @@ with K·G groups, a norm layer's affine a broadcast), with no per-layer code her
 
 A model that is a chain of Linear layers and ReLUs (logistic regression, the MLP:
 `fedprivacy.training.chain`) takes neither hooks nor autograd: its A, D and losses are formed in
-closed form, for one client or K (the same A and losses; D to float32 rounding). On a GPU, convolutions
-run as products of patches (`convolution_as_product`), 4× faster than the grouped convolution
-(docs/simulator.md, "The fast engine").
+closed form, for one client or K (the same A and losses; D to float32 rounding). On a GPU,
+convolutions run as products of patches (`convolution_as_product`), 4× faster than the grouped
+convolution (docs/simulator.md, "The fast engine").
 """
 
 from __future__ import annotations

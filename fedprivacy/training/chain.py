@@ -117,7 +117,7 @@ class LinearChain:
         inputs, outputs = [], []
         for layer, (w, b) in zip(self.layers, parameters, strict=True):
             inputs.append(h)
-            # the product, then its bias: baddbmm with a broadcast bias was 1.1-2.2× slower on a CPU
+            # the product, then its bias in place: baddbmm with a broadcast bias costs 1.1-2.2× more on a CPU
             h = torch.bmm(h, w.transpose(1, 2)).add_(b.unsqueeze(1))
             if layer.relu:
                 h = h.relu_()  # in place: the product is this call's own
@@ -146,7 +146,7 @@ class LinearChain:
 
 def _through_relu(gradient: Tensor, output: Tensor) -> Tensor:
     """A ReLU's input gradient from its output's: 0 where the output is ≤ 0 (autograd's own rule,
-    `threshold_backward`; one pass, where torch.where over a 3-D mask was 6-8× slower on a CPU)."""
+    `threshold_backward`: one pass, where torch.where over a 3-D mask costs 6-8× more on a CPU)."""
     return torch.ops.aten.threshold_backward(gradient, output, 0)
 
 

@@ -137,7 +137,7 @@ class StepsReport:
 _SCHEDULES: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}
 KEPT_SCHEDULES = 256
 # Each plan object's schedule, by id, with a weak reference that tells a reused id from its plan:
-# a client keeps its plan across rounds, and forming the shared key again was 2-3 µs a client-round.
+# a client keeps its plan across rounds, and forming the shared key costs 2-3 µs a client-round.
 _BY_PLAN: dict[int, tuple[weakref.ref[Plan], tuple[np.ndarray, np.ndarray]]] = {}
 KEPT_PLANS = 1 << 16
 
