@@ -11,7 +11,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,8 +35,7 @@ class Storage:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not self.path.exists():
-                # Created 0600 before SQLite writes anything into it.
-                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                _create_private(self.path)
         except OSError as error:
             raise InputError(
                 "ledger-path", str(self.path), f"cannot create a ledger there ({error.strerror or error})"
@@ -135,6 +134,13 @@ class Storage:
             if self._db is not None:
                 self._db.close()
             self._db = None
+
+
+def _create_private(path: Path) -> None:
+    """Create `path` 0600 before SQLite writes anything into it; a file another process (a second
+    SuperNode on this ledger) created since the caller looked is theirs to keep, not an error."""
+    with suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 @lru_cache(maxsize=1)
