@@ -329,6 +329,29 @@ def test_the_evaluation_union_is_every_splittable_clients_test_rows_in_order(rec
     assert (union.num_classes, union.feature_names) == (every[0].test.num_classes, every[0].test.feature_names)
 
 
+def test_a_client_split_once_for_the_union_is_not_split_again_and_stays_its_own() -> None:
+    """The union's splits serve the clients loaded next (the fast engine and a simulation server
+    ask for both); a client loaded from the cache is the one `load_clients` gives, and the cached
+    rows cannot be written through."""
+    from fedprivacy.data.partition import _cached_split, load_evaluation_union
+
+    recipe = {"num_examples": 300, "scheme": "dirichlet", "num_partitions": 5, "seed": 11, "validation_fraction": 0.2}
+    _cached_split.cache_clear()
+    load_evaluation_union("synthetic", **recipe)
+    assert _cached_split.cache_info().misses == 5
+    loaded = [load_client(i, "synthetic", **recipe) for i in range(5)]
+    assert _cached_split.cache_info().misses == 5 and _cached_split.cache_info().hits == 5
+    for own, every in zip(loaded, load_clients("synthetic", **recipe), strict=True):
+        np.testing.assert_array_equal(own.train.features, every.train.features)
+        np.testing.assert_array_equal(own.test.labels, every.test.labels)
+    partitioning = (load_dataset("synthetic", num_examples=300), "dirichlet", 5, 11, None, 0.5, "linear")
+    train, fit = _cached_split(partitioning, 0, 0.2, 0.2)  # client 0's, as cached
+    assert _cached_split.cache_info().hits == 6 and train.size and fit.size
+    assert not train.flags.writeable and not fit.flags.writeable
+    loaded[0].train.features[:] = 0  # a client's arrays are its own copies
+    assert load_client(0, "synthetic", **recipe).train.features.any()
+
+
 def test_an_evaluation_union_of_no_splittable_client_is_refused_by_name() -> None:
     from fedprivacy.data.partition import load_evaluation_union
 

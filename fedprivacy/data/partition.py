@@ -8,7 +8,8 @@ and no test row is handed out.
 The row assignment comes from flwr-datasets partitioners run offline on a small in-memory table
 (row position, label, client column); features never leave numpy. Everything is seeded, and the
 assignment is cached per (dataset, scheme, options), so a ClientApp started once per message
-pays for the assignment once per process.
+pays for the assignment once per process; so is each client's split, which a simulation's server
+(its central test set is every client's evaluation rows) and its clients both ask for.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -37,6 +39,7 @@ from fedprivacy.errors import InputError, integer_at_least, positive
 SCHEMES = ("natural", "iid", "dirichlet", "size")
 SIZE_SKEWS = ("linear", "square", "exponential")
 MIN_CLIENT_ROWS = 2  # a DP plan for N < 2 is meaningless, and a client needs a train and a test row
+SPLITS_KEPT = 1 << 14  # clients' splits cached per process (their row positions: 1.6 kB a 200-row client)
 
 
 def _hf_table(columns: dict[str, np.ndarray]) -> Any:
@@ -179,14 +182,18 @@ def _client(
     seed: int,
     fraction: float,
     validation: float,
+    split: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> ClientData:
     """Client `position`'s (train, test) pair, or (fit, validation) when `validation` > 0; its split
-    seeds depend only on (seed, position)."""
+    seeds depend only on (seed, position). `split(position)` gives its rows, if given (a cache)."""
     client, rows = parts[position]
     reason = _too_small(rows.size, fraction, validation)
     if reason is not None:
         raise InputError(f"client {client}", int(rows.size), reason)
-    train, evaluation = _split(dataset, rows, position, seed, fraction, validation)
+    if split is None:
+        train, evaluation = _split(dataset, rows, position, seed, fraction, validation)
+    else:
+        train, evaluation = split(position)
     return ClientData(client_id=client, train=dataset.subset(train), test=dataset.subset(evaluation))
 
 
@@ -252,13 +259,38 @@ def _partitioned(
     test_fraction: float,
     validation_fraction: float,
     options: dict[str, Any],
-) -> tuple[Dataset, tuple[tuple[str, np.ndarray], ...], float, float]:
+) -> _Partitioned:
     """The loaded dataset, its clients' rows (`partition_rows`) and the checked test and validation
     fractions: what `load_client` and `load_evaluation_union` split from."""
     dataset = _load(name, path, by, options)
     fraction = check_test_fraction(test_fraction)
     validation = check_validation_fraction(validation_fraction)
-    return dataset, partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew), fraction, validation
+    key = (dataset, scheme, num_partitions, seed, by, alpha, skew)
+    return _Partitioned(dataset, partition_rows(*key), key, fraction, validation)
+
+
+class _Partitioned(NamedTuple):
+    dataset: Dataset
+    parts: tuple[tuple[str, np.ndarray], ...]
+    key: tuple[Any, ...]  # `partition_rows`' arguments
+    fraction: float
+    validation: float
+
+    def split(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Client `position`'s (training, evaluation) rows (`_split`), through the process's cache."""
+        return _cached_split(self.key, position, self.fraction, self.validation)
+
+
+@functools.lru_cache(maxsize=SPLITS_KEPT)
+def _cached_split(
+    partitioning: tuple[Any, ...], position: int, fraction: float, validation: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_split` of client `position` of `partition_rows(*partitioning)`; read-only, being shared."""
+    dataset, seed = partitioning[0], partitioning[3]
+    rows = _split(dataset, partition_rows(*partitioning)[position][1], position, seed, fraction, validation)
+    for part in rows:
+        part.setflags(write=False)
+    return rows
 
 
 def load_clients(
@@ -306,13 +338,13 @@ def load_client(
     **options: Any,
 ) -> ClientData:
     """`load_clients(...)[partition_id]`, splitting only that client: what a ClientApp needs."""
-    dataset, parts, fraction, validation = _partitioned(
+    loaded = _partitioned(
         name, path, scheme, num_partitions, seed, by, alpha, skew, test_fraction, validation_fraction, options
     )
     position = integer_at_least("partition-id", partition_id, 0)
-    if position >= len(parts):
-        raise InputError("partition-id", partition_id, f"must be below the number of clients, {len(parts)}")
-    return _client(dataset, parts, position, seed, fraction, validation)
+    if position >= len(loaded.parts):
+        raise InputError("partition-id", partition_id, f"must be below the number of clients, {len(loaded.parts)}")
+    return _client(loaded.dataset, loaded.parts, position, seed, loaded.fraction, loaded.validation, loaded.split)
 
 
 def load_evaluation_union(
@@ -331,15 +363,15 @@ def load_evaluation_union(
     """Every client's evaluation rows in one Dataset, in client order: the `test` sets of
     `load_clients(..., drop_too_small=True)` concatenated, without forming any training set (a
     simulation server's central test set). Refused when no client is large enough to split."""
-    dataset, parts, fraction, validation = _partitioned(
+    loaded = _partitioned(
         name, path, scheme, num_partitions, seed, by, alpha, skew, test_fraction, validation_fraction, options
     )
     rows = [
-        _split(dataset, part, position, seed, fraction, validation)[1]
-        for position, (_, part) in enumerate(parts)
-        if _too_small(part.size, fraction, validation) is None
+        loaded.split(position)[1]
+        for position, (_, part) in enumerate(loaded.parts)
+        if _too_small(part.size, loaded.fraction, loaded.validation) is None
     ]
     if not rows:
         reason = f"leaves no client with enough rows to split (each needs at least {MIN_CLIENT_ROWS})"
         raise InputError("partitioning", scheme, reason)
-    return dataset.subset(np.concatenate(rows))
+    return loaded.dataset.subset(np.concatenate(rows))
