@@ -74,6 +74,10 @@ LAYERS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Ten
     ),
     "conv1d-no-bias": (lambda: nn.Conv1d(2, 3, 3, bias=False, padding="same"), lambda g: scaled((ROWS, 2, 6), g)),
     "conv2d-gram": (lambda: nn.Conv2d(3, 4, 2, stride=2), lambda g: scaled((ROWS, 3, 4, 4), g)),
+    "conv2d-one-channel-materialised": (  # patches laid out by kernel offset (`conv.offset_patches`)
+        lambda: nn.Conv2d(1, 4, 3, padding=2, dilation=2, padding_mode="reflect"),
+        lambda g: scaled((ROWS, 1, 6, 7), g),
+    ),
     "conv2d-grouped": (
         lambda: nn.Conv2d(4, 6, 3, groups=2, padding=1, padding_mode="circular"),
         lambda g: scaled((ROWS, 4, 5, 5), g),
@@ -401,3 +405,39 @@ def test_tied_weights_are_refused_naming_both_layers() -> None:
         check_supported(nn.Sequential(first, nn.ReLU(), second))
     second.weight = nn.Parameter(first.weight.detach().clone())  # untied: accepted
     check_supported(nn.Sequential(first, nn.ReLU(), second))
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.Conv2d(2, 3, (2, 3), padding=(2, 1), dilation=(2, 1), padding_mode="circular"),
+        nn.Conv1d(3, 2, 4, padding="same", padding_mode="replicate"),
+        nn.Conv1d(1, 5, 2, dilation=3),
+    ],
+    ids=["2d-one-channel", "2d-dilated-circular", "1d-same-replicate", "1d-dilated"],
+)
+def test_patches_by_kernel_offset_are_the_patches_laid_out_otherwise(conv: nn.Module) -> None:
+    from fedprivacy.training.layers.conv import offset_patches, patches
+
+    x = torch.randn(5, conv.in_channels, *([9] * len(conv.kernel_size)))
+    by_offset = offset_patches(conv, x)
+    assert torch.equal(by_offset, patches(conv, x))
+    assert by_offset.transpose(1, 2).is_contiguous()  # the runs copied are output rows
+
+
+@pytest.mark.parametrize(("rows", "positions", "width"), [(6400, 16, 144), (115, 16, 144), (57, 16, 144), (300, 8, 5)])
+def test_gram_products_in_blocks_of_rows_are_bit_for_bit_the_whole_product(rows: int, positions: int, width: int):
+    """`norms.gram64` copies blocks of rows to float64 (in the cache) and multiplies each: every
+    example's Gram matrix is the one a single product gives, strided input and a remainder of one
+    row (folded into the block before) included."""
+    from fedprivacy.training.norms import GRAM_BLOCK, Float64Scratch, _fresh_float64, gram64
+
+    x = torch.randn(rows, width, positions).transpose(1, 2)  # strided, as a convolution's D
+    whole = torch.bmm(x.double(), x.double().transpose(1, 2))
+    if rows == 6400:
+        assert rows > 2 * GRAM_BLOCK // (positions * width)  # several blocks
+    if rows in (115, 57):  # 56 rows a block: a last block of 3, and of one row
+        assert GRAM_BLOCK // (positions * width) == 56
+    for to64 in (_fresh_float64, Float64Scratch()):
+        assert torch.equal(gram64(x, to64, "x"), whole)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedprivacy.training.layers.base import LayerRule, LayerTerms
-from fedprivacy.training.layers.linear import positional_norms, positional_sums
+from fedprivacy.training.layers.linear import positional_norms, positional_sums, takes_gram_form
 from fedprivacy.training.norms import Slack, ToFloat64, UnsupportedLayerError
 
 
@@ -40,6 +40,34 @@ def patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     return view.permute(order).reshape(rows, math.prod(out), -1)
 
 
+def offset_patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
+    """`patches` of an ungrouped convolution with few input channels, as the transposed view of an
+    (R, k₁·…·C, L) copy whose innermost runs are output rows: where each patch's channel vector is
+    short, `patches`' copy moves a few values per run (the digits CNN's first convolution, one
+    channel, 2,560 rows: 2.0 ms, this one 0.6 ms; the per-example product over the view costs 0.2
+    ms more). The same values in the same order, only laid out otherwise."""
+    if any(module._reversed_padding_repeated_twice):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    spatial = len(module.kernel_size)
+    for dim, (size, dilation, stride) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
+        x = x.unfold(2 + dim, dilation * (size - 1) + 1, stride)  # (R, C, *out, *extents)
+    view = x[(..., *(slice(None, None, dilation) for dilation in module.dilation))]  # (R, C, *out, *kernel)
+    order = (0, *range(2 + spatial, 2 + 2 * spatial), 1, *range(2, 2 + spatial))  # (R, *kernel, C, *out)
+    return view.permute(order).reshape(x.shape[0], module.weight[0].numel(), -1).contiguous().transpose(1, 2)
+
+
+def _short_channel_runs(module: nn.Conv1d | nn.Conv2d, x: Tensor, d: Tensor) -> bool:
+    """Whether `offset_patches` moves longer runs than `patches`: an ungrouped convolution whose
+    input rows are contiguous and longer (as output rows, stride 1) than its channel vectors."""
+    return (
+        module.groups == 1
+        and x.stride(-1) == 1
+        and all(s == 1 for s in module.stride)
+        and module.in_channels < d.shape[-1]
+    )
+
+
 def patch_weight(module: nn.Conv1d | nn.Conv2d) -> Tensor:
     """The weight (O, C/G, *kernel) as (G, O/G, k₁·…·C/G), its columns in the order of `patches`."""
     weight = module.weight.unflatten(0, (module.groups, -1))  # (G, O/G, C/G, *kernel)
@@ -63,7 +91,11 @@ class ConvRule(LayerRule):
                 f"dimension, input (batch, channels, {len(module.kernel_size)} spatial dimensions)"
             )
         rows, groups = x.shape[0], module.groups
-        a = patches(module, x)
+        positions, k, o = math.prod(d.shape[2:]), module.weight[0].numel(), d.shape[1] // groups
+        if not takes_gram_form(module, positions, k, o) and _short_channel_runs(module, x, d):
+            a = offset_patches(module, x)  # only the per-example product reads it: any layout serves
+        else:
+            a = patches(module, x)
         if groups > 1:
             a = a.reshape(rows, a.shape[1], groups, -1).transpose(1, 2).reshape(rows * groups, a.shape[1], -1)
         d = d.reshape(rows * groups, d.shape[1] // groups, -1).transpose(1, 2)

@@ -21,6 +21,7 @@ from fedprivacy.training.norms import (
     _fresh_float64,
     _norms64,
     _rounding,
+    gram64,
     materialised_slack,
 )
 
@@ -60,6 +61,12 @@ def gram_is_cheaper(positions: int, k: int, o: int) -> bool:
     return positions * positions <= k * o
 
 
+def takes_gram_form(module: nn.Module, positions: int, k: int, o: int) -> bool:
+    """Whether `positional_norms` bounds this layer's norms by the Gram form (else it forms the
+    per-example gradients, or, at one position, takes the product of two norms)."""
+    return module.weight.requires_grad and positions > 1 and gram_is_cheaper(positions, k, o)
+
+
 def positional_norms(module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = _fresh_float64) -> Positional:
     """Upper bounds on ‖DᵢᵀAᵢ‖² (+ ‖Σₜ Dᵢₜ‖² for the bias) as summed, for A: (R, T, K), D: (R, T, O),
     by the cheaper of the Gram ("ghost") form and the per-example gradients (`gram_is_cheaper`),
@@ -68,9 +75,8 @@ def positional_norms(module: nn.Module, a: Tensor, d: Tensor, to64: ToFloat64 = 
     u, eta = _rounding(d.dtype)
     weight = module.weight.requires_grad
     bias = module.bias is not None and module.bias.requires_grad
-    if weight and t > 1 and gram_is_cheaper(t, k, o):  # the Gram form, in float64
-        a64, d64 = to64(a, (module, "a")), to64(d, (module, "d"))
-        gram_a, gram_d = torch.bmm(a64, a64.transpose(1, 2)), torch.bmm(d64, d64.transpose(1, 2))
+    if takes_gram_form(module, t, k, o):  # the Gram form, in float64
+        gram_a, gram_d = gram64(a, to64, (module, "a")), gram64(d, to64, (module, "d"))
         if bias:
             gram_a += 1.0  # (aₜ, 1)·(aₛ, 1): the bias multiplies a constant 1
         # The diagonals are the positions' squared norms ‖(aₜ, 1)‖², ‖dₜ‖².
