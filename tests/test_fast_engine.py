@@ -702,28 +702,28 @@ def test_the_sweep_takes_the_device_as_a_resource_and_refuses_an_unknown_one(tmp
 
 @pytest.mark.parametrize(("model", "features", "split"), [("cnn", 64, True), ("mlp", 15, False)])
 def test_each_client_runs_at_its_own_batch_width_and_costly_models_in_smaller_stacks(model, features, split):
-    """256 clients with Poisson batches: each client in a stack of the clients whose batch rounds up
+    """512 clients with Poisson batches: each client in a stack of the clients whose batch rounds up
     to the same width (a lone one as two copies of itself): for the digits CNN (83,200 multiply-adds
-    per example) a multiple of 8, and on a CPU a width's clients cut into stacks of about 64; for
+    per example) a multiple of 4, and on a CPU a width's clients cut into stacks of about 64; for
     the MLP (1,088) a power of two, one stack per width."""
     from fedprivacy.models import build_model
     from fedprivacy.training import stack
 
     clients = stack.ClientStack(build_model(model, features, 2))
-    sizes = torch.cat([torch.randint(12, 25, (255,), generator=torch.Generator().manual_seed(4)), torch.tensor([77])])
+    sizes = torch.cat([torch.randint(12, 25, (511,), generator=torch.Generator().manual_seed(4)), torch.tensor([77])])
     valid = torch.arange(80) < sizes.unsqueeze(1)  # sampled rows first, as the worker gathers them
-    found = clients._stacks(torch.zeros(256, 80, features), valid)
+    found = clients._stacks(torch.zeros(512, 80, features), valid)
     assert clients.capture.example_products(torch.zeros(features)) == {"cnn": 83_200, "mlp": 1_088}[model]
     members = torch.cat([part for part, _ in found])
-    assert sorted(set(members.tolist())) == list(range(256)) and len(members) == 257  # client 255 twice
+    assert sorted(set(members.tolist())) == list(range(512)) and len(members) == 513  # client 511 twice
     for part, width in found:
         own = (
-            torch.clamp(-(-sizes[part] // 8), min=1) * 8 if split else 2 ** torch.log2(sizes[part].clamp(min=8)).ceil()
+            torch.clamp(-(-sizes[part] // 4), min=1) * 4 if split else 2 ** torch.log2(sizes[part].clamp(min=8)).ceil()
         )
         assert len(part) >= 2 and (own == width).all()
     widths = [width for _, width in found]
     assert (len(widths) > len(set(widths))) == split  # the CNN's widths of over 64 clients are cut
-    assert max(len(part) for part, _ in found) <= (127 if split else 256)
+    assert max(len(part) for part, _ in found) <= (127 if split else 512)
 
 
 def test_a_client_whose_batched_sums_overflow_is_redone_one_example_at_a_time(monkeypatch):
