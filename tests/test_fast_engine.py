@@ -700,12 +700,12 @@ def test_the_sweep_takes_the_device_as_a_resource_and_refuses_an_unknown_one(tmp
     assert refused.exit_code != 0 and "resources.device='gpu'" in refused.output
 
 
-@pytest.mark.parametrize(("model", "features", "split"), [("cnn", 64, True), ("mlp", 15, False)])
-def test_each_client_runs_at_its_own_batch_width_and_costly_models_in_smaller_stacks(model, features, split):
+@pytest.mark.parametrize(("model", "features", "block"), [("cnn", 64, 4), ("mlp", 15, 8), ("logreg", 15, None)])
+def test_each_client_runs_at_its_own_batch_width_and_costly_models_in_smaller_stacks(model, features, block):
     """512 clients with Poisson batches: each client in a stack of the clients whose batch rounds up
     to the same width (a lone one as two copies of itself): for the digits CNN (83,200 multiply-adds
     per example) a multiple of 4, and on a CPU a width's clients cut into stacks of about 64; for
-    the MLP (1,088) a power of two, one stack per width."""
+    the MLP (1,088) a multiple of 8, one stack per width; for logreg (30) a power of two."""
     from fedprivacy.models import build_model
     from fedprivacy.training import stack
 
@@ -713,13 +713,15 @@ def test_each_client_runs_at_its_own_batch_width_and_costly_models_in_smaller_st
     sizes = torch.cat([torch.randint(12, 25, (511,), generator=torch.Generator().manual_seed(4)), torch.tensor([77])])
     valid = torch.arange(80) < sizes.unsqueeze(1)  # sampled rows first, as the worker gathers them
     found = clients._stacks(torch.zeros(512, 80, features), valid)
-    assert clients.capture.example_products(torch.zeros(features)) == {"cnn": 83_200, "mlp": 1_088}[model]
+    assert clients.capture.example_products(torch.zeros(features)) == {"cnn": 83_200, "mlp": 1_088, "logreg": 30}[model]
+    split = model == "cnn"
     members = torch.cat([part for part, _ in found])
     assert sorted(set(members.tolist())) == list(range(512)) and len(members) == 513  # client 511 twice
     for part, width in found:
-        own = (
-            torch.clamp(-(-sizes[part] // 4), min=1) * 4 if split else 2 ** torch.log2(sizes[part].clamp(min=8)).ceil()
-        )
+        if block is None:
+            own = 2 ** torch.log2(sizes[part].clamp(min=8)).ceil()
+        else:
+            own = torch.clamp(-(-sizes[part] // block), min=1) * block
         assert len(part) >= 2 and (own == width).all()
     widths = [width for _, width in found]
     assert (len(widths) > len(set(widths))) == split  # the CNN's widths of over 64 clients are cut

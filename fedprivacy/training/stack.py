@@ -195,24 +195,27 @@ class ClientStack:
 
     A step computes each client at a batch width its own batch sets: a product's rounding depends
     on its shapes, so a width another client's batch set would make a client's release depend,
-    below float32's resolution, on that client's data. A client's sampled rows are padded to the
-    next multiple of `ROW_BLOCK` (the digits CNNs' 1,000-client rounds, batches of about 20 rows:
-    multiples of 4 computed 8% more rows than sampled, of 8 17%, and took 5-10% longer) or, for a
-    model whose rows cost less than `SPLIT_PRODUCTS` multiply-adds
-    (`BatchedCapture.example_products`: its step costs in calls, not arithmetic), to the next
-    power of two of at least `FEWEST_ROWS`, which makes fewer stacks (CHANGELOG.md has the
-    figures). Clients of one width run as one stack; a width held by one client runs as a stack of
-    two copies of it, since a stack of one takes other kernels, while among two or more a client's
-    bits depend neither on how many share its stack nor on what they hold (measured on the CPU kernels;
-    tests/test_fast_engine.py checks the whole step). On a CPU, a costly model has each width's
-    clients cut into stacks of about `STACK_CLIENTS`, which keep each step's tensors in the cache
-    and the allocator's reuse.
+    below float32's resolution, on that client's data. How far a client's sampled rows are padded
+    weighs the arithmetic of padding rows against the calls of more stacks, by what a row costs
+    (`BatchedCapture.example_products`, multiply-adds): from `SPLIT_PRODUCTS` on, to the next
+    multiple of `ROW_BLOCK` (the digits CNNs' 1,000-client rounds, batches of about 20 rows:
+    multiples of 4 computed 8% more rows than sampled, of 8 17%, and took 5-10% less time); from
+    `PAD_PRODUCTS` on, to the next multiple of `FEWEST_ROWS` (the MLP's DP round 2-9% faster than
+    with powers of two, its 1,000-client run 1-2%); below, where a step costs in calls, not
+    arithmetic, to the next power of two of at least `FEWEST_ROWS`, which makes the fewest stacks
+    (logreg's round 4% faster than with multiples of 8). Clients of one width run as one stack; a
+    width held by one client runs as a stack of two copies of it, since a stack of one takes other
+    kernels, while among two or more a client's bits depend neither on how many share its stack nor
+    on what they hold (measured on the CPU kernels; tests/test_fast_engine.py checks the whole
+    step). On a CPU, a costly model has each width's clients cut into stacks of about
+    `STACK_CLIENTS`, which keep each step's tensors in the cache and the allocator's reuse.
     """
 
     ROW_BLOCK = 4
     FEWEST_ROWS = 8
     STACK_CLIENTS = 64
     SPLIT_PRODUCTS = 10_000
+    PAD_PRODUCTS = 1_000
 
     def __init__(self, template: nn.Module, stacked: bool = True) -> None:
         check_supported(template)
@@ -349,10 +352,11 @@ class ClientStack:
         given as two copies of it, a width's clients cut into stacks of about `STACK_CLIENTS` where
         `split` is on and the model's rows cost at least `SPLIT_PRODUCTS`."""
         sizes = valid.sum(1)
-        costly = self.capture.example_products(features[0, 0]) >= self.SPLIT_PRODUCTS
-        if costly:  # the arithmetic is the cost: pad little
-            blocks = (sizes + self.ROW_BLOCK - 1).div(self.ROW_BLOCK, rounding_mode="floor")
-            widths = blocks.clamp(min=1) * self.ROW_BLOCK
+        products = self.capture.example_products(features[0, 0])
+        costly = products >= self.SPLIT_PRODUCTS
+        if products >= self.PAD_PRODUCTS:  # the arithmetic counts: pad little
+            block = self.ROW_BLOCK if costly else self.FEWEST_ROWS
+            widths = (sizes + block - 1).div(block, rounding_mode="floor").clamp(min=1) * block
         else:  # each stack's calls are the cost: few widths
             widths = torch.exp2(torch.log2(sizes.clamp(min=self.FEWEST_ROWS).double()).ceil()).long()
         split = self.split and costly
