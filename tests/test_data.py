@@ -550,3 +550,17 @@ def test_the_pums_class_count_does_not_depend_on_the_records(tmp_path: Path) -> 
     table.to_csv(with_one, index=False)
     table.drop(index=7).to_csv(without, index=False)
     assert load_dataset("pums", with_one).num_classes == load_dataset("pums", without).num_classes == 2
+
+
+def test_a_whole_float_seed_splits_as_its_integer_whatever_the_cache_holds() -> None:
+    """The split's seed is the checked one (`integer_at_least`), so the cache cannot make a call's
+    outcome depend on what ran before it."""
+    from fedprivacy.data.partition import _cached_split
+
+    recipe = {"num_examples": 120, "scheme": "iid", "num_partitions": 3}
+    _cached_split.cache_clear()
+    cold = load_client(1, "synthetic", seed=3.0, **recipe)
+    _cached_split.cache_clear()
+    np.testing.assert_array_equal(cold.train.features, load_client(1, "synthetic", seed=3, **recipe).train.features)
+    with pytest.raises(InputError, match="seed"):
+        load_client(1, "synthetic", seed=3.5, **recipe)

@@ -426,7 +426,7 @@ def test_patches_by_kernel_offset_are_the_patches_laid_out_otherwise(conv: nn.Mo
     assert by_offset.transpose(1, 2).is_contiguous()  # the runs copied are output rows
 
 
-@pytest.mark.parametrize(("rows", "positions", "width"), [(6400, 16, 144), (115, 16, 144), (57, 16, 144), (300, 8, 5)])
+@pytest.mark.parametrize(("rows", "positions", "width"), [(6400, 16, 144), (115, 16, 144), (113, 16, 144), (300, 8, 5)])
 def test_gram_products_in_blocks_of_rows_are_bit_for_bit_the_whole_product(rows: int, positions: int, width: int):
     """`norms.gram64` copies blocks of rows to float64 (in the cache) and multiplies each: every
     example's Gram matrix is the one a single product gives, strided input and a remainder of one
@@ -437,7 +437,7 @@ def test_gram_products_in_blocks_of_rows_are_bit_for_bit_the_whole_product(rows:
     whole = torch.bmm(x.double(), x.double().transpose(1, 2))
     if rows == 6400:
         assert rows > 2 * GRAM_BLOCK // (positions * width)  # several blocks
-    if rows in (115, 57):  # 56 rows a block: a last block of 3, and of one row
+    if rows in (115, 113):  # 56 rows a block: a last block of 3, and of one row (joined to the one before)
         assert GRAM_BLOCK // (positions * width) == 56
     for to64 in (_fresh_float64, Float64Scratch()):
         assert torch.equal(gram64(x, to64, "x"), whole)

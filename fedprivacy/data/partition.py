@@ -8,8 +8,9 @@ and no test row is handed out.
 The row assignment comes from flwr-datasets partitioners run offline on a small in-memory table
 (row position, label, client column); features never leave numpy. Everything is seeded, and the
 assignment is cached per (dataset, scheme, options), so a ClientApp started once per message
-pays for the assignment once per process; so is each client's split, which a simulation's server
-(its central test set is every client's evaluation rows) and its clients both ask for.
+pays for the assignment once per process; so is each client's split as `load_client` and
+`load_evaluation_union` make it (a simulation's server takes every client's evaluation rows as
+its central test set, and its clients their own), not `partition`'s, whose data set is the caller's.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ def partition(
     """
     fraction = check_test_fraction(test_fraction)
     validation = check_validation_fraction(validation_fraction)
+    seed = integer_at_least("seed", seed, 0)
     parts = partition_rows(dataset, scheme, num_partitions, seed, by, alpha, skew)
     positions = [
         p
@@ -265,16 +267,24 @@ def _partitioned(
     dataset = _load(name, path, by, options)
     fraction = check_test_fraction(test_fraction)
     validation = check_validation_fraction(validation_fraction)
-    key = (dataset, scheme, num_partitions, seed, by, alpha, skew)
+    key = (dataset, scheme, num_partitions, integer_at_least("seed", seed, 0), by, alpha, skew)
     return _Partitioned(dataset, partition_rows(*key), key, fraction, validation)
 
 
 class _Partitioned(NamedTuple):
+    """A data set partitioned for `load_client` and `load_evaluation_union`, whose clients' splits
+    come from the process's cache (`_cached_split`), keyed by `key`."""
+
     dataset: Dataset
     parts: tuple[tuple[str, np.ndarray], ...]
     key: tuple[Any, ...]  # `partition_rows`' arguments
     fraction: float
     validation: float
+
+    @property
+    def seed(self) -> int:
+        """The partitioning's seed, checked: its clients' split seeds start with it."""
+        return self.key[3]
 
     def split(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """Client `position`'s (training, evaluation) rows (`_split`), through the process's cache."""
@@ -344,7 +354,9 @@ def load_client(
     position = integer_at_least("partition-id", partition_id, 0)
     if position >= len(loaded.parts):
         raise InputError("partition-id", partition_id, f"must be below the number of clients, {len(loaded.parts)}")
-    return _client(loaded.dataset, loaded.parts, position, seed, loaded.fraction, loaded.validation, loaded.split)
+    return _client(
+        loaded.dataset, loaded.parts, position, loaded.seed, loaded.fraction, loaded.validation, loaded.split
+    )
 
 
 def load_evaluation_union(

@@ -354,7 +354,7 @@ class ClientStack:
         sizes = valid.sum(1)
         products = self.capture.example_products(features[0, 0])
         costly = products >= self.SPLIT_PRODUCTS
-        if products >= self.PAD_PRODUCTS:  # the arithmetic counts: pad little
+        if costly or products >= self.PAD_PRODUCTS:  # the arithmetic counts: pad little
             block = self.ROW_BLOCK if costly else self.FEWEST_ROWS
             widths = (sizes + block - 1).div(block, rounding_mode="floor").clamp(min=1) * block
         else:  # each stack's calls are the cost: few widths

@@ -51,6 +51,9 @@ class RoundRequest:
     state: dict[str, Any] | None
 
 
+_NUMPY = {torch.float32: np.float32, torch.long: np.int64}  # the dtypes of the worker's tables
+
+
 def _padded(arrays: list[np.ndarray], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Rows of every client in one [clients, most rows, ...] tensor, and each client's row count
     (no clients: an empty tensor, as when every client of a run failed to load its data)."""
@@ -61,9 +64,6 @@ def _padded(arrays: list[np.ndarray], dtype: torch.dtype) -> tuple[Tensor, Tenso
     for k, a in enumerate(arrays):
         out[k, : len(a)] = a
     return torch.from_numpy(out), counts
-
-
-_NUMPY = {torch.float32: np.float32, torch.long: np.int64}
 
 
 class LocalWorker:

@@ -25,14 +25,8 @@ def patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     vectors: on CPU F.unfold loops over the batch and was 7-20× slower on the CNN's two layers at
     batch 256, and the channels-first order of the copy 6× slower on the second layer at 1,300 rows.
     """
-    if any(module._reversed_padding_repeated_twice):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
     spatial = len(module.kernel_size)
-    x = x.movedim(1, -1).contiguous()  # (R, *spatial, C)
-    for dim, (size, dilation, stride) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
-        x = x.unfold(1 + dim, dilation * (size - 1) + 1, stride)  # (R, *out, C, *extents)
-    view = x[(..., *(slice(None, None, dilation) for dilation in module.dilation))]  # (R, *out, C, *kernel)
+    view = _patch_view(module, _padded(module, x).movedim(1, -1).contiguous(), 1)  # (R, *out, C, *kernel)
     rows, out = view.shape[0], view.shape[1 : 1 + spatial]
     view = view.unflatten(1 + spatial, (module.groups, -1))  # (R, *out, G, C/G, *kernel)
     group, channels = 1 + spatial, 2 + spatial
@@ -46,15 +40,29 @@ def offset_patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     short, `patches`' copy moves a few values per run (the digits CNN's first convolution, one
     channel, 2,560 rows: 2.0 ms, this one 0.6 ms; the per-example product over the view costs 0.2
     ms more). The same values in the same order, only laid out otherwise."""
-    if any(module._reversed_padding_repeated_twice):
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    if module.groups != 1:
+        raise ValueError("offset_patches: an ungrouped convolution only (patches order a group's own)")
     spatial = len(module.kernel_size)
-    for dim, (size, dilation, stride) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
-        x = x.unfold(2 + dim, dilation * (size - 1) + 1, stride)  # (R, C, *out, *extents)
-    view = x[(..., *(slice(None, None, dilation) for dilation in module.dilation))]  # (R, C, *out, *kernel)
+    view = _patch_view(module, _padded(module, x), 2)  # (R, C, *out, *kernel)
     order = (0, *range(2 + spatial, 2 + 2 * spatial), 1, *range(2, 2 + spatial))  # (R, *kernel, C, *out)
-    return view.permute(order).reshape(x.shape[0], module.weight[0].numel(), -1).contiguous().transpose(1, 2)
+    per_patch = module.weight.shape[1:].numel()
+    return view.permute(order).reshape(x.shape[0], per_patch, -1).contiguous().transpose(1, 2)
+
+
+def _padded(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
+    """x padded as the layer pads it (its padding mode), channels first."""
+    if not any(module._reversed_padding_repeated_twice):
+        return x
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+
+
+def _patch_view(module: nn.Conv1d | nn.Conv2d, x: Tensor, first: int) -> Tensor:
+    """Strided views of padded x's patches: x's spatial dimensions from `first` on become the
+    output positions, and each patch's kernel offsets are appended last (no copy)."""
+    for dim, (size, dilation, stride) in enumerate(zip(module.kernel_size, module.dilation, module.stride)):
+        x = x.unfold(first + dim, dilation * (size - 1) + 1, stride)  # (..., *out, ..., *extents)
+    return x[(..., *(slice(None, None, dilation) for dilation in module.dilation))]
 
 
 def _short_channel_runs(module: nn.Conv1d | nn.Conv2d, x: Tensor, d: Tensor) -> bool:
@@ -91,7 +99,7 @@ class ConvRule(LayerRule):
                 f"dimension, input (batch, channels, {len(module.kernel_size)} spatial dimensions)"
             )
         rows, groups = x.shape[0], module.groups
-        positions, k, o = math.prod(d.shape[2:]), module.weight[0].numel(), d.shape[1] // groups
+        positions, k, o = math.prod(d.shape[2:]), module.weight.shape[1:].numel(), d.shape[1] // groups
         if not takes_gram_form(module, positions, k, o) and _short_channel_runs(module, x, d):
             a = offset_patches(module, x)  # only the per-example product reads it: any layout serves
         else:

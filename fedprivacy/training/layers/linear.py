@@ -62,8 +62,9 @@ def gram_is_cheaper(positions: int, k: int, o: int) -> bool:
 
 
 def takes_gram_form(module: nn.Module, positions: int, k: int, o: int) -> bool:
-    """Whether `positional_norms` bounds this layer's norms by the Gram form (else it forms the
-    per-example gradients, or, at one position, takes the product of two norms)."""
+    """Whether `positional_norms` bounds this layer's norms by the Gram form: its weight is trained,
+    it sees several positions and the Gram form is the cheaper (else A is read, if at all, only to
+    form the per-example gradients or, at one position, its rows' norms)."""
     return module.weight.requires_grad and positions > 1 and gram_is_cheaper(positions, k, o)
 
 
