@@ -135,9 +135,9 @@ def gram64(x: Tensor, to64: ToFloat64, slot: object) -> Tensor:
     """Each example's Gram matrix XᵢXᵢᵀ (R, T, T) of x (R, T, K), in float64 from float64 copies.
 
     On a CPU the copies are made a block of rows at a time (`GRAM_BLOCK`), each read back by its
-    product while still in the core's cache, where one copy of the whole of x went out to memory
+    product while still in the core's cache, not a copy of the whole of x that goes out to memory
     and back (the digits CNN's second convolution on 2 cores: its norms 7-10% faster at 1,500-2,600
-    rows, its A's copy and product 40 → 22 ms at 6,400). Each example's product is the same either
+    rows, its A's copy and product 22 against 40 ms at 6,400). Each example's product is the same either
     way; no block holds a single row, which would take the unbatched kernel."""
     per_block = max(2, GRAM_BLOCK // max(1, x.shape[1] * x.shape[2]))
     if x.device.type != "cpu" or len(x) < 2 * per_block:
