@@ -99,11 +99,13 @@ def require_data_file(settings: RunSettings) -> None:
     """Refuse a simulation whose data file (or folder) is not on this machine: each simulated client
     checks before it reads, and the simulators before anything runs."""
     if data_file_missing(settings):
+        path = settings.data_path
+        absent = "no such file or folder; " if path is not None and not path.exists() else ""
         raise InputError(
             "data-path",
-            "" if settings.data_path is None else str(settings.data_path),
-            f"dataset {settings.dataset!r} needs {find_source(settings.dataset).path_help}: in a simulation "
-            "every client reads the run config's data-path (an absolute path on this machine)",
+            "" if path is None else str(path),
+            f"{absent}dataset {settings.dataset!r} needs {find_source(settings.dataset).path_help}: in a "
+            "simulation every client reads the run config's data-path (an absolute path on this machine)",
         )
 
 

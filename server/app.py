@@ -39,7 +39,15 @@ logger = logging.getLogger(__name__)
 # Flower's simulation starts its Ray actors in this process; Ray's tip that num_gpus=0 actors may
 # one day see the GPUs concerns a future version (docs/deployment.md, "Simulations on GPUs").
 warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+SAME_REFUSALS = 3  # nodes refusing the initial model for one reason before the others are not asked
 DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the server cannot see them"
+
+
+def _ledgers_without_server_data(ledger_path: Path) -> str:
+    """Where the clients' ledgers are when the server has no data of its own. It cannot tell
+    deployed SuperNodes from simulated clients whose data-path is not a file here either (these
+    fail before they train), so it names both; a file at `ledger_path` may be another run's."""
+    return f"{DEPLOYED_LEDGERS}; simulated clients would keep theirs in {ledger_path}"
 
 
 def _initial_arrays(
@@ -47,11 +55,12 @@ def _initial_arrays(
 ) -> tuple[ArrayRecord, list[str]]:
     """The seeded initial model and the names of its trained parameters (what clients release):
     sized from the server's test set, or asked of the clients in turn (one misconfigured node must
-    not end the run: its refusal is logged and the next one asked)."""
+    not end the run: its refusal is logged and the next one asked, until `SAME_REFUSALS` nodes gave
+    one reason: a run config or data-path every client reads fails on all of them alike)."""
     if test is not None:
         model = initial_model(settings, test.features, test.num_classes)
         return ArrayRecord(model.state_dict()), trained_names(model)
-    refusals = []
+    refusals: dict[str, list[int]] = {}  # reason -> the nodes that gave it
     for node in nodes:
         query = Message(RecordDict({"config": config}), dst_node_id=node, message_type=MessageType.QUERY)
         (reply,) = grid.send_and_receive([query], timeout=settings.round_timeout)
@@ -63,9 +72,23 @@ def _initial_arrays(
                 return arrays, check_released(reply.content["model"][RELEASED_KEY], arrays)
             except (KeyError, TypeError, InvalidReply) as error:
                 reason = f"its initial model is not usable ({error})"
-        refusals.append(f"node {node}: {reason}")
+        refusals.setdefault(reason, []).append(node)
+        if len(refusals[reason]) == SAME_REFUSALS and len(nodes) > SAME_REFUSALS:
+            logger.warning(
+                "client on node %d could not build the initial model (%s), as %d nodes before it: "
+                "the other %d nodes are not asked",
+                node,
+                reason,
+                SAME_REFUSALS - 1,
+                len(nodes) - sum(map(len, refusals.values())),
+            )
+            break
         logger.warning("client on node %d could not build the initial model (%s); asking another node", node, reason)
-    raise RuntimeError(f"no client could build the initial model: {'; '.join(refusals)}")
+    grouped = "; ".join(
+        f"{'node' if len(ids) == 1 else 'nodes'} {', '.join(map(str, ids))}: {reason}"
+        for reason, ids in refusals.items()
+    )
+    raise RuntimeError(f"no client could build the initial model: {grouped}")
 
 
 @app.main()
@@ -110,13 +133,13 @@ def _federate(
     nodes = strategy.connected_nodes(grid)
     client_level = ClientLevel.start(settings, nodes, recorder.folder)
     if client_level is None:
-        _rounds(grid, context, settings, recorder, strategy, nodes, extra)
+        _rounds(grid, context, settings, recorder, strategy, nodes, ledger_path, extra)
         return
     with client_level:  # its roster: the SuperNodes connected now
         strategy.protect_members(client_level)
         extra["federation"] = client_level.describe()
         logger.info(client_level.headline())
-        _rounds(grid, context, settings, recorder, strategy, nodes, extra)
+        _rounds(grid, context, settings, recorder, strategy, nodes, ledger_path, extra)
 
 
 def _rounds(
@@ -126,6 +149,7 @@ def _rounds(
     recorder: RunRecorder,
     strategy: PrivacyFedAvg,
     nodes: list[int],
+    ledger_path: Path,
     extra: dict[str, Any],
 ) -> None:
     """From the server's test set and the initial model to the last round's model."""
@@ -139,8 +163,8 @@ def _rounds(
             settings.data_path,
         )
     evaluation = central_evaluation(settings) if test is not None else "federated (the server has no data)"
-    if test is None:  # the clients read their own data, so they are (or act as) deployed SuperNodes
-        extra["ledger"] = DEPLOYED_LEDGERS
+    if test is None:  # the clients read their own data: deployed SuperNodes, or simulated ones
+        extra["ledger"] = _ledgers_without_server_data(ledger_path)
     recorder.write_config(
         resolved_config(
             settings,

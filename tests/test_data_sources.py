@@ -540,7 +540,7 @@ def test_a_folder_source_needs_a_folder_and_is_identified_by_its_content(tmp_pat
     with refused("data-path", "dataset 'cifar10' needs the cifar-10-batches-py folder: in a simulation"):
         require_data_file(as_file)
     npz = parse_run_config({"dataset": "npz", "data-path": str(tmp_path / "missing.npz")})
-    with refused("data-path", "dataset 'npz' needs a .npz file"):
+    with refused("data-path", "no such file or folder; dataset 'npz' needs a .npz file"):
         require_data_file(npz)
 
 

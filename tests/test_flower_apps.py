@@ -387,21 +387,33 @@ def test_a_renamed_deployed_client_cannot_open_a_fresh_budget_on_the_same_file(
     assert rows[2][deployment_nodes[1]["client-id"]]["status"] == "ok"
 
 
-def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(simulate, run_config, tmp_path, capsys):
+def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(in_process, run_config, tmp_path, capsys):
     """The server cannot tell a simulation from a deployment, so it evaluates through the clients;
-    the clients then refuse the file by its key, and the results folder says the run failed."""
+    the clients then refuse the file by its key (three alike, and the rest are not asked), and the
+    results folder says the run failed."""
     missing = tmp_path / "nowhere" / "pums.csv"
     config = {**run_config, "dataset": "pums", "data-path": str(missing), "partition-by": "puma"}
-    with pytest.raises(RuntimeError, match="no client could build the initial model: node 101: InputError: data-path="):
-        simulate(config, num_nodes=2)
+    grid = in_process.Grid.simulation(client_app, 5, config)
+    with pytest.raises(
+        RuntimeError,
+        match="no client could build the initial model: nodes 101, 102, 103: InputError: data-path=.*no such file",
+    ):
+        in_process.run_server(server_app, grid, config)
+    assert [node for node, kind in grid.calls if kind == "query"] == [101, 102, 103]
     out = capsys.readouterr().out
     assert f"data-path {missing} is not a file on the server" in out
-    assert "run failed: RuntimeError: no client could build the initial model: node 101" in out and "data-path=" in out
-    summary = json.loads((run_folder(Path(config["results-dir"])) / "summary.json").read_text())
+    assert "as 2 nodes before it: the other 2 nodes are not asked" in out
+    assert "run failed: RuntimeError: no client could build the initial model: nodes 101, 102, 103" in out
+    folder = run_folder(Path(config["results-dir"]))
+    summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["rounds"] == 0
     assert summary["error"].endswith(
         "needs a CSV file: in a simulation every client reads the run config's "
         "data-path (an absolute path on this machine)"
+    )
+    # simulated clients or deployed SuperNodes: the server cannot tell, and says both
+    assert summary["ledger"] == (
+        f"{DEPLOYED_LEDGERS}; simulated clients would keep theirs in {folder / 'ledger.sqlite'}"
     )
 
 
