@@ -100,6 +100,7 @@ CASES = [
     cli_case("sampling-rate", "1e-05", *PLAN, "--epsilon", "1", "--epochs", "100", "--sampling-rate", "1e-5"),
     cli_case("rounds", "100000", *PLAN, "--epsilon", "1", "--rounds", "100000"),
     cli_case("clip-norm", "-1.0", *PLAN, "--epsilon", "1", "--clip-norm", "-1"),
+    cli_case("clip-norm", "0.0", *PLAN, "--epsilon", "1", "--clip-norm", "0"),
     cli_case("rule", "magic", *PLAN, "--epsilon", "1", "--rule", "magic"),
     cli_case("delta", "1.0", *PLAN, "--epsilon", "1", "--delta", "1"),
     cli_case("epsilon", "1000000000.0", "calculator", "--n", "5736", "--epsilon", "1e9"),
@@ -127,7 +128,7 @@ CASES = [
         make=write("header.csv", PUMS_HEADER + "\n"),
     ),
     cli_case(
-        "column",
+        "partition-by",
         "region",
         "sheets",
         "--data",
@@ -518,3 +519,10 @@ def test_a_ledger_path_that_cannot_be_created_is_refused_in_one_line(tmp_path):
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"ledger-path={str(path)!r}"), message
     assert "cannot create a ledger there" in message
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "x"])
+def test_a_clip_norm_outside_its_range_is_refused_naming_the_range(value):
+    """Zero and negative norms name the same range as a norm too small or too large."""
+    with pytest.raises(InputError, match=r"clip-norm=.*: must be a finite number in \[1e-06, 1e\+06\]"):
+        limits.clip_norm("clip-norm", value)

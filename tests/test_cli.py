@@ -201,7 +201,7 @@ def test_sheets_bad_csv_inputs_exit_2_with_no_output(tmp_path):
         ("missing.csv", "puma", "data="),
         ("empty.csv", "puma", "data="),
         ("header.csv", "puma", "data="),
-        ("tiny.csv", "region", "column='region'"),
+        ("tiny.csv", "region", "partition-by='region': not a column of"),
         ("tiny.csv", "puma", "partition-by puma"),
     ]
     for name, column, message in cases:

@@ -365,7 +365,7 @@ def test_every_sweep_the_docs_show_dry_runs(command, scenario_copy, dry_run, mon
 AGE_BANDS = ["pums_tuning_age_bands.toml", *(f"pums_tuning_age_bands{i}.toml" for i in range(2, 8))]
 MLP_STAGES = [f"pums_tuning_{s}.toml" for s in ("mlp", "mlp2", "server", "rounds", "rounds2")]
 CELL_CLAIMS = [
-    ("README.md", r"these (\d+) cells took", ["pums_budgets.toml"]),
+    ("README.md", r"these (\d+) cells and the non-private baseline", ["pums_budgets.toml"]),
     ("docs/experiments.md", r"\| whole sweep: (\d+) cells", ["pums_budgets.toml"]),
     ("docs/experiments.md", r"in five small stages, each reading the previous one \((\d+) cells", MLP_STAGES),
     ("docs/experiments.md", r"Seven more validation stages \((\d+) cells", AGE_BANDS),

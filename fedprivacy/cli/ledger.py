@@ -66,7 +66,9 @@ def show(
 def set_budget(
     path: Path = typer.Argument(..., help="the ledger file"),
     account: str = typer.Argument(..., help="the account, as `fedprivacy ledger show` lists it"),
-    epsilon: float = typer.Option(..., "--epsilon", help="the new ε budget (finite, > 0)"),
+    epsilon: float = typer.Option(
+        ..., "--epsilon", help=f"the new ε budget ({limits.EPSILON_MIN:g} to {limits.EPSILON_MAX:g})"
+    ),
     delta: float = typer.Option(..., "--delta", help="the new δ in (0, 1); keep it below 1/N of the data"),
     yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation"),
 ) -> None:

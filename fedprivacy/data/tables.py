@@ -25,9 +25,10 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger value is inf once stor
 OTHER_SEPARATORS = (";", "\t", "|")
 
 
-def read_header(path: str | Path, required_columns: Iterable[str] = ()) -> list[str]:
+def read_header(path: str | Path, required_columns: Iterable[str] = (), field: str = "column") -> list[str]:
     """The file's column names, once it is known to exist, to hold a header with distinct names
-    separated by commas (a byte-order mark is fine), and to have every required column."""
+    separated by commas (a byte-order mark is fine), and to have every required column (a missing
+    one is refused as `field`: the option that named it)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise InputError("data", str(path), "no such file: pass the path of a CSV file")
@@ -53,15 +54,16 @@ def read_header(path: str | Path, required_columns: Iterable[str] = ()) -> list[
                 )
     missing = [c for c in required_columns if c not in header]
     if missing:
-        raise InputError("column", missing[0], f"not a column of {path}; its columns are: {', '.join(header)}")
+        raise InputError(field, missing[0], f"not a column of {path}; its columns are: {', '.join(header)}")
     return header
 
 
-def read_table(path: str | Path, required_columns: Iterable[str] = ()) -> pd.DataFrame:
-    """Read a CSV file; fail clearly if it is missing, empty, too large or lacks a required column.
-    (A deployed node's own file is read line by line instead: `fedprivacy.data.rows`.)"""
+def read_table(path: str | Path, required_columns: Iterable[str] = (), field: str = "column") -> pd.DataFrame:
+    """Read a CSV file; fail clearly if it is missing, empty, too large or lacks a required column
+    (named as `field`, see `read_header`). (A deployed node's own file is read line by line
+    instead: `fedprivacy.data.rows`.)"""
     file = Path(path).expanduser()
-    read_header(file, required_columns)
+    read_header(file, required_columns, field)
     size = file.stat().st_size
     if size > MAX_FILE_BYTES:
         raise InputError(

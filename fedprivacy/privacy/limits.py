@@ -66,7 +66,10 @@ def clip_norm(field: str, value: Any) -> float:
     clipped gradients (≤ 10¹⁵) and its noise σC stay 20 orders of magnitude below float32's largest
     value (3.4·10³⁸), and C² below 10¹². Gradients of models trained in float32 live far inside.
     """
-    number = errors.positive(field, value)
+    try:
+        number = errors.positive(field, value)
+    except InputError:
+        raise InputError(field, value, f"must be a finite number in [{CLIP_NORM_MIN:g}, {CLIP_NORM_MAX:g}]") from None
     if not CLIP_NORM_MIN <= number <= CLIP_NORM_MAX:
         raise InputError(
             field,
