@@ -348,6 +348,32 @@ def test_flags_with_a_scenario_file_or_a_bad_flag_are_refused_in_one_line(fedpri
     assert not (tmp_path / "out").exists()
 
 
+def test_data_path_relocates_a_scenario_files_data(fedprivacy_cli, tmp_path, monkeypatch):
+    """A copy of a scenario whose data lives elsewhere: --data-path (relative to the working folder)
+    replaces its [run] data-path, and nothing else; a scenario varying data-path is refused."""
+    from fedprivacy.cli.sweeps import _sweep_scenario
+
+    copied = tmp_path / "budgets.toml"  # its relative data-path names no file beside tmp_path
+    copied.write_text((PROJECT / "scenarios" / "pums_budgets.toml").read_text())
+    data = tmp_path / "elsewhere" / "pums.csv"
+    data.parent.mkdir()
+    data.write_text("puma,age\n1,30\n")
+    monkeypatch.chdir(data.parent)
+    none = dict.fromkeys(("dataset", "partition-by", "partitioning", "model", "rounds", "fraction-train"))
+    sweep = {"engine": None, "baseline": None, "clients": None, "seeded-noise": None}
+    resources = dict.fromkeys(("client-cpus", "client-gpus", "workers", "worker-gpus", "device"))
+    grid = {"epsilons": None, "rules": None, "seeds": None}
+    spec = _sweep_scenario(copied, {**none, "data-path": "pums.csv"}, grid, [], [], sweep, resources, Path("out"))
+    original = _sweep_scenario(copied, {**none, "data-path": None}, grid, [], [], sweep, resources, Path("out"))
+    assert spec.run == {**original.run, "data-path": str(data)} and original.run["data-path"] != str(data)
+    assert spec.grid == original.grid
+    varied = tmp_path / "varied.toml"
+    varied.write_text(copied.read_text() + f'data-path = ["{data}", "{data}.2"]\n')  # [grid] is the last table
+    code, _, err = fedprivacy_cli("sweep", str(varied), "--out", str(tmp_path / "out"), "--data-path", "pums.csv")
+    assert code == 2 and err.startswith("error: data-path='pums.csv': the scenario file") and "varies data-path" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_resource_flags_apply_to_a_scenario_file():
     """Where the cells run is not part of the scenario: --workers and the like replace the file's
     [resources] (grid flags with a file are refused, above)."""

@@ -39,15 +39,17 @@ def _sweep_scenario(
     out: Path,
 ) -> Any:
     """The validated scenario from a file or from the flags (not both); --engine, --no-baseline and the
-    resource flags (where it runs, not what: the results are the same) apply to either."""
+    resource flags (where it runs, not what: the results are the same) apply to either, and
+    --data-path to a file's [run] too (where its data file lives on this machine)."""
     from sims.sweep.flags import scenario_from_flags
     from sims.sweep.spec import read_scenario, validate
 
     if scenario is None:
         raw = scenario_from_flags(run_flags, grid_flags, sets, grids, sweep, resources)
         return validate(raw, base_dir=Path.cwd(), default_name=out.name)
+    located = run_flags["data-path"]
     inline = {
-        **run_flags,
+        **{key: flag for key, flag in run_flags.items() if key != "data-path"},
         **grid_flags,
         "clients": sweep["clients"],
         "seeded-noise": sweep["seeded-noise"],
@@ -62,6 +64,8 @@ def _sweep_scenario(
             f"the scenario file {scenario} declares the grid: give it by a file or by flags, not both",
         )
     raw = read_scenario(scenario)
+    if located is not None:
+        _relocate_data(raw, scenario, located)
     overrides = {key: sweep[key] for key in ("engine", "baseline") if sweep[key] is not None}
     if overrides and isinstance(raw.get("sweep", {}), dict):
         raw["sweep"] = {**raw.get("sweep", {}), **overrides}
@@ -69,6 +73,21 @@ def _sweep_scenario(
     if placement and isinstance(raw.get("resources", {}), dict):
         raw["resources"] = {**raw.get("resources", {}), **placement}
     return validate(raw, base_dir=scenario.resolve().parent, default_name=scenario.stem)
+
+
+def _relocate_data(raw: dict[str, Any], scenario: Path, data_path: str) -> None:
+    """The scenario's [run] data-path replaced by `data_path` (relative to the working folder), for a
+    copy of its data elsewhere; refused where the scenario varies data-path in its grid."""
+    grid = raw.get("grid")
+    if isinstance(grid, dict) and "data-path" in grid:
+        raise InputError(
+            "data-path",
+            data_path,
+            f"the scenario file {scenario} varies data-path in its [grid]: edit the file instead",
+        )
+    run = raw.get("run", {})
+    if isinstance(run, dict):
+        raw["run"] = {**run, "data-path": str(Path(data_path).expanduser().resolve())}
 
 
 @app.command()
@@ -88,7 +107,11 @@ def sweep(
         False, "--dry-run", help="validate and list the cells (and count the tuning runs), run nothing"
     ),
     dataset: Dataset | None = typer.Option(None, "--dataset", help="the data set of every cell"),
-    data_path: str | None = typer.Option(None, "--data-path", help="data file (relative paths are taken from here)"),
+    data_path: str | None = typer.Option(
+        None,
+        "--data-path",
+        help="data file (relative paths are taken from here); with a scenario file, replaces its [run] data-path",
+    ),
     partition_by: str | None = typer.Option(
         None, "--partition-by", help="column whose values are the clients, e.g. puma"
     ),
