@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,25 @@ def test_show_lists_each_account_with_its_spend(ledger):
     assert accounts["data:bbb"]["steps"] == 0 and accounts["data:bbb"]["epsilon_spent"] == 0.0
     table = fedprivacy("ledger", "show", str(ledger))
     assert table.returncode == 0 and "data:aaa" in table.stdout and "2 account(s)" in table.stdout
+
+
+def test_show_folds_long_accounts_on_a_narrow_terminal_never_cuts_them(tmp_path):
+    """set-budget takes an account as show lists it: at 60 columns a file account's 30 characters
+    are folded over lines, whole."""
+    path = tmp_path / "ledger.sqlite"
+    account = "file:0123456789abcdef/PUMA-1101"
+    Ledger(path).open_account(account, 1.0, 1e-5)
+    result = subprocess.run(
+        [sys.executable, "-m", "fedprivacy", "ledger", "show", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "60"},
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│")]
+    cells = "".join(line.split("│")[1].strip() for line in rows)
+    assert cells == account and "…" not in result.stdout
 
 
 def test_set_budget_asks_and_changes_only_what_the_operator_confirms(ledger):

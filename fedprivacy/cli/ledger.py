@@ -46,8 +46,10 @@ def show(
         sys.stdout.write(json.dumps([{**asdict(a), "epsilon_left": a.epsilon_left} for a in accounts]) + "\n")
         return
     table = Table(title=f"{len(accounts)} account(s) in {path}")
-    for column in ("account", "ε budget", "δ", "steps", "ε spent", "ε left", "runs", "last spend (UTC)"):
-        table.add_column(column, justify="left" if column == "account" else "right")
+    # on a narrow terminal every cell is folded, never cut: set-budget takes the account as shown
+    table.add_column("account", overflow="fold")
+    for column in ("ε budget", "δ", "steps", "ε spent", "ε left", "runs", "last spend (UTC)"):
+        table.add_column(column, justify="right", overflow="fold")
     for a in accounts:
         table.add_row(
             a.account,
