@@ -55,8 +55,9 @@ def _initial_arrays(
 ) -> tuple[ArrayRecord, list[str]]:
     """The seeded initial model and the names of its trained parameters (what clients release):
     sized from the server's test set, or asked of the clients in turn (one misconfigured node must
-    not end the run: its refusal is logged and the next one asked, until `SAME_REFUSALS` nodes gave
-    one reason: a run config or data-path every client reads fails on all of them alike)."""
+    not end the run: its refusal is logged and the next one asked), until `SAME_REFUSALS` nodes
+    gave one reason. Only what every node reads alike gives one reason: a simulation's run config
+    or data-path; a deployed node's own failure names its client, so a deployment asks them all."""
     if test is not None:
         model = initial_model(settings, test.features, test.num_classes)
         return ArrayRecord(model.state_dict()), trained_names(model)
@@ -73,17 +74,23 @@ def _initial_arrays(
             except (KeyError, TypeError, InvalidReply) as error:
                 reason = f"its initial model is not usable ({error})"
         refusals.setdefault(reason, []).append(node)
-        if len(refusals[reason]) == SAME_REFUSALS and len(nodes) > SAME_REFUSALS:
+        left = len(nodes) - sum(map(len, refusals.values()))
+        if not left:
+            logger.warning("client on node %d could not build the initial model (%s)", node, reason)
+        elif len(refusals[reason]) == SAME_REFUSALS:
             logger.warning(
                 "client on node %d could not build the initial model (%s), as %d nodes before it: "
-                "the other %d nodes are not asked",
+                "the other %s not asked",
                 node,
                 reason,
                 SAME_REFUSALS - 1,
-                len(nodes) - sum(map(len, refusals.values())),
+                "node is" if left == 1 else f"{left} nodes are",
             )
             break
-        logger.warning("client on node %d could not build the initial model (%s); asking another node", node, reason)
+        else:
+            logger.warning(
+                "client on node %d could not build the initial model (%s); asking another node", node, reason
+            )
     grouped = "; ".join(
         f"{'node' if len(ids) == 1 else 'nodes'} {', '.join(map(str, ids))}: {reason}"
         for reason, ids in refusals.items()

@@ -416,6 +416,25 @@ def test_missing_pums_column_names_the_column_and_file(tmp_path: Path) -> None:
     assert "column" in message(excinfo) and "'married'" in message(excinfo) and str(path) in message(excinfo)
 
 
+def test_a_missing_column_is_refused_under_the_run_config_key_that_named_it(tmp_path: Path) -> None:
+    """partition-by, label-column and feature-columns name the columns a simulation reads: the
+    refusal names that key (a column the loader needs of its own stays `column`)."""
+    path = write(tmp_path, "x,y,site\n1.0,0,a\n2.0,1,b\n")
+    cases = [
+        ({"label": "y", "client_column": "region"}, "partition-by", "region"),
+        ({"label": "label"}, "label-column", "label"),
+        ({"label": "y", "features": ["x", "z"]}, "feature-columns", "z"),
+    ]
+    for options, field, column in cases:
+        with pytest.raises(InputError) as excinfo:
+            load_dataset("csv", path, num_classes=2, **options)
+        assert excinfo.value.field == field and excinfo.value.value == column, message(excinfo)
+    pums = write(tmp_path, "puma,sex,age\n1101,1,40\n")
+    with pytest.raises(InputError) as excinfo:
+        load_dataset("pums", pums, client_column="county")
+    assert excinfo.value.field == "column"  # PUMS's own columns come first: 'married' is missing
+
+
 def test_non_numeric_value_names_column_value_row_and_file(tmp_path: Path) -> None:
     path = write(tmp_path, "x,y\n1.0,0\nabc,1\n2.0,1\n")
     with pytest.raises(InputError) as excinfo:

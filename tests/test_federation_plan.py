@@ -124,4 +124,7 @@ def test_the_federation_plan_refuses_record_level_options(fedprivacy_cli, args, 
 
 def test_the_federation_plan_needs_its_rounds(fedprivacy_cli):
     code, _, err = fedprivacy_cli(*PLAN, "--level", "federation", "--batch-size", "100")
-    assert code == 2 and "rounds=None: --level federation needs --rounds R, the federation's rounds (1 to 10000)" in err
+    assert (
+        code == 2
+        and "rounds=None: --level federation needs --rounds R, the federation's rounds, an integer in [1, 10000]" in err
+    )

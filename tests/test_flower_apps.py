@@ -417,6 +417,38 @@ def test_a_missing_data_file_fails_the_run_in_one_line_and_marks_its_results(in_
     )
 
 
+FIVE_REFUSED = "nodes 101, 103, 105: ClientRefusal: A; node 102: ClientRefusal: B; node 104: ClientRefusal: C"
+
+
+@pytest.mark.parametrize(
+    ("reasons", "asked", "said", "grouped"),
+    [
+        ("ABACA", 5, "could not build the initial model (ClientRefusal: A)\n", FIVE_REFUSED),  # none left
+        ("ABACAB", 5, "as 2 nodes before it: the other node is not asked", FIVE_REFUSED),
+        ("AA", 2, "could not build the initial model (ClientRefusal: A)\n", "nodes 101, 102: ClientRefusal: A"),
+    ],
+)
+def test_the_initial_model_is_asked_until_three_nodes_refuse_alike(
+    in_process, run_config, caplog, reasons, asked, said, grouped
+):
+    """Nodes refusing for reasons of their own are each asked in turn; three alike stop the asking,
+    and the run's error groups the nodes by reason, in the order asked."""
+    from fedprivacy.errors import ClientRefusal
+
+    def refusing(message, context):
+        if message.metadata.message_type == "query":
+            raise ClientRefusal(reasons[context.node_id - 101])
+        return client_app(message, context)
+
+    config = {**run_config, "dataset": "npz", "data-path": "/nowhere/data.npz", "num-classes": 10}
+    grid = in_process.Grid.simulation(refusing, len(reasons), config)
+    with caplog.at_level(logging.WARNING, logger="server.app"), pytest.raises(RuntimeError) as failed:
+        in_process.run_server(server_app, grid, config)
+    assert [node for node, kind in grid.calls if kind == "query"] == list(range(101, 101 + asked))
+    assert said in caplog.text + "\n"
+    assert str(failed.value) == f"no client could build the initial model: {grouped}"
+
+
 def test_a_failed_runs_summary_names_a_ledger_only_once_it_exists(tmp_path):
     """A run that stopped before any client opened its ledger must not point at a file that is not
     there; one that got further, or a deployment's sentence, is kept as it is."""

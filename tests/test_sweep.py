@@ -367,10 +367,14 @@ def test_data_path_relocates_a_scenario_files_data(fedprivacy_cli, tmp_path, mon
     original = _sweep_scenario(copied, {**none, "data-path": None}, grid, [], [], sweep, resources, Path("out"))
     assert spec.run == {**original.run, "data-path": str(data)} and original.run["data-path"] != str(data)
     assert spec.grid == original.grid
-    varied = tmp_path / "varied.toml"
-    varied.write_text(copied.read_text() + f'data-path = ["{data}", "{data}.2"]\n')  # [grid] is the last table
-    code, _, err = fedprivacy_cli("sweep", str(varied), "--out", str(tmp_path / "out"), "--data-path", "pums.csv")
-    assert code == 2 and err.startswith("error: data-path='pums.csv': the scenario file") and "varies data-path" in err
+    in_grid = copied.read_text() + f'data-path = ["{data}", "{data}.2"]\n'  # [grid] is the file's last table
+    in_linked = copied.read_text() + f'[linked.data]\ndata-path = ["{data}", "{data}.2"]\nclip-norm = [0.1, 0.2]\n'
+    for table, text in (("[grid]", in_grid), ("[linked.data]", in_linked)):
+        varied = tmp_path / "varied.toml"
+        varied.write_text(text)
+        code, _, err = fedprivacy_cli("sweep", str(varied), "--out", str(tmp_path / "out"), "--data-path", "pums.csv")
+        assert code == 2 and err.startswith("error: data-path='pums.csv': the scenario file"), err
+        assert f"varies data-path in its {table}" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -46,7 +46,8 @@ def show(
         sys.stdout.write(json.dumps([{**asdict(a), "epsilon_left": a.epsilon_left} for a in accounts]) + "\n")
         return
     table = Table(title=f"{len(accounts)} account(s) in {path}")
-    # on a narrow terminal every cell is folded, never cut: set-budget takes the account as shown
+    # on a narrow terminal every cell is folded over lines, never cut: the whole account, which
+    # set-budget takes
     table.add_column("account", overflow="fold")
     for column in ("ε budget", "δ", "steps", "ε spent", "ε left", "runs", "last spend (UTC)"):
         table.add_column(column, justify="right", overflow="fold")

@@ -268,7 +268,7 @@ def _plan_federation(
             raise InputError(
                 "rounds",
                 None,
-                f"--level federation needs --rounds R, the federation's rounds (1 to {limits.ROUNDS_MAX})",
+                f"--level federation needs --rounds R, the federation's rounds, an integer in [1, {limits.ROUNDS_MAX}]",
             )
         return plan_federation(
             members,
@@ -325,7 +325,7 @@ def sheets(
 
     def build() -> list[Any]:
         limits.clip_norm("clip-norm", clip_norm)
-        sizes = partition_sizes(read_table(data, [partition_by], "partition-by"), partition_by)
+        sizes = partition_sizes(read_table(data, [partition_by], {partition_by: "partition-by"}), partition_by)
         given = per_client_values("epsilons", epsilons or "", limits.epsilon, "0.5,1,2")
         budgets = one_per_client("epsilons", given, len(sizes)) if given else (epsilon,) * len(sizes)
         plans = []

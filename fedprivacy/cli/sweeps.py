@@ -77,14 +77,18 @@ def _sweep_scenario(
 
 def _relocate_data(raw: dict[str, Any], scenario: Path, data_path: str) -> None:
     """The scenario's [run] data-path replaced by `data_path` (relative to the working folder), for a
-    copy of its data elsewhere; refused where the scenario varies data-path in its grid."""
-    grid = raw.get("grid")
-    if isinstance(grid, dict) and "data-path" in grid:
-        raise InputError(
-            "data-path",
-            data_path,
-            f"the scenario file {scenario} varies data-path in its [grid]: edit the file instead",
-        )
+    copy of its data elsewhere; refused where the scenario varies data-path ([grid] or [linked])."""
+    linked = raw.get("linked")
+    tables = {"[grid]": raw.get("grid")} | (
+        {f"[linked.{name}]": group for name, group in linked.items()} if isinstance(linked, dict) else {}
+    )
+    for table, values in tables.items():
+        if isinstance(values, dict) and "data-path" in values:
+            raise InputError(
+                "data-path",
+                data_path,
+                f"the scenario file {scenario} varies data-path in its {table}: edit the file instead",
+            )
     run = raw.get("run", {})
     if isinstance(run, dict):
         raw["run"] = {**run, "data-path": str(Path(data_path).expanduser().resolve())}

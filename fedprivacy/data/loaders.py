@@ -124,7 +124,8 @@ def load_pums(
         binary = [c for c in needed if c not in _PUMS_NOT_BINARY]
         table = _rows_kept(table, table[binary].isin((0.0, 1.0)).all(axis=1).to_numpy(), file)
     else:
-        table = read_table(file, needed + ((client_column,) if client_column else ()))
+        clients = {client_column: "partition-by"} if client_column else {}
+        table = read_table(file, [*needed, *clients], clients)
     col = {c: numeric_column(table, c, str(file)) for c in needed}
     for c in (c for c in needed if c not in _PUMS_NOT_BINARY):
         outside = ~np.isin(col[c], (0.0, 1.0))
@@ -204,7 +205,9 @@ def load_csv(
         labels = table[label].to_numpy()
         table = _rows_kept(table, (labels == np.round(labels)) & (labels >= 0) & (labels < num_classes), file)
     else:
-        table = read_table(file, [label, *(features or []), *([client_column] if client_column else [])])
+        clients = {client_column: "partition-by"} if client_column else {}
+        named = {**dict.fromkeys(features or [], "feature-columns"), label: "label-column", **clients}
+        table = read_table(file, [label, *(features or []), *clients], named)
     chosen = features is not None
     if features is None:  # from the header alone: which cells are read never depends on the cells
         features = [str(c) for c in table.columns if c not in (label, client_column)]

@@ -11,7 +11,7 @@ needs several times the file's size while parsing.
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +25,12 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger value is inf once stor
 OTHER_SEPARATORS = (";", "\t", "|")
 
 
-def read_header(path: str | Path, required_columns: Iterable[str] = (), field: str = "column") -> list[str]:
+def read_header(
+    path: str | Path, required_columns: Iterable[str] = (), named: Mapping[str, str] | None = None
+) -> list[str]:
     """The file's column names, once it is known to exist, to hold a header with distinct names
     separated by commas (a byte-order mark is fine), and to have every required column (a missing
-    one is refused as `field`: the option that named it)."""
+    one is refused under the option that named it, `named[column]`, else as `column`)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise InputError("data", str(path), "no such file: pass the path of a CSV file")
@@ -54,16 +56,19 @@ def read_header(path: str | Path, required_columns: Iterable[str] = (), field: s
                 )
     missing = [c for c in required_columns if c not in header]
     if missing:
+        field = (named or {}).get(missing[0], "column")
         raise InputError(field, missing[0], f"not a column of {path}; its columns are: {', '.join(header)}")
     return header
 
 
-def read_table(path: str | Path, required_columns: Iterable[str] = (), field: str = "column") -> pd.DataFrame:
+def read_table(
+    path: str | Path, required_columns: Iterable[str] = (), named: Mapping[str, str] | None = None
+) -> pd.DataFrame:
     """Read a CSV file; fail clearly if it is missing, empty, too large or lacks a required column
-    (named as `field`, see `read_header`). (A deployed node's own file is read line by line
-    instead: `fedprivacy.data.rows`.)"""
+    (refused under the option that named it, see `read_header`). (A deployed node's own file is
+    read line by line instead: `fedprivacy.data.rows`.)"""
     file = Path(path).expanduser()
-    read_header(file, required_columns, field)
+    read_header(file, required_columns, named)
     size = file.stat().st_size
     if size > MAX_FILE_BYTES:
         raise InputError(

@@ -115,7 +115,8 @@ def check_resumable(out: Path, cells: list[Cell], ignored: frozenset[str] = froz
             "out",
             str(out),
             f"its cell {cell.name} ran with {key}={old.get(key, DEFAULTS.get(key))!r}, this scenario has "
-            f"{cell.run_config.get(key, DEFAULTS.get(key))!r}: resume with the same scenario or use another --out",
+            f"{cell.run_config.get(key, DEFAULTS.get(key))!r}: resume with the same scenario"
+            f"{' and the same --data-path' if key == 'data-path' else ''} or use another --out",
         )
 
 
