@@ -14,6 +14,7 @@ from torch import nn
 
 from fedprivacy.admission import client_noise_seed
 from fedprivacy.cohort import Member, TrainedRows, cohort_round
+from fedprivacy.errors import ClientRefusal
 from fedprivacy.identity import LocalClient
 from fedprivacy.ledger import Ledger
 from fedprivacy.models import evaluate_model
@@ -63,13 +64,13 @@ def train_round(
     (`fedprivacy.cohort`): a round already trained is refused, the spend recorded before the
     update is returned."""
     check_finite(global_state)  # before any record is touched
+    dev = device()
+    model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
+    load_global(model, global_state, settings)  # a model that does not fit is refused before any spend
     member = Member(client, plan, trainer_state)
     names: list[str] = []
 
     def train(ready: list[Member]) -> TrainedRows:
-        dev = device()
-        model = new_model(settings, client.data.train.features, client.data.train.num_classes).to(dev)
-        model.load_state_dict(global_state)
         trainer = DPTrainer(
             model,
             plan,
@@ -109,6 +110,28 @@ def train_round(
     return RoundResult(released, metrics, member.trainer_state)
 
 
+def load_global(model: nn.Module, global_state: dict[str, torch.Tensor], settings: RunSettings) -> None:
+    """The server's model into this client's, refused in words the server may read where the two
+    differ in their entries or shapes (the shapes are the model's, which a client's initial model
+    already tells the server). The usual cause is a deployment's run config naming a data set the
+    server reads itself (the default digits): the server then builds its model for that data."""
+    own = model.state_dict()
+    misfit = [name for name in own if name in global_state and global_state[name].shape != own[name].shape]
+    if misfit or set(own) != set(global_state):
+        detail = (
+            f"{misfit[0]} is {list(global_state[misfit[0]].shape)} there, {list(own[misfit[0]].shape)} here"
+            if misfit
+            else f"entries {sorted(set(global_state) ^ set(own))[:3]} are in one model only"
+        )
+        raise ClientRefusal(
+            f"the server's model does not fit this client's data ({detail}; model {settings.model!r}): a "
+            f"server whose run config names a data set it can read itself (dataset={settings.dataset!r}) "
+            "builds its model for that data; in a deployment, name the nodes' data set (e.g. dataset='csv') "
+            "so that the server asks a node for the initial model"
+        )
+    model.load_state_dict(global_state)
+
+
 def evaluate_local(
     client: LocalClient, settings: RunSettings, global_state: dict[str, torch.Tensor]
 ) -> dict[str, int | float]:
@@ -123,6 +146,6 @@ def evaluate_local(
     check_finite(global_state)
     test = client.data.test
     model = new_model(settings, test.features, test.num_classes).to(device())
-    model.load_state_dict(global_state)
+    load_global(model, global_state, settings)
     loss, accuracy = evaluate_model(model, test)
     return {"num-examples": len(test), "loss": loss, "accuracy": accuracy, "evaluation-off": 0}

@@ -107,8 +107,8 @@ class Participation:
         if server_round == 1 and chosen:  # the wait a first run is silent in otherwise
             self._log(
                 logging.INFO,
-                "first round: each client plans its DP-SGD before it trains, and a simulation starts the clients' "
-                "processes now: the first round takes longer than the next",
+                "first round: each client plans its DP-SGD before it trains (and in a simulation its process "
+                "starts now): the first round takes longer than the next",
             )
         self.recorder.sampled(server_round, len(chosen))
         return chosen

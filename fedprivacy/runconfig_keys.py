@@ -267,7 +267,8 @@ RUN_KEYS = (
         _one_of(DATASETS),
         "`digits` (embedded), `synthetic`, or one read from data-path: "
         + ", ".join(f"`{name}`" for name in PATH_DATASETS)
-        + " ([data.md](data.md); simulations: a deployed node reads its file as its node config says)",
+        + " ([data.md](data.md)); a deployed node reads its file as its node config says, and a deployment "
+        "names the nodes' kind here, so that the server, which has no such file, asks a node for the model",
         "data",
     ),
     RunKey(

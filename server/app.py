@@ -46,7 +46,8 @@ DEPLOYED_LEDGERS = "on each SuperNode (its node config's ledger-path); the serve
 def _ledgers_without_server_data(ledger_path: Path) -> str:
     """Where the clients' ledgers are when the server has no data of its own. It cannot tell
     deployed SuperNodes from simulated clients whose data-path is not a file here either (these
-    fail before they train), so it names both; a file at `ledger_path` may be another run's."""
+    fail before they train), so it names both until a client trains (`_rounds`); a file at
+    `ledger_path` may be another run's."""
     return f"{DEPLOYED_LEDGERS}; simulated clients would keep theirs in {ledger_path}"
 
 
@@ -199,6 +200,17 @@ def _rounds(
         settings.rule,
         evaluation,
     )
+    try:
+        _train(grid, settings, recorder, strategy, nodes, test)
+    finally:
+        if test is None and any(client.rounds_trained for client in recorder.clients.values()):
+            extra["ledger"] = DEPLOYED_LEDGERS  # a client trained without the server's data: a deployed one
+
+
+def _train(
+    grid: Grid, settings: RunSettings, recorder: RunRecorder, strategy: PrivacyFedAvg, nodes: list[int], test: Any
+) -> None:
+    """The initial model, the rounds with their evaluation, then the model and figure."""
     initial, strategy.released = _initial_arrays(
         settings, test, grid, list(nodes), strategy.round_config(ConfigRecord(), 0)
     )

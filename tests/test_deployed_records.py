@@ -452,3 +452,32 @@ def test_a_file_of_one_class_or_no_rows_trains_as_any_other(tmp_path):
     assert sum(training_rows(tmp_path / "one.csv", tmp_path).values()) == 20
     client = deployed_client(RUN, parse_node_config(csv_node(tmp_path / "none.csv", tmp_path)))
     assert client.data.num_examples == 0 and client.data.train.features.shape == (0, 3)
+
+
+def test_a_deployment_whose_run_config_names_the_servers_own_data_set_is_refused_in_words(
+    in_process, run_config, tmp_path
+):
+    """With the default dataset (digits, which the server reads itself) the server builds a digits
+    model; csv nodes refuse it naming the misfit and the run-config fix, in words the server may
+    read (a deployed node's other failures reach the server as one constant sentence)."""
+    data = tmp_path / "a.csv"
+    random_table(7, 200).to_csv(data, index=False)
+    nodes = [
+        csv_node(data, tmp_path, **{"client-id": name, "ledger-path": str(tmp_path / f"{name}.sqlite")})
+        for name in ("a", "b")
+    ]
+    config = {**run_config, "noise-seed": -1, "min-clients": 2, "num-server-rounds": 1, "rule": "calibrated"}
+    config.pop("dataset", None)
+    with pytest.raises(RuntimeError, match="no client trained in any round"):
+        in_process.run_server(server_app, in_process.Grid(client_app, nodes, config), config)
+    (folder,) = [p for p in Path(config["results-dir"]).iterdir() if p.is_dir()]
+    statuses = pd.read_csv(folder / "clients.csv", dtype=str)["status"].tolist()
+    assert len(statuses) == 2
+    for status in statuses:
+        assert status.startswith(
+            "failed: ClientRefusal: the server's model does not fit this client's data (1.weight is [10, 64] "
+            "there, [2, 3] here; model 'logreg')"
+        ), status
+        assert "dataset='digits'" in status and "name the nodes' data set (e.g. dataset='csv')" in status
+    for name in ("a", "b"):  # refused before anything was spent
+        assert Ledger(tmp_path / f"{name}.sqlite").steps_spent(f"node:{name}") == 0

@@ -319,6 +319,8 @@ def test_deployment_clients_without_server_data_and_a_too_small_client(
         assert json.loads((folder / name).read_text())["ledger"].startswith(
             "on each SuperNode (its node config's ledger-path)"
         )
+    # once a client trained without the server's data, the run was a deployment: one place only
+    assert json.loads((folder / "summary.json").read_text())["ledger"] == DEPLOYED_LEDGERS
     assert not (folder / "ledger.sqlite").exists()
     rounds = pd.read_csv(folder / "rounds.csv")
     assert rounds["accuracy"].isna().all() and rounds["federated_accuracy"].isna().all()
