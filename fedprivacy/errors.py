@@ -14,6 +14,8 @@ from typing import Any
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 _EXCEPTION_LINE = re.compile(r"^(?:[\w]+\.)*(\w+(?:Error|Exception)): (.*\S.*)$")
+# A deployed SuperNode's form (Flower's `run_clientapp`): "<class 'pkg.Name'>:<'message'>"
+_SUPERNODE_REASON = re.compile(r"^<class '(?:\w+\.)*(\w+)'>:<'(.*)'>$", re.DOTALL)
 
 
 class InputError(ValueError):
@@ -93,8 +95,12 @@ def error_summary(reason: str) -> str:
     A ClientApp's exception reaches the server as a whole traceback (under Ray: two chained
     tracebacks with colour codes, ending in a wrapper exception). Users need its cause, e.g.
     "InputError: data-path='/x.csv': no such file", so this keeps the last `Name: message` line
-    with a non-empty message (the innermost exception Python printed), else the last line.
+    with a non-empty message (the innermost exception Python printed), else the last line. A
+    deployed SuperNode sends `<class 'pkg.Name'>:<'message'>`, given as `Name: message`.
     """
+    deployed = _SUPERNODE_REASON.match(reason.strip())
+    if deployed:
+        return f"{deployed.group(1)}: {deployed.group(2)}"
     lines = [line.strip() for line in _ANSI_ESCAPE.sub("", reason).splitlines() if line.strip()]
     for line in reversed(lines):
         match = _EXCEPTION_LINE.match(line)

@@ -32,3 +32,12 @@ def test_an_in_process_reason_is_kept_as_it_is():
 def test_a_reason_without_an_exception_line_gives_its_last_line():
     assert error_summary("connection lost\n  while sending\n") == "while sending"
     assert error_summary("  \n") == "unknown error"
+
+
+def test_a_deployed_supernodes_reason_gives_the_exception_and_its_message():
+    """Flower's SuperNode sends `str(type(ex)) + ":<'" + str(ex) + "'>"`."""
+    refusal = "client a: plan over budget: ε=1.2 > 1"
+    reason = str(type(RuntimeError())).replace("builtins.", "") + ":<'" + refusal + "'>"
+    assert error_summary(reason) == f"RuntimeError: {refusal}"
+    nested = "<class 'fedprivacy.errors.ClientRefusal'>:<'the server's model does not fit (a: [1, 2])'>"
+    assert error_summary(nested) == "ClientRefusal: the server's model does not fit (a: [1, 2])"
