@@ -329,7 +329,8 @@ def parse_node_config(node_config: Mapping[str, Any]) -> NodeSettings | None:
         raise InputError(
             missing[0],
             None,
-            "a deployed SuperNode needs --node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1 delta=1e-6"
+            f"missing from the node config ({', '.join(missing)} not given): a deployed SuperNode needs "
+            "--node-config \"client-id='…' data-path='/abs/file.csv' epsilon=1 delta=1e-5"
             ' public-size=5000" (its own budget, and the size it declares public: the run config cannot set it;'
             " its plan is made from that size and only that size is sent; ledger-path, dataset, label-column,"
             " feature-columns and num-classes optional)",

@@ -526,3 +526,13 @@ def test_a_clip_norm_outside_its_range_is_refused_naming_the_range(value):
     """Zero and negative norms name the same range as a norm too small or too large."""
     with pytest.raises(InputError, match=r"clip-norm=.*: must be a finite number in \[1e-06, 1e\+06\]"):
         limits.clip_norm("clip-norm", value)
+
+
+def test_a_node_config_missing_required_keys_names_every_one():
+    """The keys a SuperNode must be given, all of them, before the template that shows how."""
+    with pytest.raises(InputError) as refused:
+        parse_node_config({"client-id": "a", "data-path": "/data/a.csv", "epsilon": 1.0})
+    assert refused.value.field == "delta"
+    assert str(refused.value).startswith(
+        "delta=None: missing from the node config (delta, public-size not given): a deployed SuperNode needs"
+    )

@@ -448,7 +448,7 @@ def test_empty_cell_names_column_and_row(tmp_path: Path) -> None:
     with pytest.raises(InputError) as excinfo:
         load_dataset("csv", path, label="y", num_classes=2)
     text = message(excinfo)
-    assert "column z=''" in text and "empty value" in text and "data row 3" in text and "bad.csv" in text
+    assert "column z=''" in text and "empty or NaN value" in text and "data row 3" in text and "bad.csv" in text
 
 
 def test_infinite_value_names_column_and_row(tmp_path: Path) -> None:

@@ -139,7 +139,7 @@ def numeric_column(table: pd.DataFrame, column: str, source: str) -> np.ndarray:
     problems = (
         (_truth_values(values), "True/False", "write 1 and 0 (a deployed node reads only numbers)"),
         (np.isnan(numbers) & values.notna().to_numpy(), "not a number", "the column must be numeric"),
-        (values.isna().to_numpy(), "empty value", "fill or drop the row"),
+        (values.isna().to_numpy(), "empty or NaN value", "fill or drop the row"),
         (np.isinf(numbers), "infinite value", "fill or drop the row"),
         (np.abs(numbers) > FLOAT32_MAX, "beyond float32", "features and labels are stored as float32"),
     )
