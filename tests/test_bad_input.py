@@ -105,6 +105,7 @@ CASES = [
     cli_case("delta", "1.0", *PLAN, "--epsilon", "1", "--delta", "1"),
     cli_case("epsilon", "1000000000.0", "calculator", "--n", "5736", "--epsilon", "1e9"),
     cli_case("n", "0", "calculator", "--n", "0", "--epsilon", "1"),
+    cli_case("n", "3", "calculator", "--n", "3", "--epsilon", "1", "--delta", "0.1"),  # no grid rate gives q·N ≥ 1
     # CSV files, through `fedprivacy sheets`
     cli_case("data", "nowhere.csv", "sheets", "--data", "{folder}/nowhere.csv", "--partition-by", "puma"),
     cli_case(

@@ -214,6 +214,16 @@ def test_sheets_bad_csv_inputs_exit_2_with_no_output(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+def test_calculator_says_which_grid_points_it_left_out(tmp_path):
+    result = fedprivacy(
+        "calculator", "--n", "10", "--epsilon", "1", "--delta", "0.01", "--rule", "proactive", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    assert "left out: q = 0.005, 0.01, 0.02, 0.05: an expected batch below one record" in said
+    assert "1 grid point the rule does not certify" in said
+
+
 def test_calculator_json_lists_ranked_certified_plans(tmp_path):
     result = fedprivacy("calculator", "--n", "2000", "--epsilon", "2", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -11,7 +11,7 @@ from independent import CERTIFICATE_REL_TOL, pld_epsilon
 
 from fedprivacy.errors import InputError, PlanRefused
 from fedprivacy.privacy import classical
-from fedprivacy.privacy.calculator import feasible_plans
+from fedprivacy.privacy.calculator import feasible_plans, usable_rates
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client, resolve_schedule
 from fedprivacy.privacy.proactive import proactive_sigma
@@ -131,6 +131,17 @@ def test_calculator_ranks_feasible_plans_at_equal_epochs():
         assert same[0].to_dict()["noise_std_on_mean"] == pytest.approx(
             same[0].plan.sigma * 1.0 / (same[0].plan.sampling_rate * 3000)
         )
+
+
+def test_the_calculator_refuses_a_grid_that_leaves_no_plan():
+    """An empty table is never an answer: a grid whose rates all sample under one record names n,
+    one whose every point the rule refuses says why."""
+    with pytest.raises(InputError, match=r"n=4: .*below one record .*needs N >= 5"):
+        feasible_plans(4, 1.0, 0.1)
+    assert usable_rates(10) == [0.1, 0.2]
+    # proactive at N = 10, 16 epochs of q = 0.2: over budget (the calculator's own table leaves it out)
+    with pytest.raises(PlanRefused, match=r"no plan of the grid \(1 points"):
+        feasible_plans(10, 1.0, 0.01, rule="proactive", epochs_grid=(16.0,), rate_grid=(0.2,))
 
 
 # ---------------- property tests ----------------

@@ -381,7 +381,7 @@ def calculator(
 ) -> None:
     """List every feasible plan over a grid of epochs and sampling rates, ranked a priori."""
     from fedprivacy.privacy import limits
-    from fedprivacy.privacy.calculator import UTILITY_PROXY, feasible_plans
+    from fedprivacy.privacy.calculator import DEFAULT_EPOCHS, DEFAULT_RATES, UTILITY_PROXY, feasible_plans, usable_rates
     from fedprivacy.privacy.planner import below_one_over_n
 
     def run() -> list[Any]:
@@ -404,9 +404,18 @@ def calculator(
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in rows]) + "\n")
         return
+    rates = usable_rates(n)
+    refused = len(DEFAULT_EPOCHS) * len(rates) - len(rows)
+    left_out = []
+    if len(rates) < len(DEFAULT_RATES):
+        too_small = ", ".join(f"{q:g}" for q in DEFAULT_RATES if q not in rates)
+        left_out.append(f"q = {too_small}: an expected batch below one record")
+    if refused:
+        left_out.append(f"{refused} grid point{'s' if refused > 1 else ''} the rule does not certify")
     table = Table(
         title=f"Feasible plans for N={n}, ε={epsilon:g}, δ={delta:.2g} ({value(rule)}, {value(adjacency)}); "
-        f"ranked by {UTILITY_PROXY}"
+        f"ranked by {UTILITY_PROXY}",
+        caption=f"left out: {'; '.join(left_out)}" if left_out else None,
     )
     for column in ("k", "q", "batch", "T", "σ", "σC/(qN)", "PLD ε", "rank"):
         table.add_column(column, justify="right")

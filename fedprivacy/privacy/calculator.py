@@ -10,11 +10,11 @@ why the table keeps k as its first key and lets the user pick k.
 
 from __future__ import annotations
 
-import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fedprivacy.errors import PlanRefused
+from fedprivacy.errors import InputError, PlanRefused
 from fedprivacy.privacy.plan import Plan
 from fedprivacy.privacy.planner import plan_client
 
@@ -46,6 +46,11 @@ class CalculatorRow:
         }
 
 
+def usable_rates(n: int, rate_grid: Sequence[float] = DEFAULT_RATES) -> list[float]:
+    """The grid's sampling rates whose expected batch q·N holds at least one record."""
+    return [q for q in rate_grid if q * n >= 1.0 and q <= 1.0]
+
+
 def feasible_plans(
     n: int,
     epsilon: float,
@@ -61,12 +66,24 @@ def feasible_plans(
     """All certified plans of the grid, sorted by epochs, then by the utility proxy.
 
     Grid points with an expected batch below one record, or that the rule cannot certify
-    (proactive outside its conditions), are left out.
+    (proactive outside its conditions), are left out; a grid that leaves no point of the first
+    kind is refused (InputError naming n), and one whose every point is refused raises the first
+    refusal (PlanRefused), so an empty table never stands for an answer.
     """
-    grid = [(k, q) for k in epochs_grid for q in rate_grid if q * n >= 1.0 and q <= 1.0]
+    rates = usable_rates(n, rate_grid)
+    if not rates:
+        needed = math.ceil(1.0 / max(q for q in rate_grid if q <= 1.0))
+        raise InputError(
+            "n",
+            n,
+            f"the grid's sampling rates (at most {max(rate_grid):g}) leave an expected batch below one "
+            f"record (q·N < 1): the calculator needs N >= {needed}",
+        )
+    grid = [(k, q) for k in epochs_grid for q in rates]
     plans: list[tuple[float, Plan]] = []
+    refusals: list[PlanRefused] = []
     for done, (k, q) in enumerate(grid, start=1):
-        with contextlib.suppress(PlanRefused):
+        try:
             plans.append(
                 (
                     k,
@@ -83,8 +100,12 @@ def feasible_plans(
                     ),
                 )
             )
+        except PlanRefused as refusal:
+            refusals.append(refusal)
         if on_progress:
             on_progress(done, len(grid))
+    if not plans:
+        raise PlanRefused(f"no plan of the grid ({len(grid)} points of epochs × rate) is certified: {refusals[0]}")
     rows: list[CalculatorRow] = []
     for k in sorted({k for k, _ in plans}):
         same_epochs = sorted((p for pk, p in plans if pk == k), key=lambda p: p.noise_std_on_mean)
