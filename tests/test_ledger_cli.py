@@ -45,9 +45,10 @@ def test_show_lists_each_account_with_its_spend(ledger):
     assert table.returncode == 0 and "data:aaa" in table.stdout and "2 account(s)" in table.stdout
 
 
-def test_show_folds_long_accounts_on_a_narrow_terminal_never_cuts_them(tmp_path):
-    """set-budget takes an account as show lists it: at 60 columns a file account's 30 characters
-    are folded over lines, whole."""
+@pytest.mark.parametrize("columns", [60, 200])
+def test_show_prints_each_account_whole_on_one_line_at_any_width(tmp_path, columns):
+    """set-budget takes an account as show lists it: a table where one fits, else an account per
+    line with its figures below; an account is never folded or cut."""
     path = tmp_path / "ledger.sqlite"
     account = "file:0123456789abcdef/PUMA-1101"
     Ledger(path).open_account(account, 1.0, 1e-5)
@@ -56,12 +57,25 @@ def test_show_folds_long_accounts_on_a_narrow_terminal_never_cuts_them(tmp_path)
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "COLUMNS": "60"},
+        env={**os.environ, "COLUMNS": str(columns)},
     )
     assert result.returncode == 0, result.stderr
-    rows = [line for line in result.stdout.splitlines() if line.startswith("│")]
-    cells = "".join(line.split("│")[1].strip() for line in rows)
-    assert cells == account and "…" not in result.stdout
+    lines = result.stdout.splitlines()
+    assert "…" not in result.stdout and sum(account in line for line in lines) == 1
+    if columns == 60:
+        below = lines[lines.index(account) + 1].split()
+        assert below[:3] == ["ε", "budget", "1"] and "left" in below
+    else:
+        assert any(line.startswith("│ " + account) and "1.0000" in line for line in lines)
+
+
+def test_an_empty_file_is_refused_and_left_empty(tmp_path):
+    """SQLite would turn an empty file into a ledger: an operator's command never creates one."""
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    result = fedprivacy("ledger", "show", str(empty))
+    assert result.returncode == 2 and "an empty file, not a ledger" in result.stderr
+    assert empty.stat().st_size == 0
 
 
 def test_set_budget_asks_and_changes_only_what_the_operator_confirms(ledger):

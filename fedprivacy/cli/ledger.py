@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from fedprivacy import errors
@@ -32,6 +33,8 @@ def _open(path: Path):
 
     if not path.is_file():
         raise InputError("ledger", str(path), "no such file: pass the ledger-path of a SuperNode or run")
+    if path.stat().st_size == 0:  # SQLite would make it a ledger: an operator's command never creates one
+        raise InputError("ledger", str(path), "an empty file, not a ledger: pass the ledger-path of a SuperNode or run")
     return Ledger(path, busy_timeout=OPERATOR_WAIT_S)
 
 
@@ -45,14 +48,9 @@ def show(
     if as_json:
         sys.stdout.write(json.dumps([{**asdict(a), "epsilon_left": a.epsilon_left} for a in accounts]) + "\n")
         return
-    table = Table(title=f"{len(accounts)} account(s) in {path}")
-    # on a narrow terminal every cell is folded over lines, never cut: the whole account, which
-    # set-budget takes
-    table.add_column("account", overflow="fold")
-    for column in ("ε budget", "δ", "steps", "ε spent", "ε left", "runs", "last spend (UTC)"):
-        table.add_column(column, justify="right", overflow="fold")
-    for a in accounts:
-        table.add_row(
+    columns = ("ε budget", "δ", "steps", "ε spent", "ε left", "runs", "last spend (UTC)")
+    rows = [
+        (
             a.account,
             f"{a.epsilon:g}",
             f"{a.delta:.3g}",
@@ -60,9 +58,29 @@ def show(
             f"{a.epsilon_spent:.4f}",
             f"{a.epsilon_left:.4f}",
             str(a.runs),
-            (a.last_spend or "")[:19],
+            (a.last_spend or "")[:19] or "-",
         )
-    Console().print(table)
+        for a in accounts
+    ]
+    title = f"{len(accounts)} account(s) in {path}"
+    table = Table(title=title)
+    table.add_column("account", no_wrap=True)
+    for column in columns:
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    if Measurement.get(console, console.options.update(width=10_000), table).maximum <= console.width:
+        console.print(table)
+        return
+    # Too narrow for the table: an account per line, whole (set-budget and accept-data take it as
+    # written here), its figures on the line below; nothing is folded or cut.
+    console.print(title, soft_wrap=True, highlight=False)
+    for account, *figures in rows:
+        console.print(account, soft_wrap=True, highlight=False, markup=False)
+        console.print(
+            "  " + "  ".join(f"{c} {v}" for c, v in zip(columns, figures, strict=True)), soft_wrap=True, highlight=False
+        )
 
 
 @app.command("set-budget")
