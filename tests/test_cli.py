@@ -91,6 +91,13 @@ def test_version_and_choices_in_help(tmp_path):
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "'magic' is not one of" in wrong.stderr
 
 
+@pytest.mark.parametrize(("args", "hint"), [(["plna"], "'plan'"), (["ledger", "shw"], "'show'")])
+def test_a_misspelled_command_is_suggested_once(tmp_path, args, hint):
+    wrong = fedprivacy(*args, cwd=tmp_path)
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1
+    assert wrong.stderr.count("Did you mean") == 1 and f"Did you mean {hint}?" in wrong.stderr
+
+
 def test_sheets_for_fulton_pums_gives_seven_clients_of_the_puma_sizes(tmp_path):
     data = pums_file()
     with data.open() as handle:

@@ -9,6 +9,7 @@ and look after a privacy ledger. One module per group of commands:
 
 from __future__ import annotations
 
+import re
 import sys
 
 import click
@@ -41,6 +42,14 @@ def _options(
     """Federated, proactive DP-SGD: plan and certify each client's privacy budget, run and sweep federations."""
 
 
+_REPEATED_HINT = re.compile(r"(\(?Did you mean [^?]*\?\)?)(?: \1)+")
+
+
+def _once(message: str) -> str:
+    """Click (from 8.2) and typer each add their "Did you mean 'plan'?" to an unknown command: once."""
+    return _REPEATED_HINT.sub(r"\1", message)
+
+
 def main() -> None:
     """The `fedprivacy` command. Click's own errors (a non-number, an unknown or missing option)
     become one line too, instead of a usage box, with Click's exit codes (2 for usage errors)."""
@@ -50,7 +59,7 @@ def main() -> None:
         sys.exit(2)
     except click.UsageError as error:
         command = error.ctx.command_path if error.ctx else "fedprivacy"
-        typer.echo(f"error: {error.format_message()} (see: {command} --help)", err=True)
+        typer.echo(f"error: {_once(error.format_message())} (see: {command} --help)", err=True)
         sys.exit(error.exit_code)
     except click.ClickException as error:
         typer.echo(f"error: {error.format_message()}", err=True)
