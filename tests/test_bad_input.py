@@ -210,7 +210,14 @@ CASES = [
         "{file}",
         make=sqlite_file("superlink.db", "CREATE TABLE run (run_id INTEGER); CREATE TABLE node (node_id INTEGER);"),
     ),
-    cli_case("ledger-path", "locked.sqlite", "ledger", "show", "{file}", make=sqlite_file("locked.sqlite", "")),
+    cli_case(
+        "ledger-path",
+        "locked.sqlite",
+        "ledger",
+        "show",
+        "{file}",
+        make=sqlite_file("locked.sqlite", "CREATE TABLE t (x)"),
+    ),
     cli_case(
         "epsilon",
         "1000000000.0",
@@ -439,8 +446,8 @@ TINY_SCHEDULES = [  # (schedule inputs for N = 5736, the field the refusal names
     (dict(sampling_rate=limits.SAMPLING_RATE_MIN / 10), "sampling-rate"),  # below the minimum rate
     (dict(sampling_rate=1e-5, epochs=1e-5), "sampling-rate"),  # q·N = 0.057
     (dict(sampling_rate=1e-5, steps=10), "sampling-rate"),
-    (dict(expected_batch_size=0.5, steps=10), "expected-batch-size"),
-    (dict(expected_batch_size=1e-6), "expected-batch-size"),
+    (dict(expected_batch_size=0.5, steps=10), "batch-size"),
+    (dict(expected_batch_size=1e-6), "batch-size"),
     (dict(steps=10**6), "steps"),  # the default k over 10⁶ steps: q·N = 0.03
     (dict(epochs=1e155), "epochs"),  # T ≥ k > STEPS_MAX (2k²/ε overflowed a float)
 ]
@@ -474,7 +481,7 @@ def test_a_schedule_sampling_under_one_record_per_step_is_refused_quickly_by_eve
         (("--epochs", "1e-9"), "epochs", "1e-09"),
         (("--sampling-rate", "1e-10"), "sampling-rate", "1e-10"),
         (("--sampling-rate", "0.0001", "--steps", "10"), "sampling-rate", "0.0001"),
-        (("--batch-size", "0.5"), "expected-batch-size", "0.5"),
+        (("--batch-size", "0.5"), "batch-size", "0.5"),
     ],
 )
 def test_the_cli_refuses_a_schedule_sampling_under_one_record_per_step(

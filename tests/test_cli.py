@@ -221,6 +221,17 @@ def test_sheets_bad_csv_inputs_exit_2_with_no_output(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+def test_sheets_take_one_of_epsilon_and_epsilons_and_refuse_in_one_line(tmp_path):
+    base = ("sheets", "--data", str(pums_file()), "--partition-by", "puma", "--out", "out")
+    both = fedprivacy(*base, "--epsilon", "1", "--epsilons", "1,2,3,4,5,6,7", cwd=tmp_path)
+    assert both.returncode == 2 and both.stderr.startswith("error: epsilons='1,2,3,4,5,6,7': give either --epsilon")
+    refused = fedprivacy(*base, "--epsilon", "0", cwd=tmp_path)
+    assert (
+        refused.returncode == 2 and refused.stderr.startswith("error: epsilon=0.0") and refused.stderr.count("\n") == 1
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_calculator_says_which_grid_points_it_left_out(tmp_path):
     result = fedprivacy(
         "calculator", "--n", "10", "--epsilon", "1", "--delta", "0.01", "--rule", "proactive", cwd=tmp_path

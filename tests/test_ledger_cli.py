@@ -87,6 +87,14 @@ def test_set_budget_asks_and_changes_only_what_the_operator_confirms(ledger):
     assert done.returncode == 0, done.stderr
     assert "data:aaa: ε=3, δ=1e-05 (was ε=1, δ=1e-05)" in done.stdout
     assert Ledger(ledger).budget("data:aaa").epsilon == 3.0 and Ledger(ledger).steps_spent("data:aaa") == 120
+    spent = pld_epsilon([(3.0, 0.05, 120)], 1e-5)
+    below = fedprivacy(
+        "ledger", "set-budget", str(ledger), "data:aaa", "--epsilon", f"{spent / 2:.4f}", "--delta", "1e-5", "--yes"
+    )
+    assert (
+        below.returncode == 0
+        and f"has already spent ε={spent:.4f} at δ=1e-05: it trains no further round" in below.stdout
+    )
 
 
 @pytest.mark.parametrize(

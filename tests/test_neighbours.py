@@ -77,6 +77,20 @@ def test_a_sampled_replace_one_certificate_lies_between_add_remove_and_group_pri
     assert replace_one.epsilon_rdp is None  # dp-accounting's RDP has no replace-one Poisson analysis
 
 
+def test_a_replace_one_plan_reports_what_it_spends_under_add_remove():
+    """docs/privacy.md's table: calibrated replace-one at N = 5,736, ε = 1 is σ 5.28 and spends
+    ε = 0.494 add/remove, by dp-accounting's PLD on the same steps."""
+    from independent import CERTIFICATE_REL_TOL, pld_epsilon
+
+    from fedprivacy.privacy.relations import epsilon_by_neighbours
+
+    plan = plan_client(5736, 1.0, 1e-5, rule="calibrated", compare=False, neighbours="replace-one")
+    assert plan.sigma == pytest.approx(5.28, abs=0.005)
+    independent = pld_epsilon([(plan.sigma, plan.sampling_rate, plan.steps)], 1e-5)
+    assert independent == pytest.approx(0.494, abs=0.0005)  # the table's figure
+    assert epsilon_by_neighbours(plan)["add-remove"] == pytest.approx(independent, rel=CERTIFICATE_REL_TOL)
+
+
 def test_the_proactive_sigma_is_refused_where_replace_one_needs_more_noise():
     assert plan_client(5736, 1.0, 1e-5, compare=False).epsilon_pld < 1.0
     with pytest.raises(PlanRefused, match="certifies ε=1.0"):

@@ -84,7 +84,7 @@ def test_proactive_plan_far_outside_its_conditions_is_refused():
         (dict(n=100, epsilon=1, delta=1e-5, epochs=-2), "epochs"),
         (dict(n=100, epsilon=1, delta=1e-5, rounds=0), "rounds"),
         (dict(n=100, epsilon=1, delta=1e-5, rule="magic"), "rule"),
-        (dict(n=100, epsilon=1, delta=1e-5, expected_batch_size=500), "expected-batch-size"),
+        (dict(n=100, epsilon=1, delta=1e-5, expected_batch_size=500), "batch-size"),
         (dict(n=100, epsilon=1, delta=1e-5, rule="calibrated", alpha_schedule="power"), "alpha-schedule"),
     ],
 )

@@ -107,6 +107,9 @@ def set_budget(
             raise typer.Exit(code=1)
         ledger.set_budget(account, epsilon, delta)
         typer.echo(f"{account}: ε={epsilon:g}, δ={delta:g} (was ε={old.epsilon:g}, δ={old.delta:g})")
+        spent = next(a.epsilon_spent for a in ledger.accounts() if a.account == account)
+        if spent >= epsilon:
+            typer.echo(f"{account} has already spent ε={spent:.4f} at δ={delta:g}: it trains no further round")
 
     guarded(change)
 

@@ -301,7 +301,9 @@ def _plan_federation(
 def sheets(
     data: Annotated[Path, typer.Option("--data", help="CSV file with one row per record")],
     partition_by: Annotated[str, typer.Option("--partition-by", help="the column whose values are the clients")],
-    epsilon: Annotated[float, typer.Option("--epsilon", help="target ε of every client")] = 1.0,
+    epsilon: Annotated[
+        float | None, typer.Option("--epsilon", help="target ε of every client [default: 1.0]", show_default=False)
+    ] = None,
     epsilons: Annotated[
         str | None,
         typer.Option("--epsilons", help="one ε per client, comma-separated, in sorted client order"),
@@ -326,10 +328,17 @@ def sheets(
     def build() -> list[Any]:
         limits.clip_norm("clip-norm", clip_norm)
         sizes = partition_sizes(read_table(data, [partition_by], {partition_by: "partition-by"}), partition_by)
+        if epsilon is not None and epsilons is not None:
+            raise InputError("epsilons", epsilons, "give either --epsilon (every client) or --epsilons, not both")
         given = per_client_values("epsilons", epsilons or "", limits.epsilon, "0.5,1,2")
-        budgets = one_per_client("epsilons", given, len(sizes)) if given else (epsilon,) * len(sizes)
+        budgets = (
+            one_per_client("epsilons", given, len(sizes))
+            if given
+            else (1.0 if epsilon is None else epsilon,) * len(sizes)
+        )
         plans = []
-        with Progress(console=console, transient=True) as progress:
+        # off where stderr is not a terminal: a refusal then is the only line there
+        with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
             task = progress.add_task("planning clients", total=len(sizes))
             for (client, size), budget in zip(sizes.items(), budgets, strict=True):
                 plans.append(

@@ -104,7 +104,11 @@ def steps(field: str, value: Any, steps_needed: int) -> None:
             field,
             value,
             f"gives T = {steps_needed:.3g} local steps; plans are certified up to T = {STEPS_MAX:.0e} "
-            f"(choose fewer epochs, a larger sampling rate or a larger ε)",
+            + (
+                "(choose fewer steps)"
+                if field == "steps"
+                else "(choose fewer epochs, a larger sampling rate or a larger ε)"
+            ),
         )
 
 

@@ -33,13 +33,16 @@ ADP_DEFAULT_LR_PARAMS = {"a": 20.0, "c": 1.0}  # η_t = η/sqrt(20 + t), the pap
 
 def below_one_over_n(delta: float, n: int) -> float:
     """δ in (0, 1/N): a δ ≥ 1/N is met by releasing one record in the clear (Dwork & Roth §2.3)."""
-    delta = errors.open_unit("delta", delta)
+    allowed = (
+        f"must be below 1/N = {1.0 / n:.3g} for N = {n} (a number in (0, {1.0 / n:.3g})): a δ ≥ 1/N allows "
+        "releasing a record outright"
+    )
+    try:
+        delta = errors.open_unit("delta", delta)
+    except InputError:
+        raise InputError("delta", delta, allowed) from None
     if delta * n >= 1.0:
-        raise InputError(
-            "delta",
-            delta,
-            f"must be below 1/N = {1.0 / n:.3g} for N = {n}: a δ ≥ 1/N allows releasing a record outright",
-        )
+        raise InputError("delta", delta, allowed)
     return delta
 
 
@@ -65,14 +68,14 @@ def resolve_schedule(
     if expected_batch_size is not None:
         if sampling_rate is not None:
             raise InputError(
-                "expected-batch-size",
+                "batch-size",
                 expected_batch_size,
                 "give either a sampling rate or a batch size, not both",
             )
-        batch = errors.positive("expected-batch-size", expected_batch_size)
+        batch = errors.positive("batch-size", expected_batch_size)
         if not limits.EXPECTED_BATCH_MIN <= batch <= n:
             raise InputError(
-                "expected-batch-size",
+                "batch-size",
                 expected_batch_size,
                 f"must be in [{limits.EXPECTED_BATCH_MIN:g}, N] = [{limits.EXPECTED_BATCH_MIN:g}, {n}] "
                 "(an expected batch q·N of less than one record per step mostly trains on nothing)",
@@ -393,5 +396,5 @@ def _refuse_if_over(
         f"client {client_id}: rule {rule} with σ={sigma:.4g}, q={schedule.rate:.4g}, T={schedule.steps} certifies "
         f"ε={epsilon_pld:.4f} > target ε={target:g}"
         + (f" (conditions not met: {', '.join(failed)})" if failed else "")
-        + "; use rule 'calibrated' or change the epochs"
+        + "; use rule 'calibrated' or change the schedule (epochs, sampling rate, steps)"
     )
