@@ -141,7 +141,7 @@ def run_scenario(scenario: Scenario, results_dir: Path, *, run_id: int = 1, quie
 
     config = scenario.config(results_dir)
     settings = parse_run_config(config)  # refuse a bad scenario before any client starts
-    num_clients = scenario.num_clients or natural_client_count(config)
+    num_clients = natural_client_count(config) if scenario.num_clients is None else scenario.num_clients
     settings.check_clients(num_clients, field="num_clients")
     require_data_file(settings)
     base = Path(config["results-dir"])

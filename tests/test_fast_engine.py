@@ -670,18 +670,20 @@ def test_a_device_that_cannot_run_is_refused_by_name_before_anything_is_written(
     assert not (tmp_path / "fast").exists()
 
 
-def test_the_device_is_chosen_by_name_and_recorded(in_process, tmp_path):
-    """`device="cpu"` trains on the CPU even where a GPU is visible; the run says where it trained
-    and config.json keeps the choice."""
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_the_device_is_chosen_by_name_and_recorded(in_process, tmp_path, device):
+    """`device="cpu"` trains on the CPU even where a GPU is visible, `auto` on a GPU where one is;
+    the run says where it trained and config.json keeps that device."""
     lines: list[str] = []
     folder, _ = run_fast(
         {**in_process.defaults(), "num-server-rounds": 1, "results-dir": str(tmp_path / "r")},
         2,
-        device="cpu",
+        device=device,
         say=lines.append,
     )
-    assert "fast engine: 1 worker on cpu" in lines
-    assert json.loads((folder / "config.json").read_text())["device"] == "cpu"
+    used = "cuda" if device == "auto" and torch.cuda.is_available() else "cpu"
+    assert f"fast engine: 1 worker on {used}" in lines
+    assert json.loads((folder / "config.json").read_text())["device"] == used
 
 
 def test_the_sweep_takes_the_device_as_a_resource_and_refuses_an_unknown_one(tmp_path):

@@ -632,3 +632,31 @@ def test_the_sweep_log_keeps_each_line_whole_on_a_narrow_console():
     with SweepProgress(1, 0, Console(file=out, width=40, force_terminal=False)) as progress:
         progress.log(line)
     assert line in out.getvalue().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engine", "fast", "--device", "cuda"], "resources.device='cuda': no CUDA GPU is visible here"),
+        (["--engine", "fast", "--worker-gpus", "0.5"], "resources.worker-gpus=0.5: no CUDA GPU is visible here"),
+        (["--engine", "flower", "--client-gpus", "0.5"], "resources.client-gpus=0.5: no CUDA GPU is visible here"),
+        (["--engine", "flower", "--client-cpus", "{too_many}"], "resources.client-cpus={too_many}: this machine has"),
+    ],
+)
+def test_resources_this_machine_cannot_give_are_refused_before_anything_is_written(
+    tmp_path, monkeypatch, fedprivacy_cli, flags, message
+):
+    """Every cell would fail on them one by one (Flower's simulation places no client): refused by
+    name, by --dry-run too, and the run writes no folder."""
+    import torch
+
+    from sims.sweep.machine import visible_cpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a machine without a GPU, wherever this runs
+    fill = {"too_many": str(visible_cpus() + 1)}
+    flags = [flag.format(**fill) for flag in flags]
+    out = tmp_path / "out"
+    for dry in (["--dry-run"], []):
+        code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(out), *flags, *dry)
+        assert code == 2 and err.startswith(f"error: {message.format(**fill)}"), err
+        assert not out.exists()

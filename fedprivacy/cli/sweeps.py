@@ -165,6 +165,7 @@ def sweep(
     """
     from sims.sweep.grid import cells as grid_cells
     from sims.sweep.grid import schedule_note
+    from sims.sweep.machine import check_machine
     from sims.sweep.tuning import check_resumable as check_tuning_resumable
     from sims.sweep.tuning import plan_tuning
 
@@ -198,6 +199,7 @@ def sweep(
         plan = guarded(lambda: plan_tuning(spec, cells))  # every tuning run's config validated too
         if plan is not None and out is not None:  # a folder the run would refuse, refused now
             guarded(lambda: check_tuning_resumable(out, plan))
+        guarded(lambda: check_machine(spec))
     if dry_run:
         tuning = f" after {plan.runs} tuning runs" if plan is not None else ""
         table = Table(title=f"{spec.name}: {len(cells)} cells{tuning}, engine {spec.engine}")

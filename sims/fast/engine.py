@@ -219,24 +219,23 @@ def _run_rounds(
     assert test is not None  # None only without a data file, refused in run_fast
     recorder.evaluation_rows, recorder.largest_class_share = len(test.labels), largest_class_share(test.labels)
     clients = [_client(settings, index, num_clients, ledger.path) for index in range(num_clients)]
-    recorder.write_config(
-        resolved_config(
-            settings,
-            run_id,
-            run_config,
-            {
-                **_marked(spec.private),
-                "results_folder": str(recorder.folder),
-                "ledger": str(ledger.path),
-                "clients": num_clients,
-                "evaluation": central_evaluation(settings),
-                "engine": "fast",
-                "workers": spec.workers,
-                "device": spec.device,
-                **({} if client_level is None else {"federation": client_level.describe()}),
-            },
-        )
+    described = resolved_config(
+        settings,
+        run_id,
+        run_config,
+        {
+            **_marked(spec.private),
+            "results_folder": str(recorder.folder),
+            "ledger": str(ledger.path),
+            "clients": num_clients,
+            "evaluation": central_evaluation(settings),
+            "engine": "fast",
+            "workers": spec.workers,
+            "device": spec.device,
+            **({} if client_level is None else {"federation": client_level.describe()}),
+        },
     )
+    recorder.write_config(described)  # before the workers start: a run they refuse still says what it was
     model = initial_model(settings, test.features, test.num_classes)
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     loss, accuracy = _central_metrics(model, global_state, test)
@@ -261,6 +260,7 @@ def _run_rounds(
         private=spec.private,
     )
     say(f"fast engine: {spec.workers} worker{'s' * (spec.workers != 1)} on {pool.device}")
+    recorder.write_config({**described, "device": pool.device})  # where it trains, `auto` resolved
     participation = Participation(
         recorder,
         seed=settings.seed,

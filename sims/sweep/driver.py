@@ -65,6 +65,7 @@ from sims.sweep.baseline_jobs import (
 )
 from sims.sweep.engines import CellRunner, create_runner
 from sims.sweep.grid import Cell, schedule_note
+from sims.sweep.machine import check_machine
 from sims.sweep.progress import SweepProgress
 from sims.sweep.spec import SweepSpec
 from sims.sweep.tuning import TuningPlan, plan_tuning, read_choices, run_outcome, runs_done, tune_arm
@@ -431,6 +432,7 @@ def run_sweep(
 ) -> SweepOutcome:
     """Run the tuning (with [tune]), the baselines and every unfinished cell; return sweep.csv's rows
     and the baselines."""
+    check_machine(spec)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
