@@ -201,7 +201,8 @@ def sweep(
             guarded(lambda: check_tuning_resumable(out, plan))
         guarded(lambda: check_machine(spec))
     if dry_run:
-        tuning = f" after {plan.runs} tuning runs" if plan is not None else ""
+        about = "about " if plan is not None and plan.tune.private is not None else ""  # private: a random count
+        tuning = f" after {about}{plan.runs} tuning runs" if plan is not None else ""
         table = Table(title=f"{spec.name}: {len(cells)} cells{tuning}, engine {spec.engine}")
         for column in ("cell", "clients", "rounds"):
             table.add_column(column)
