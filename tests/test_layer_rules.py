@@ -426,6 +426,41 @@ def test_patches_by_kernel_offset_are_the_patches_laid_out_otherwise(conv: nn.Mo
     assert by_offset.transpose(1, 2).is_contiguous()  # the runs copied are output rows
 
 
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.Conv2d(4, 6, 3, groups=2, padding=(2, 1), stride=2, dilation=(1, 2)),
+        nn.Conv2d(3, 4, 2, padding=1, padding_mode="reflect"),
+        nn.Conv1d(4, 6, 3, groups=2, padding=2),
+    ],
+    ids=["2d-zeros", "2d-grouped-strided-dilated", "2d-reflect", "1d-grouped-zeros"],
+)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_patches_are_the_unfolded_input_in_patch_order(conv: nn.Module, channels_last: bool) -> None:
+    """`patches` against F.unfold (its own padding where the layer pads with zeros), reordered to
+    a group's kernel offsets then its channels, for either memory layout of the input."""
+    from fedprivacy.training.layers.conv import _padded, patches
+
+    one_d = conv.weight.dim() == 3
+    x = torch.randn(5, conv.in_channels, *((9,) if one_d else (7, 9)))
+    if channels_last and not one_d:
+        x = x.contiguous(memory_format=torch.channels_last)
+    zeros = conv.padding_mode == "zeros"
+    source = x if zeros else _padded(conv, x)
+    kernel, stride, dilation = (
+        ((1, *conv.kernel_size), (1, *conv.stride), (1, *conv.dilation))
+        if one_d
+        else (conv.kernel_size, conv.stride, conv.dilation)
+    )
+    padding = ((0, *conv.padding) if one_d else conv.padding) if zeros else 0
+    unfolded = F.unfold(source.unsqueeze(2) if one_d else source, kernel, dilation, padding, stride)
+    groups, offsets = conv.groups, math.prod(conv.kernel_size)
+    by_group = unfolded.unflatten(1, (groups, conv.in_channels // groups, offsets))  # (R, G, C/G, k, L)
+    expected = by_group.permute(0, 4, 1, 3, 2).flatten(2)  # (R, L, G·k·C/G)
+    assert torch.equal(patches(conv, x), expected)
+
+
 @pytest.mark.parametrize(("rows", "positions", "width"), [(6400, 16, 144), (115, 16, 144), (113, 16, 144), (300, 8, 5)])
 def test_gram_products_in_blocks_of_rows_are_bit_for_bit_the_whole_product(rows: int, positions: int, width: int):
     """`norms.gram64` copies blocks of rows to float64 (in the cache) and multiplies each: every

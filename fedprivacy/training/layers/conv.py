@@ -26,7 +26,7 @@ def patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     batch 256, and the channels-first order of the copy 6× slower on the second layer at 1,300 rows.
     """
     spatial = len(module.kernel_size)
-    view = _patch_view(module, _padded(module, x).movedim(1, -1).contiguous(), 1)  # (R, *out, C, *kernel)
+    view = _patch_view(module, _padded_channels_last(module, x), 1)  # (R, *out, C, *kernel)
     rows, out = view.shape[0], view.shape[1 : 1 + spatial]
     view = view.unflatten(1 + spatial, (module.groups, -1))  # (R, *out, G, C/G, *kernel)
     group, channels = 1 + spatial, 2 + spatial
@@ -55,6 +55,16 @@ def _padded(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
         return x
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     return F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+
+
+def _padded_channels_last(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
+    """x padded as the layer pads it, as one contiguous (R, *spatial, C) tensor: zeros are padded
+    after the channels move last, so that a channels-first x (the trainer's) is copied once, not
+    padded and then transposed (a trainer step of the digits CNN 1-5% faster)."""
+    pads = module._reversed_padding_repeated_twice
+    if module.padding_mode != "zeros" or not any(pads):
+        return _padded(module, x).movedim(1, -1).contiguous()
+    return F.pad(x.movedim(1, -1), (0, 0, *pads)).contiguous()
 
 
 def _patch_view(module: nn.Conv1d | nn.Conv2d, x: Tensor, first: int) -> Tensor:
