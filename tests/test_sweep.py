@@ -660,3 +660,14 @@ def test_resources_this_machine_cannot_give_are_refused_before_anything_is_writt
         code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(out), *flags, *dry)
         assert code == 2 and err.startswith(f"error: {message.format(**fill)}"), err
         assert not out.exists()
+
+
+def test_a_remote_ray_cluster_decides_its_own_gpus(tmp_path, monkeypatch, fedprivacy_cli):
+    """Workers of a cluster named by RAY_ADDRESS may have GPUs this process lacks: not refused here."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://cluster:10001")
+    flags = ["--engine", "fast", "--device", "cuda", "--workers", "2", "--dry-run"]
+    code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(tmp_path / "out"), *flags)
+    assert code == 0, err

@@ -23,7 +23,9 @@ def check_machine(spec: SweepSpec) -> None:
     import torch
 
     resources, gpus = spec.resources, torch.cuda.device_count()
-    if spec.engine == "fast" or spec.baseline:  # the fast engine runs these cells, or the baseline's tuning
+    # Ray workers of a cluster named by RAY_ADDRESS may have GPUs this process lacks: the pool decides
+    remote_workers = resources.workers > 1 and bool(os.environ.get("RAY_ADDRESS"))
+    if (spec.engine == "fast" or spec.baseline) and not remote_workers:  # fast-engine cells, or the baseline's
         from sims.fast.pool import resolve_device
 
         try:
