@@ -72,7 +72,7 @@ def nonprivate_baseline(
 ) -> RunResult:
     """`run_config`'s run with clipping and noise off (`num_clients` None: one per natural partition)."""
     config = baseline_run_config(run_config)
-    num_clients = num_clients or natural_client_count(config)
+    num_clients = natural_client_count(config) if num_clients is None else num_clients
     with tempfile.TemporaryDirectory(prefix="fedprivacy-baseline-") as scratch, warnings.catch_warnings():
         warnings.simplefilter("ignore", SeededRunWarning)  # seeded sampling, and no noise to keep secret
         started = time.perf_counter()

@@ -91,7 +91,9 @@ def test_version_and_choices_in_help(tmp_path):
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "'magic' is not one of" in wrong.stderr
 
 
-@pytest.mark.parametrize(("args", "hint"), [(["plna"], "'plan'"), (["ledger", "shw"], "'show'")])
+@pytest.mark.parametrize(
+    ("args", "hint"), [(["plna"], "'plan'"), (["shee"], "'sheets', 'sweep'"), (["ledger", "shw"], "'show'")]
+)
 def test_a_misspelled_command_is_suggested_once(tmp_path, args, hint):
     wrong = fedprivacy(*args, cwd=tmp_path)
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1

@@ -48,9 +48,9 @@ def test_show_lists_each_account_with_its_spend(ledger):
 @pytest.mark.parametrize("columns", [60, 200])
 def test_show_prints_each_account_whole_on_one_line_at_any_width(tmp_path, columns):
     """set-budget takes an account as show lists it: a table where one fits, else an account per
-    line with its figures below; an account is never folded or cut."""
+    line with its figures below; an account is never folded, cut or read as markup."""
     path = tmp_path / "ledger.sqlite"
-    account = "file:0123456789abcdef/PUMA-1101"
+    account = "file:0123456789abcdef/[red]PUMA-1101"
     Ledger(path).open_account(account, 1.0, 1e-5)
     result = subprocess.run(
         [sys.executable, "-m", "fedprivacy", "ledger", "show", str(path)],

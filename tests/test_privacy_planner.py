@@ -140,8 +140,11 @@ def test_the_calculator_refuses_a_grid_that_leaves_no_plan():
         feasible_plans(4, 1.0, 0.1)
     assert usable_rates(10) == [0.1, 0.2]
     # proactive at N = 10, 16 epochs of q = 0.2: over budget (the calculator's own table leaves it out)
-    with pytest.raises(PlanRefused, match=r"no plan of the grid \(1 points"):
+    with pytest.raises(PlanRefused, match=r"no plan of the grid \(1 point of"):
         feasible_plans(10, 1.0, 0.01, rule="proactive", epochs_grid=(16.0,), rate_grid=(0.2,))
+    for grid in ((), (0.0, 0.1), (0.5, 2.0)):
+        with pytest.raises(InputError, match=r"rate_grid=.*must be in \(0, 1\]"):
+            feasible_plans(100, 1.0, 1e-5, rate_grid=grid)
 
 
 # ---------------- property tests ----------------

@@ -35,6 +35,7 @@ def test_a_scenario_runs_the_apps_and_reads_their_results(tmp_path):
     [
         ({"epsilons": "1,2"}, 4, "epsilons"),  # one ε per client: 4 clients, 2 values
         ({}, 1, "num_clients"),  # fewer clients than min-clients: the ServerApp would wait for ever
+        ({}, 0, "num_clients"),  # 0 is a number of clients given, not "one per natural partition"
         ({"dataset": "pums", "data-path": "/nowhere/pums.csv"}, 2, "data-path"),  # every client would fail
     ],
 )

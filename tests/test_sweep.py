@@ -653,6 +653,8 @@ def test_resources_this_machine_cannot_give_are_refused_before_anything_is_writt
     from sims.sweep.machine import visible_cpus
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a machine without a GPU, wherever this runs
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "no-cluster"))  # and no `ray start` cluster to join
     fill = {"too_many": str(visible_cpus() + 1)}
     flags = [flag.format(**fill) for flag in flags]
     out = tmp_path / "out"
@@ -662,12 +664,32 @@ def test_resources_this_machine_cannot_give_are_refused_before_anything_is_writt
         assert not out.exists()
 
 
-def test_a_remote_ray_cluster_decides_its_own_gpus(tmp_path, monkeypatch, fedprivacy_cli):
-    """Workers of a cluster named by RAY_ADDRESS may have GPUs this process lacks: not refused here."""
+@pytest.mark.parametrize("joined", ["RAY_ADDRESS", "ray start"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--engine", "fast", "--device", "cuda", "--workers", "2"],
+        ["--engine", "flower", "--client-gpus", "0.25"],
+        ["--engine", "flower", "--client-cpus", "64"],
+    ],
+)
+def test_a_ray_cluster_decides_its_own_resources(tmp_path, monkeypatch, fedprivacy_cli, joined, flags):
+    """Ray workers and Flower's simulation join the cluster RAY_ADDRESS names or `ray start` left
+    here: its machines may have GPUs and CPUs this one lacks, so they are not refused here."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setenv("RAY_ADDRESS", "ray://cluster:10001")
-    flags = ["--engine", "fast", "--device", "cuda", "--workers", "2", "--dry-run"]
-    code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(tmp_path / "out"), *flags)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    if joined == "RAY_ADDRESS":
+        monkeypatch.setenv("RAY_ADDRESS", "ray://cluster:10001")
+    else:
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.1:6379")
+    code, _, err = fedprivacy_cli("sweep", str(TINY), "--out", str(tmp_path / "out"), *flags, "--dry-run")
     assert code == 0, err
+    # one fast worker runs in this process, cluster or not: refused
+    code, _, err = fedprivacy_cli(
+        "sweep", str(TINY), "--out", str(tmp_path / "out"), "--engine", "fast", "--device", "cuda", "--dry-run"
+    )
+    assert code == 2 and "resources.device='cuda'" in err

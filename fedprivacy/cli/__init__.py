@@ -42,12 +42,16 @@ def _options(
     """Federated, proactive DP-SGD: plan and certify each client's privacy budget, run and sweep federations."""
 
 
-_REPEATED_HINT = re.compile(r"(\(?Did you mean [^?]*\?\)?)(?: \1)+")
+_HINT = re.compile(r" ?\(?Did you mean [^?]*\?\)?")
 
 
 def _once(message: str) -> str:
-    """Click (from 8.2) and typer each add their "Did you mean 'plan'?" to an unknown command: once."""
-    return _REPEATED_HINT.sub(r"\1", message)
+    """Click (from 8.2) and typer each add a "Did you mean …?" to an unknown command: the first only."""
+    hints = _HINT.findall(message)
+    if len(hints) < 2:
+        return message
+    first = message.index(hints[0]) + len(hints[0])
+    return message[:first] + _HINT.sub("", message[first:])
 
 
 def main() -> None:

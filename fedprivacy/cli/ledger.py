@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from fedprivacy import errors
 from fedprivacy.cli.common import guarded
@@ -63,19 +64,19 @@ def show(
         for a in accounts
     ]
     title = f"{len(accounts)} account(s) in {path}"
-    table = Table(title=title)
+    table = Table(title=Text(title))
     table.add_column("account", no_wrap=True)
     for column in columns:
         table.add_column(column, justify="right", no_wrap=True)
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))  # an account may hold "[...]": never read as markup
     console = Console()
     if Measurement.get(console, console.options.update(width=10_000), table).maximum <= console.width:
         console.print(table)
         return
     # Too narrow for the table: an account per line, whole (set-budget and accept-data take it as
     # written here), its figures on the line below; nothing is folded or cut.
-    console.print(title, soft_wrap=True, highlight=False)
+    console.print(title, soft_wrap=True, highlight=False, markup=False)
     for account, *figures in rows:
         console.print(account, soft_wrap=True, highlight=False, markup=False)
         console.print(
@@ -107,7 +108,7 @@ def set_budget(
             raise typer.Exit(code=1)
         ledger.set_budget(account, epsilon, delta)
         typer.echo(f"{account}: ε={epsilon:g}, δ={delta:g} (was ε={old.epsilon:g}, δ={old.delta:g})")
-        spent = next(a.epsilon_spent for a in ledger.accounts() if a.account == account)
+        spent = ledger.epsilon_spent(account)
         if spent >= epsilon:
             typer.echo(f"{account} has already spent ε={spent:.4f} at δ={delta:g}: it trains no further round")
 

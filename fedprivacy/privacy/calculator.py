@@ -70,9 +70,13 @@ def feasible_plans(
     kind is refused (InputError naming n), and one whose every point is refused raises the first
     refusal (PlanRefused), so an empty table never stands for an answer.
     """
+    if not rate_grid or not all(0.0 < q <= 1.0 for q in rate_grid):
+        raise InputError("rate_grid", tuple(rate_grid), "every sampling rate of the grid must be in (0, 1]")
+    if not epochs_grid or not all(k > 0 for k in epochs_grid):
+        raise InputError("epochs_grid", tuple(epochs_grid), "every epoch count of the grid must be > 0")
     rates = usable_rates(n, rate_grid)
     if not rates:
-        needed = math.ceil(1.0 / max(q for q in rate_grid if q <= 1.0))
+        needed = math.ceil(1.0 / max(rate_grid))
         raise InputError(
             "n",
             n,
@@ -105,7 +109,8 @@ def feasible_plans(
         if on_progress:
             on_progress(done, len(grid))
     if not plans:
-        raise PlanRefused(f"no plan of the grid ({len(grid)} points of epochs × rate) is certified: {refusals[0]}")
+        points = f"{len(grid)} point{'s' if len(grid) > 1 else ''}"
+        raise PlanRefused(f"no plan of the grid ({points} of epochs × rate) is certified: {refusals[0]}")
     rows: list[CalculatorRow] = []
     for k in sorted({k for k, _ in plans}):
         same_epochs = sorted((p for pk, p in plans if pk == k), key=lambda p: p.noise_std_on_mean)

@@ -1,13 +1,19 @@
 """What this machine can give a scenario's `[resources]`, checked before anything is written (and
 by `--dry-run`): a GPU asked for where none is visible, or more CPUs per simulated client than the
 machine has, would otherwise fail every cell one by one (Ray's simulation then places no client and
-says so only in each cell's flwr-run.log)."""
+says so only in each cell's flwr-run.log). Where a Ray cluster may be joined, its machines decide,
+not this one: Flower's simulation and the fast engine's Ray workers join the cluster that
+`RAY_ADDRESS` names or that `ray start` last started here (docs/deployment.md, "A Ray cluster")."""
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+from pathlib import Path
 
 from fedprivacy.errors import InputError
+from sims.sweep.baseline_jobs import tunes_baseline
 from sims.sweep.spec import SweepSpec
 
 
@@ -18,14 +24,34 @@ def visible_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def ray_cluster_may_be_joined() -> bool:
+    """Whether `ray.init()` without an address would join a cluster: `RAY_ADDRESS` is set, or
+    `ray start` left its address file in Ray's temporary folder."""
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    return (_ray_temp_folder() / "ray" / "ray_current_cluster").exists()
+
+
+def _ray_temp_folder() -> Path:
+    """The folder Ray keeps its temporary files under, found as Ray finds it."""
+    if os.environ.get("RAY_TMPDIR"):
+        return Path(os.environ["RAY_TMPDIR"])
+    if sys.platform.startswith("linux") and os.environ.get("TMPDIR"):
+        return Path(os.environ["TMPDIR"])
+    if sys.platform.startswith(("linux", "darwin")):
+        return Path("/tmp")
+    return Path(tempfile.gettempdir())
+
+
 def check_machine(spec: SweepSpec) -> None:
     """Refuse, naming the `[resources]` key, what no cell of `spec` could get here."""
     import torch
 
     resources, gpus = spec.resources, torch.cuda.device_count()
-    # Ray workers of a cluster named by RAY_ADDRESS may have GPUs this process lacks: the pool decides
-    remote_workers = resources.workers > 1 and bool(os.environ.get("RAY_ADDRESS"))
-    if (spec.engine == "fast" or spec.baseline) and not remote_workers:  # fast-engine cells, or the baseline's
+    cluster = ray_cluster_may_be_joined()
+    # the device is read by fast-engine cells and by the baseline's learning-rate tuning (fast, too)
+    reads_device = spec.engine == "fast" or (spec.baseline and tunes_baseline(spec.tune, spec.baseline_learning_rate))
+    if reads_device and not (cluster and resources.workers > 1):  # one worker runs in this process
         from sims.fast.pool import resolve_device
 
         try:
@@ -36,7 +62,7 @@ def check_machine(spec: SweepSpec) -> None:
             raise InputError(
                 "resources.worker-gpus", resources.worker_gpus, "no CUDA GPU is visible here: use 0"
             ) from None
-    if spec.engine != "flower":
+    if spec.engine != "flower" or cluster:
         return
     cpus = visible_cpus()
     if resources.client_cpus > cpus:
