@@ -57,6 +57,20 @@ def _measure_engine(epsilons: list[float], trials: int, engine: str, neighbours:
     return rows
 
 
+ENGINES = ("trainer", "fast")
+NEIGHBOURS = ("add-remove", "replace-one")
+
+
+def _choices(parser: argparse.ArgumentParser, option: str, given: str, allowed: tuple[str, ...]) -> list[str]:
+    """The comma-separated values of `option`, each one of `allowed` (an unknown one would audit
+    another case under its name)."""
+    values = given.split(",")
+    unknown = [v for v in values if v not in allowed]
+    if unknown or not values:
+        parser.error(f"{option}={given!r}: comma-separated, each one of {', '.join(allowed)}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20_000, help="releases per side (with / without the canary)")
@@ -71,8 +85,19 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
-    epsilons = [float(e) for e in args.epsilons.split(",")]
-    rows = measure(epsilons, args.trials, args.engines.split(","), args.neighbours.split(","))
+    engines, neighbours = (
+        _choices(parser, "--engines", args.engines, ENGINES),
+        _choices(parser, "--neighbours", args.neighbours, NEIGHBOURS),
+    )
+    try:
+        epsilons = [float(e) for e in args.epsilons.split(",")]
+    except ValueError:
+        parser.error(f"--epsilons={args.epsilons!r}: comma-separated numbers, e.g. 1,2,3")
+    if not all(0 < e < float("inf") for e in epsilons):
+        parser.error(f"--epsilons={args.epsilons!r}: every ε must be a finite number > 0")
+    if args.trials < 100:
+        parser.error(f"--trials={args.trials}: at least 100 releases per side (the controls need about 20,000)")
+    rows = measure(epsilons, args.trials, engines, neighbours)
     print(
         f"{'case':<36}{'neighbours':>13}{'certified ε':>12}{'σ':>8}"
         f"{'ε lower bound':>15}{'FPR⁺':>9}{'FNR⁺':>9}{'caught':>8}"
