@@ -231,12 +231,23 @@ def test_a_killed_superlink_leaves_ledgers_and_finished_rounds_and_a_new_run_con
         ],
     )
     flower.wait_healthy(port)
-    time.sleep(10)  # a client that was training when the server died finishes that round, then idles
-    before = {}
-    for ledger, client in zip(ledgers, clients):
-        state = check_ledger(ledger, received[client], 1.0)
-        assert set(finished) <= set(state["rounds"]) <= set(range(1, len(finished) + 2))  # + the round in flight
-        before[client] = state["steps"]
+    # A client that was training when the server died records that round, then idles: read the
+    # ledgers once none has changed for 5 s (a loaded machine trains slower than any fixed wait).
+    time.sleep(10)
+    before: dict[str, int] = {}
+    stable_since, deadline = time.monotonic(), time.monotonic() + 120
+    while True:
+        now = {}
+        for ledger, client in zip(ledgers, clients):
+            state = check_ledger(ledger, received[client], 1.0)
+            assert set(finished) <= set(state["rounds"]) <= set(range(1, len(finished) + 2))  # + the round in flight
+            now[client] = state["steps"]
+        if now != before:
+            before, stable_since = now, time.monotonic()
+        elif time.monotonic() - stable_since >= 5:
+            break
+        assert time.monotonic() < deadline, f"the ledgers never settled: {now}"
+        time.sleep(0.5)
     second = flower.submit("deployment", f"{common} num-server-rounds=1 results-dir='{tmp_path / 'r2'}'")
     run = flower.wait_finished(second, timeout=180)
     assert run["status"] == "finished:completed", flower.run_log(second)
